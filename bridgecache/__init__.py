@@ -1,0 +1,32 @@
+"""bridgecache: hand one LLM's KV cache to another.
+
+cache = BridgedCache(bridge, source_cache, target, target_ids)
+out = target.generate(target_ids, past_key_values=cache)
+"""
+
+from bridgecache.bridge import Bridge, LayerMap
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import CapturedKV, capture_kv
+from bridgecache.handoff import HandoffResult, handoff
+from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
+from bridgecache.source import load_kv, save_kv
+from bridgecache.zoo import load_model, load_tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bridge",
+    "BridgedCache",
+    "CapturedKV",
+    "HandoffResult",
+    "LayerMap",
+    "ModelSpec",
+    "SpecMismatchError",
+    "capture_kv",
+    "handoff",
+    "load_kv",
+    "load_model",
+    "load_tokenizer",
+    "model_spec",
+    "save_kv",
+]

@@ -1,0 +1,341 @@
+"""BridgedCache: a drop-in transformers cache whose layers are translated on first access.
+
+    cache = BridgedCache(bridge, source_cache, target, target_ids)
+    out = target.generate(target_ids, past_key_values=cache)   # or cache=cache
+
+The cache reports the target-side prefix length at once. Target layer i is translated from the
+source KV only when the target's attention at layer i first calls `update` (or something reads
+its tensors), so a layer never touched is never translated and translation of layer i+1 follows
+the compute of layer i. Layers are transformers' own `DynamicLayer` / `DynamicSlidingWindowLayer`
+with a lazy hook, so masks, beam search, crop and every other cache operation behave as usual.
+
+Prefix layout (target context of T tokens, in columns of `target_ids`):
+    [0, head)        computed natively by the target (attention sink / BOS; exact: one short forward)
+    [head, prefix)   translated from the source through the bridge
+    [prefix, T)      not in the cache: generate() feeds them (native_tail tokens + the held-back
+                     last token), so generation starts from the target's own logits.
+Sliding-window target layers translate only the rows their window keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from bridgecache.capture import cache_to_layers, position_ids_from_mask
+from bridgecache.compat import cache_kwargs
+from bridgecache.modelinfo import model_spec
+from bridgecache.rope import RopeTables
+from bridgecache.source import SourceKV, as_source
+from bridgecache.translate import SourceRope, translate_layer
+
+__all__ = ["BridgedCache"]
+
+
+class _LazyLayerMixin:
+    """Turns a transformers cache layer into one that translates itself on first use.
+
+    `keys`/`values` are properties: the first read (by `update`, `reorder_cache`, anything)
+    materialises the layer. Batch operations before that are recorded as an index into the
+    source batch, so beam search expansion does not translate the same rows several times.
+    """
+
+    def _bind(self, translator: _Translator, layer_idx: int) -> None:
+        self._translator = translator
+        self._layer_idx = layer_idx
+        self._batch_index: torch.Tensor | None = None
+        self._prefix_length = translator.prefix_length
+        self.is_initialized = True  # so update() does not reset the (lazy) tensors
+
+    @property
+    def is_materialized(self) -> bool:
+        return getattr(self, "_translator", None) is None
+
+    @property
+    def keys(self):
+        if not self.is_materialized:
+            self._materialize()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value):
+        self._keys = value
+
+    @property
+    def values(self):
+        if not self.is_materialized:
+            self._materialize()
+        return self._values
+
+    @values.setter
+    def values(self, value):
+        self._values = value
+
+    def _materialize(self, device=None, dtype=None, batch_size=None) -> None:
+        translator, self._translator = self._translator, None
+        keys, values = translator.layer(self._layer_idx, device, dtype)
+        index = self._batch_index
+        if index is None and batch_size is not None and batch_size != keys.shape[0]:
+            # generate() expands inputs for beams / num_return_sequences but not a user's cache
+            if batch_size % keys.shape[0]:
+                raise ValueError(
+                    f"target batch {batch_size} is not a multiple of the context batch {keys.shape[0]}"
+                )
+            index = torch.arange(keys.shape[0]).repeat_interleave(batch_size // keys.shape[0])
+        if index is not None:
+            keys, values = (
+                keys.index_select(0, index.to(keys.device)),
+                values.index_select(0, index.to(keys.device)),
+            )
+        self.device = keys.device
+        self._keys, self._values = keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_materialized:
+            self._materialize(key_states.device, key_states.dtype, key_states.shape[0])
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        if not self.is_materialized:
+            return self._prefix_length
+        return super().get_seq_length()
+
+    def _compose_batch(self, index: torch.Tensor) -> None:
+        current = self._batch_index
+        base = current if current is not None else torch.arange(self._translator.batch_size)
+        self._batch_index = base.index_select(0, index.cpu())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_materialized:
+            return super().reorder_cache(beam_idx)
+        self._compose_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_materialized:
+            return super().batch_repeat_interleave(repeats)
+        base = (
+            self._batch_index if self._batch_index is not None else torch.arange(self._translator.batch_size)
+        )
+        self._batch_index = base.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_materialized:
+            return super().batch_select_indices(indices)
+        self._compose_batch(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_materialized:
+            self._materialize()
+        return super().crop(tokens_to_remove)
+
+
+class BridgedLayer(_LazyLayerMixin, DynamicLayer):
+    """A full-attention target layer, translated on first use."""
+
+
+class BridgedSlidingLayer(_LazyLayerMixin, DynamicSlidingWindowLayer):
+    """A sliding-window target layer, translated on first use (only the rows its window keeps)."""
+
+    def _bind(self, translator, layer_idx):
+        super()._bind(translator, layer_idx)
+        self.cumulative_length = translator.prefix_length
+
+
+class BridgedCache(DynamicCache):
+    """A target-model cache holding a context that a SOURCE model read, translated lazily.
+
+    Args:
+        bridge: a `Bridge` fitted for (source model, target model).
+        source: the source's KV of the context: a transformers cache after the source's forward
+            pass, a `CapturedKV`, per-layer (keys, values) [batch, kv_heads, tokens, head_dim],
+            or a path written by `save_kv`. Never mutated.
+        target: the target model (used for its rope tables and the native head positions).
+        target_ids: [batch, tokens] the context in the TARGET's tokenization (left-padded for
+            batch > 1). Pass the same ids (or ids that start with them) to generate().
+        target_attention_mask, source_attention_mask: [batch, tokens] 0/1 for left padding.
+        alignment: which source token feeds each target token: a `tokenalign.Alignment` (batch 1)
+            or a list of them (one per row, over the unpadded tokens). None when both sides share
+            a tokenizer and the source context is the same token sequence (identity).
+        native_head: context tokens the target computes itself at the start (default 1: the
+            attention sink; leading tokens without source text are added to it).
+        native_tail: context tokens before the held-back last token that generate() prefills
+            natively on top of the translated cache (default 0).
+    """
+
+    def __init__(
+        self,
+        bridge,
+        source,
+        target,
+        target_ids: torch.Tensor,
+        *,
+        target_attention_mask: torch.Tensor | None = None,
+        source_attention_mask: torch.Tensor | None = None,
+        alignment=None,
+        native_head: int = 1,
+        native_tail: int = 0,
+    ):
+        translator = _Translator(
+            bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
+            alignment, native_head, native_tail,
+        )  # fmt: skip
+        layers = []
+        for i, layer_type in enumerate(translator.target_layer_types):
+            if layer_type == "sliding_attention":
+                layer = BridgedSlidingLayer(sliding_window=translator.sliding_window)
+            else:
+                layer = BridgedLayer()
+            layer._bind(translator, i)
+            layers.append(layer)
+        super().__init__()
+        self.layers = layers
+        self.layer_class_to_replicate = None
+        self.translator = translator
+
+    @property
+    def materialized_layers(self) -> list[int]:
+        """Indices of the target layers translated so far."""
+        return [i for i, layer in enumerate(self.layers) if layer.is_materialized]
+
+    def materialize(self) -> BridgedCache:
+        """Translate every layer now (e.g. to time translation on its own); returns self."""
+        for layer in self.layers:
+            if not layer.is_materialized:
+                layer._materialize()
+        return self
+
+
+class _Translator:
+    """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
+    target's rope tables and native head KV. Produces one target layer's tensors on request."""
+
+    def __init__(self, bridge, source: SourceKV, target, target_ids, target_mask, alignment, head, tail):
+        spec = bridge.source
+        source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        bridge.target.check(model_spec(target), "target")
+        self.bridge = bridge
+        self.source = source
+        self.batch_size = source.batch_size
+        config = target.config.get_text_config()
+        self.target_layer_types = list(
+            getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
+        )
+        self.target_layer_types = self.target_layer_types[: bridge.target.num_layers]
+        self.sliding_window = getattr(config, "sliding_window", None)
+        self.home_device = target.get_input_embeddings().weight.device
+        self.home_dtype = target.get_input_embeddings().weight.dtype
+
+        if target_ids.dim() != 2 or target_ids.shape[0] != self.batch_size:
+            raise ValueError(
+                f"target_ids has shape {tuple(target_ids.shape)}; expected [batch={self.batch_size}, tokens] "
+                "(the source context's batch size)"
+            )
+        if target_mask is None:
+            target_mask = torch.ones_like(target_ids)
+        self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
+        total = target_ids.shape[1]
+        max_positions = bridge.target.max_position_embeddings
+        if int(self.target_positions.max()) + 1 > max_positions:
+            raise ValueError(
+                f"the context has {total} target tokens; the target model allows {max_positions}"
+            )
+        rows = _plan_rows(source, target_mask, alignment, bridge.alignment_policy)
+        pad = (target_mask == 0).sum(1)
+        leading_native = _leading_native(rows, pad)
+        self.head = int((pad + torch.maximum(torch.tensor(head), leading_native)).max()) if total > 1 else 0
+        self.prefix_length = max(total - 1 - tail, self.head)
+        self.head = min(self.head, self.prefix_length)
+        self.rows = rows[:, : self.prefix_length]
+        self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
+        self.target_rope = RopeTables.from_model(target)
+        self.source_rope = SourceRope(RopeTables.from_spec(spec), source, self.home_device)
+
+    def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
+        device = device or self.home_device
+        dtype = dtype or self.home_dtype
+        start = 0
+        if self.target_layer_types[idx] == "sliding_attention":
+            start = max(0, self.prefix_length - (self.sliding_window - 1))  # what the window keeps
+        parts_k, parts_v = [], []
+        if start < self.head:
+            parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
+            parts_v.append(self.native_values[idx][:, :, start : self.head].to(device, dtype))
+        begin = max(start, self.head)
+        if begin < self.prefix_length:
+            positions = self.target_positions[:, begin : self.prefix_length]
+            cos, sin = self.target_rope.cos_sin(idx, positions)
+            keys, values = translate_layer(
+                self.bridge.layers[idx],
+                self.source,
+                self.source_rope,
+                self.rows[:, begin:],
+                cos,
+                sin,
+                dtype,
+                device,
+            )
+            parts_k.append(keys)
+            parts_v.append(values)
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+
+def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor:
+    """[batch, target tokens] int64: the source column feeding each target column (-1: native)."""
+    batch, total = target_mask.shape
+    source_pad = (source.position_ids == 0).sum(1).cpu() - 1  # left padding has position 0 too
+    target_pad = (target_mask == 0).sum(1).cpu()
+    if alignment is None:
+        n_source = source.num_tokens - source_pad
+        n_target = total - target_pad
+        if not torch.equal(n_source, n_target):
+            raise ValueError(
+                f"source and target contexts have {n_source.tolist()} and {n_target.tolist()} tokens: "
+                "pass an alignment (tokenalign.align) when the tokenizations differ"
+            )
+        rows = torch.arange(total).expand(batch, total) - target_pad[:, None] + source_pad[:, None]
+        return torch.where(torch.arange(total)[None] < target_pad[:, None], -1, rows)
+    alignments = alignment if isinstance(alignment, (list, tuple)) else [alignment]
+    if len(alignments) != batch:
+        raise ValueError(f"got {len(alignments)} alignments for a batch of {batch}")
+    rows = torch.full((batch, total), -1, dtype=torch.long)
+    for b, al in enumerate(alignments):
+        index = torch.as_tensor(al.source_index, dtype=torch.long)
+        if len(index) != total - int(target_pad[b]):
+            raise ValueError(
+                f"alignment of row {b} covers {len(index)} target tokens; the target context has "
+                f"{total - int(target_pad[b])}"
+            )
+        rows[b, int(target_pad[b]) :] = torch.where(index >= 0, index + source_pad[b], -1)
+    return rows
+
+
+def _leading_native(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """[batch] number of leading real target tokens without a source row (template markers, BOS)."""
+    counts = []
+    for b in range(rows.shape[0]):
+        real = rows[b, int(pad[b]) :]
+        mapped = (real >= 0).nonzero()
+        counts.append(int(mapped[0]) if len(mapped) else len(real))
+    return torch.tensor(counts)
+
+
+@torch.no_grad()
+def _native_head(target, target_ids, target_mask, head: int):
+    """Per-layer native keys/values [batch, tgt_heads, head, head_dim] of the first `head` columns."""
+    if head == 0:
+        return None, None
+    device = target.get_input_embeddings().weight.device
+    cache = DynamicCache()  # config-less: every layer keeps every token
+    mask = target_mask[:, :head].to(device)
+    target(
+        input_ids=target_ids[:, :head].to(device),
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=True,
+        **cache_kwargs(target, cache),
+    )
+    return cache_to_layers(cache)

@@ -1,0 +1,132 @@
+"""Rotary position embeddings: tables from a model's own rotary module, rotate and un-rotate.
+
+Keys in a transformers cache are stored AFTER RoPE. Bridges map keys in un-rotated space, so a
+source key is un-rotated with the source's tables at source positions, mapped, and re-rotated
+with the target's tables at target positions. The tables come from the model's own rotary module
+(so every rope type and scaling transformers supports is honoured), per layer type where the
+model has several (Gemma 3: "sliding_attention" base 1e4, "full_attention" base 1e6).
+
+Convention (transformers' `rotate_half`): x_rot = x * cos + rotate_half(x) * sin, with
+cos/sin of shape [..., tokens, head_dim] holding each frequency twice (halves, not interleaved).
+Some rope types scale cos and sin by an attention factor f; un-rotation divides by
+cos^2 + sin^2 (= f^2 per channel), so it is exact for every type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+
+import torch
+
+__all__ = ["RopeTables", "rope_tables", "rotate", "unrotate", "rotate_half"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1) over the two halves of the last axis."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d]."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo `rotate`. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d]."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+class RopeTables:
+    """cos/sin tables of one model, by layer: `tables.cos_sin(layer, positions)`.
+
+    Built from the model's own rotary module(s) (`RopeTables.from_model`), or from a config alone
+    (`from_config`, `from_spec`: the rotary class of that model type, so a bridge can re-derive a
+    source's tables without the source model). Computes in float32 on the module's device.
+    """
+
+    def __init__(self, config, rotary: torch.nn.Module, rotary_local: torch.nn.Module | None = None):
+        self.config = config
+        self.rotary = rotary
+        self.rotary_local = rotary_local  # older Gemma 3 layouts keep a second module
+        self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        n = config.num_hidden_layers
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+
+    @classmethod
+    def from_model(cls, model) -> RopeTables:
+        base = getattr(model, "model", model)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{type(model).__name__} has no rotary_emb module: not a RoPE model")
+        return cls(model.config.get_text_config(), rotary, getattr(base, "rotary_emb_local", None))
+
+    @classmethod
+    def from_config(cls, config) -> RopeTables:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if class_name is None:
+            raise ValueError(f"no causal-LM class for model type {config.model_type!r}")
+        module = importlib.import_module(f"transformers.models.{_module_name(config.model_type)}")
+        modeling = importlib.import_module(f"{module.__name__}.modeling_{_module_name(config.model_type)}")
+        rotary_classes = [getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding")]
+        if not rotary_classes:
+            raise ValueError(f"transformers has no rotary embedding for model type {config.model_type!r}")
+        return cls(config, rotary_classes[0](config=config))
+
+    @classmethod
+    def from_spec(cls, spec) -> RopeTables:
+        """Tables of a `ModelSpec` (what a bridge records of each side)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(
+            spec.model_type,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_q_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            hidden_size=spec.hidden_size,
+            layer_types=list(spec.layer_types),
+            max_position_embeddings=spec.max_position_embeddings,
+            rope_parameters=json.loads(spec.rope),
+        )
+        return cls.from_config(config)
+
+    def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        layer_type = self.layer_types[layer]
+        rotary = self.rotary
+        if layer_type == "sliding_attention" and self.rotary_local is not None:
+            rotary = self.rotary_local
+        device = _module_device(rotary, positions.device)
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        positions = positions.to(device)
+        with torch.no_grad():
+            if self._takes_layer_type:
+                cos, sin = rotary(probe, positions, layer_type=layer_type)
+            else:
+                cos, sin = rotary(probe, positions)
+        return cos.float(), sin.float()
+
+
+def rope_tables(model) -> RopeTables:
+    """The rotary tables of `model` (a transformers causal LM)."""
+    return RopeTables.from_model(model)
+
+
+def _module_name(model_type: str) -> str:
+    # gemma3_text lives in transformers.models.gemma3; others are named after their type
+    return {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type.replace("-", "_"))
+
+
+def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
+    for buffer in module.buffers():
+        return buffer.device
+    return fallback

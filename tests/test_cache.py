@@ -1,0 +1,190 @@
+"""BridgedCache: exact through an identity bridge, lazy, never mutates its source, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+from bridgecache.bridge import Bridge
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import capture_kv
+from bridgecache.compat import cache_kwargs
+from bridgecache.modelinfo import SpecMismatchError
+from bridgecache.source import KVFileError, load_kv, save_kv
+
+
+def _generate(model, ids, cache=None, **kwargs):
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True) | kwargs
+    if cache is not None:
+        kwargs |= cache_kwargs(model, cache)
+    return model.generate(ids, return_dict_in_generate=True, **kwargs)
+
+
+def _max_logit_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+def test_identity_bridge_is_exact_in_greedy_generate(tiny):
+    family, model = tiny
+    ids = torch.randint(3, 300, (1, 25))  # longer than gemma3's sliding window of 8
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    bridged, native = _generate(model, ids, cache), _generate(model, ids)
+    assert torch.equal(bridged.sequences, native.sequences)
+    assert _max_logit_diff(bridged, native) < 1e-5
+
+
+def test_identity_bridge_is_exact_with_beam_search_and_several_return_sequences(tiny):
+    family, model = tiny
+    ids = torch.randint(3, 300, (1, 19))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    kwargs = dict(num_beams=3, num_return_sequences=2, output_logits=False)
+    assert torch.equal(
+        _generate(model, ids, cache, **kwargs).sequences, _generate(model, ids, **kwargs).sequences
+    )
+
+
+def test_identity_bridge_is_exact_for_a_left_padded_batch(tiny):
+    family, model = tiny
+    ids = torch.randint(3, 300, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :6], ids[0, :6] = 0, 0
+    cache = BridgedCache(
+        Bridge.identity(model), capture_kv(model, ids, attention_mask=mask), model, ids,
+        target_attention_mask=mask, source_attention_mask=mask,
+    )  # fmt: skip
+    bridged = _generate(model, ids, cache, attention_mask=mask)
+    native = _generate(model, ids, attention_mask=mask)
+    assert torch.equal(bridged.sequences, native.sequences)
+    assert _max_logit_diff(bridged, native) < 1e-5
+
+
+@pytest.mark.parametrize("native_head,native_tail", [(0, 0), (3, 0), (1, 4)])
+def test_native_anchors_keep_exactness_and_set_the_prefix_length(native_head, native_tail):
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 16))
+    cache = BridgedCache(
+        Bridge.identity(model),
+        capture_kv(model, ids),
+        model,
+        ids,
+        native_head=native_head,
+        native_tail=native_tail,
+    )
+    assert cache.get_seq_length() == 16 - 1 - native_tail
+    assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+
+
+def test_several_generate_calls_in_a_row_continue_the_same_cache():
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (1, 14))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    first = _generate(model, ids, cache).sequences
+    follow_up = torch.cat([first, torch.randint(3, 300, (1, 3))], dim=1)
+    assert torch.equal(_generate(model, follow_up, cache).sequences, _generate(model, follow_up).sequences)
+
+
+def test_layers_materialise_lazily_one_at_a_time_each_once():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 12))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    assert cache.materialized_layers == [] and cache.get_seq_length() == 11
+    calls, seen_at_layer = [], []
+    original = cache.translator.layer
+    cache.translator.layer = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(
+            lambda *_, i=i: seen_at_layer.append((i, list(cache.materialized_layers)))
+        )
+    _generate(model, ids, cache)
+    assert calls == [0, 1, 2]  # each once, in order
+    first_pass = seen_at_layer[:3]
+    assert first_pass == [(0, []), (1, [0]), (2, [0, 1])]  # layer i is translated when layer i runs
+
+
+def test_the_source_cache_is_never_mutated_and_one_bridge_serves_many_caches():
+    model = tiny_model("qwen2")
+    bridge = Bridge.identity(model)
+    ids_a, ids_b = torch.randint(3, 300, (1, 10)), torch.randint(3, 300, (1, 13))
+    source_a = DynamicCache()
+    model(ids_a, **cache_kwargs(model, source_a))
+    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in source_a.layers]
+    cache_a = BridgedCache(bridge, source_a, model, ids_a)
+    cache_b = BridgedCache(bridge, capture_kv(model, ids_b), model, ids_b)
+    out_a, out_b = _generate(model, ids_a, cache_a), _generate(model, ids_b, cache_b)
+    for layer, (k, v) in zip(source_a.layers, snapshot):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert torch.equal(out_a.sequences, _generate(model, ids_a).sequences)
+    assert torch.equal(out_b.sequences, _generate(model, ids_b).sequences)
+
+
+def test_materialize_translates_every_layer_in_the_target_dtype():
+    model = tiny_model("gemma3").to(torch.bfloat16)
+    ids = torch.randint(3, 300, (1, 20))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids).materialize()
+    assert cache.materialized_layers == [0, 1, 2, 3]
+    for layer, layer_type in zip(cache.layers, model.config.layer_types):
+        kept = 7 if layer_type == "sliding_attention" else 19  # window - 1, or the whole prefix
+        assert layer.keys.shape == (1, 1, kept, 32) and layer.keys.dtype == torch.bfloat16
+
+
+def test_crop_after_generation_rolls_back():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 12))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    _generate(model, ids, cache)
+    length = cache.get_seq_length()
+    cache.crop(-3)
+    assert cache.get_seq_length() == length - 3
+
+
+def test_kv_files_carry_a_context_between_processes(tmp_path):
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 15))
+    path = save_kv(tmp_path / "context.safetensors", capture_kv(model, ids), model="tiny-qwen2")
+    cache = BridgedCache(Bridge.identity(model), load_kv(path), model, ids)
+    assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(KVFileError, match="truncated or corrupted"):
+        load_kv(corrupt)
+    with pytest.raises(KVFileError, match="no KV file"):
+        load_kv(tmp_path / "missing.safetensors")
+
+
+def test_bad_inputs_get_errors_that_name_what_is_wrong():
+    model = tiny_model("qwen2")
+    other = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 10))
+    captured = capture_kv(model, ids)
+    bridge = Bridge.identity(model)
+    with pytest.raises(SpecMismatchError, match="model_type: expected 'qwen2', got 'llama'"):
+        BridgedCache(bridge, captured, other, ids)
+    with pytest.raises(ValueError, match="source KV has 2 layers; the bridge's source model has 3"):
+        BridgedCache(bridge, list(zip(captured.keys, captured.values))[:2], model, ids)
+    with pytest.raises(ValueError, match=r"expected \[batch=1, kv_heads=2, tokens, head_dim=16\]"):
+        BridgedCache(
+            bridge, [(k[:, :1], v[:, :1]) for k, v in zip(captured.keys, captured.values)], model, ids
+        )
+    with pytest.raises(ValueError, match=r"expected \[batch=1, tokens\]"):
+        BridgedCache(bridge, captured, model, ids.expand(2, -1))
+    with pytest.raises(ValueError, match="pass an alignment"):
+        BridgedCache(bridge, captured, model, ids[:, :7])
+    long_ids = torch.randint(3, 300, (1, 600))  # max_position_embeddings is 512
+    with pytest.raises(ValueError, match="600 target tokens; the target model allows 512"):
+        BridgedCache(bridge, capture_kv(model, long_ids[:, :10]), model, long_ids)
+    with pytest.raises(TypeError, match="cannot read source KV from int"):
+        BridgedCache(bridge, 42, model, ids)
+
+
+@pytest.mark.real_model
+def test_identity_handoff_is_exact_on_real_smollm2(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("Bridges carry traffic over rivers, valleys and roads. The longest", return_tensors="pt")[
+        "input_ids"
+    ]
+    cache = BridgedCache(Bridge.identity(model, tokenizer), capture_kv(model, ids), model, ids)
+    bridged, native = _generate(model, ids, cache, max_new_tokens=8), _generate(model, ids, max_new_tokens=8)
+    assert torch.equal(bridged.sequences, native.sequences)
+    assert _max_logit_diff(bridged, native) < 1e-3  # logits of magnitude ~20: float32 rounding

@@ -1,0 +1,39 @@
+"""Tiny random-weight models of the three families we support, built in-process (no download)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+FAMILIES = ("llama", "qwen2", "gemma3")
+
+
+def tiny_config(family: str, **overrides):
+    """A 3-4 layer config of `family` with real-model quirks kept (GQA, q/k-norm, sliding window)."""
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    common |= dict(max_position_embeddings=512, attn_implementation="eager")
+    if family == "llama":
+        config = LlamaConfig(**common, num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    elif family == "qwen2":
+        config = Qwen2Config(**common, num_hidden_layers=3, num_key_value_heads=2)
+    elif family == "gemma3":
+        config = Gemma3TextConfig(
+            **common,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        )
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    return model.eval()
