@@ -79,7 +79,7 @@ def translate_layer(
     if valid.any() and int(rows[valid].min()) < offset:
         raise ValueError(
             f"target rows read source token {int(rows[valid].min())}, but source layers {used} keep only "
-            f"tokens >= {offset} (a sliding-window source cache); capture the source with bridgecache.capture_kv"
+            f"tokens >= {offset} (a sliding-window source cache): capture it with capture_kv"
         )
     local_rows = torch.where(valid, rows - offset, rows).to(device)
 
