@@ -28,7 +28,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.modelinfo import model_spec
 from bridgecache.rope import RopeTables
 from bridgecache.source import SourceKV, as_source
-from bridgecache.translate import SourceRope, translate_layer
+from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["BridgedCache"]
 
@@ -157,8 +157,8 @@ class BridgedCache(DynamicCache):
         alignment: which source token feeds each target token: a `tokenalign.Alignment` (batch 1)
             or a list of them (one per row, over the unpadded tokens). None when both sides share
             a tokenizer and the source context is the same token sequence (identity).
-        native_head: context tokens the target computes itself at the start (default 1: the
-            attention sink; leading tokens without source text are added to it).
+        native_head: context tokens the target computes itself at the start (default: the
+            bridge's, usually 1, the attention sink; leading tokens without source text are added).
         native_tail: context tokens before the held-back last token that generate() prefills
             natively on top of the translated cache (default 0).
     """
@@ -173,9 +173,10 @@ class BridgedCache(DynamicCache):
         target_attention_mask: torch.Tensor | None = None,
         source_attention_mask: torch.Tensor | None = None,
         alignment=None,
-        native_head: int = 1,
+        native_head: int | None = None,
         native_tail: int = 0,
     ):
+        native_head = bridge.native_head if native_head is None else native_head
         translator = _Translator(
             bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
             alignment, native_head, native_tail,
@@ -247,13 +248,19 @@ class _Translator:
         self.prefix_length = max(total - 1 - tail, self.head)
         self.head = min(self.head, self.prefix_length)
         self.rows = rows[:, : self.prefix_length]
+        # min_source_row[c]: the lowest source token read from column c on (checked per layer
+        # against what a sliding source layer keeps, without a device sync).
+        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).amin(dim=0)
+        self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
+        self._plans: dict = {}
+        self._target_tables: dict = {}
         self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
         self.target_rope = RopeTables.from_model(target)
         self.source_rope = SourceRope(RopeTables.from_spec(spec), source, self.home_device)
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
-        device = device or self.home_device
+        device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
         start = 0
         if self.target_layer_types[idx] == "sliding_attention":
@@ -264,23 +271,38 @@ class _Translator:
             parts_v.append(self.native_values[idx][:, :, start : self.head].to(device, dtype))
         begin = max(start, self.head)
         if begin < self.prefix_length:
-            positions = self.target_positions[:, begin : self.prefix_length]
-            cos, sin = self.target_rope.cos_sin(idx, positions)
-            keys, values = translate_layer(
-                self.bridge.layers[idx],
-                self.source,
-                self.source_rope,
-                self.rows[:, begin:],
-                cos,
-                sin,
-                dtype,
-                device,
-            )
+            plan = self._plan(idx, device)
+            kept = source_rows_kept(self.source, plan.used)
+            if self.min_source_row[begin] < kept:
+                raise ValueError(
+                    f"target layer {idx} reads source token {self.min_source_row[begin]}, but source layers "
+                    f"{list(plan.used)} keep only tokens >= {kept} (a sliding-window source cache): "
+                    "capture the source with bridgecache.capture_kv"
+                )
+            cos, sin = self._target_cos_sin(idx, begin, device)
+            rows = self.rows[:, begin:].to(device)
+            keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype)
             parts_k.append(keys)
             parts_v.append(values)
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def _plan(self, idx: int, device: torch.device) -> LayerPlan:
+        key = (idx, device)
+        if key not in self._plans:
+            self._plans[key] = LayerPlan.build(
+                self.bridge.layers[idx], self.bridge.source.num_kv_heads, device
+            )
+        return self._plans[key]
+
+    def _target_cos_sin(self, idx: int, begin: int, device: torch.device):
+        """Target cos/sin [batch, rows, dim] from `begin` on; shared by layers of one rope type."""
+        key = (self.target_layer_types[idx], begin, device)
+        if key not in self._target_tables:
+            cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
+            self._target_tables[key] = (cos.to(device), sin.to(device))
+        return self._target_tables[key]
 
 
 def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor:

@@ -66,7 +66,7 @@ def handoff(
     source_tokenizer,
     target_tokenizer,
     source_cache=None,
-    native_head: int = 1,
+    native_head: int | None = None,
     native_tail: int = 0,
     **generate_kwargs,
 ) -> HandoffResult:

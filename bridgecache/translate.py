@@ -11,13 +11,15 @@ Knows nothing about tokenizers or transformers caches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bridgecache.kernels import map_heads
 from bridgecache.rope import RopeTables
 from bridgecache.source import SourceKV
 
-__all__ = ["SourceRope", "translate_layer"]
+__all__ = ["LayerPlan", "SourceRope", "source_rows_kept", "translate_layer"]
 
 
 class SourceRope:
@@ -38,65 +40,84 @@ class SourceRope:
         return self._by_type[layer_type]
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """A LayerMap made ready for one device: which source layers it reads, and its tensors there.
+
+    heads: [tgt_heads, n_in] int64 index into the used source layers stacked on the head axis.
+    """
+
+    used: tuple[int, ...]
+    heads: torch.Tensor
+    key_weight: torch.Tensor
+    key_bias: torch.Tensor
+    value_weight: torch.Tensor
+    value_bias: torch.Tensor
+
+    @classmethod
+    def build(cls, layer_map, heads_per_layer: int, device: torch.device) -> LayerPlan:
+        inputs = layer_map.inputs.cpu()
+        used = sorted({int(layer) for layer in inputs[..., 0].unique()})
+        position_of_layer = torch.zeros(used[-1] + 1, dtype=torch.long)
+        position_of_layer[torch.tensor(used)] = torch.arange(len(used))
+        heads = position_of_layer[inputs[..., 0]] * heads_per_layer + inputs[..., 1]
+        move = lambda t: t.to(device=device, dtype=torch.float32).contiguous()
+        return cls(
+            tuple(used), heads.to(device), move(layer_map.key_weight), move(layer_map.key_bias),
+            move(layer_map.value_weight), move(layer_map.value_bias),
+        )  # fmt: skip
+
+
 def translate_layer(
-    layer_map,
+    plan: LayerPlan,
     source: SourceKV,
     source_rope: SourceRope,
     rows: torch.Tensor,
     target_cos: torch.Tensor,
     target_sin: torch.Tensor,
     dtype: torch.dtype,
-    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target keys and values of one layer for the target positions `rows` describes.
 
     Args:
-        layer_map: the bridge's `LayerMap` for this target layer.
+        plan: the bridge's map of this target layer, on the output device.
         source: the source context's KV (read only).
         source_rope: source cos/sin tables of this context.
-        rows: [batch, tgt_tokens] int64 context-token index of the source row feeding each target
-            position; -1 where the target computes the position itself (output rows are zero).
+        rows: [batch, tgt_tokens] int64 on the plan's device: context-token index of the source
+            row feeding each target position; -1 where the target computes the position itself
+            (output rows are zero). Callers check the rows against `source_rows_kept`.
         target_cos, target_sin: [batch, tgt_tokens, tgt_head_dim] float32, target positions.
-        dtype, device: of the returned tensors (the target layer's).
+        dtype: of the returned tensors (the target layer's).
     Returns:
         keys, values: [batch, tgt_heads, tgt_tokens, tgt_head_dim] (keys post-RoPE).
     """
-    used = sorted({int(layer) for layer in layer_map.inputs[..., 0].unique()})
-    heads_per_layer = source.keys[used[0]].shape[1]
-    # Input slot (layer, head) -> index into the head axis of the stacked source tensor.
-    position_of_layer = torch.zeros(used[-1] + 1, dtype=torch.long)
-    position_of_layer[torch.tensor(used)] = torch.arange(len(used))
-    layer_pos = position_of_layer[layer_map.inputs[..., 0].cpu()]
-    heads = (layer_pos * heads_per_layer + layer_map.inputs[..., 1].cpu()).to(device)
+    device = plan.heads.device
+    offset = source_rows_kept(source, plan.used)
+    if offset:
+        rows = torch.where(rows >= 0, rows - offset, rows)
+    # The kernel addresses a list of layers as one stack of heads: no concatenation copy.
+    src_k = [source.keys[layer].to(device) for layer in plan.used]
+    src_v = [source.values[layer].to(device) for layer in plan.used]
+    heads_per_layer = src_k[0].shape[1]
+    src_cos, src_sin = _source_tables(
+        source_rope, plan.used, heads_per_layer, offset, src_k[0].shape[2], device
+    )
+    keys = map_heads(
+        src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
+        src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out_dtype=dtype,
+    )  # fmt: skip
+    values = map_heads(src_v, rows, plan.heads, plan.value_weight, plan.value_bias, out_dtype=dtype)
+    return keys, values
 
+
+def source_rows_kept(source: SourceKV, used) -> int:
+    """The first context token the used source layers hold (0 unless they are sliding layers)."""
     first = {source.first_token[layer] for layer in used}
     if len(first) != 1:
         raise ValueError(
-            f"source layers {used} keep different token ranges; capture the source with capture_kv"
+            f"source layers {list(used)} keep different token ranges; capture the source with capture_kv"
         )
-    offset = first.pop()
-    valid = rows >= 0
-    if valid.any() and int(rows[valid].min()) < offset:
-        raise ValueError(
-            f"target rows read source token {int(rows[valid].min())}, but source layers {used} keep only "
-            f"tokens >= {offset} (a sliding-window source cache): capture it with capture_kv"
-        )
-    local_rows = torch.where(valid, rows - offset, rows).to(device)
-
-    # The kernel addresses a list of layers as one stack of heads: no concatenation copy.
-    src_k = [source.keys[layer].to(device) for layer in used]
-    src_v = [source.values[layer].to(device) for layer in used]
-    src_cos, src_sin = _source_tables(source_rope, used, heads_per_layer, offset, src_k[0].shape[2], device)
-    keys = map_heads(
-        src_k, local_rows, heads, layer_map.key_weight.to(device), layer_map.key_bias.to(device),
-        src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos.to(device), tgt_sin=target_sin.to(device),
-        out_dtype=dtype,
-    )  # fmt: skip
-    values = map_heads(
-        src_v, local_rows, heads, layer_map.value_weight.to(device), layer_map.value_bias.to(device),
-        out_dtype=dtype,
-    )  # fmt: skip
-    return keys, values
+    return first.pop()
 
 
 def _source_tables(source_rope: SourceRope, used, heads_per_layer, offset, tokens, device):

@@ -188,3 +188,15 @@ def test_identity_handoff_is_exact_on_real_smollm2(smollm2):
     bridged, native = _generate(model, ids, cache, max_new_tokens=8), _generate(model, ids, max_new_tokens=8)
     assert torch.equal(bridged.sequences, native.sequences)
     assert _max_logit_diff(bridged, native) < 1e-3  # logits of magnitude ~20: float32 rounding
+
+
+def test_a_sliding_window_source_cache_that_lacks_rows_gets_a_clear_error():
+    model = tiny_model("gemma3")  # window 8: its sliding cache layers keep only the last 7 tokens
+    ids = torch.randint(3, 300, (1, 25))
+    source = DynamicCache(config=model.config)
+    model(ids, **cache_kwargs(model, source))
+    cache = BridgedCache(Bridge.identity(model), source, model, ids)
+    with pytest.raises(
+        ValueError, match="keep only tokens >= 18 .* capture the source with bridgecache.capture_kv"
+    ):
+        cache.materialize()

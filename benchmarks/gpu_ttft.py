@@ -1,0 +1,157 @@
+"""Time to first token through generate(): native target prefill vs a BridgedCache handoff.
+
+    python benchmarks/gpu_ttft.py                 # on a CUDA machine (bf16, sdpa)
+    python benchmarks/gpu_ttft.py --smoke         # tiny shapes on CPU, to check the script
+
+Random-weight models built from real configs (no download): the source's KV is random tensors of
+the source's shape (its prefill is excluded from handoff time, as the field reports it), and
+the bridge is a head-local (CacheBridge-shaped) map with random coefficients: only time is
+measured here. Rows, per context length, all measured side by side in one run:
+- native: target.generate(ids, max_new_tokens=1), i.e. prefill of the whole context;
+- bridged: BridgedCache construction (plan + 1-token native head) + generate(max_new_tokens=1),
+  i.e. translation of every layer + the held-back token's forward;
+- ceiling: generate(max_new_tokens=1) over an already-filled native cache of the same prefix
+  (what bridged would cost if translation were free);
+- translate: BridgedCache(...).materialize() alone.
+Median of --repeats after warm-up, CUDA-synchronised wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+
+from bridgecache.bridge import Bridge, LayerMap
+from bridgecache.cache import BridgedCache
+from bridgecache.compat import cache_kwargs
+from bridgecache.modelinfo import model_spec
+
+QWEN25 = {
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064),
+}  # fmt: skip
+PAIRS = [("qwen2.5-7b", "qwen2.5-1.5b"), ("qwen2.5-1.5b", "qwen2.5-7b")]
+
+
+def config_of(name: str, smoke: bool) -> Qwen2Config:
+    shape = dict(QWEN25[name])
+    if smoke:  # same head layout, tiny widths
+        shape |= dict(hidden_size=shape["num_attention_heads"] * 16, intermediate_size=64, num_hidden_layers=2,
+                      vocab_size=512)  # fmt: skip
+    return Qwen2Config(**shape, max_position_embeddings=32768, rope_parameters={"rope_type": "default",
+                       "rope_theta": 1e6}, tie_word_embeddings=False)  # fmt: skip
+
+
+def random_headlocal_bridge(source_config, target_config) -> Bridge:
+    """A CacheBridge-shaped bridge (each target head reads one source head of one layer)."""
+    source, target = model_spec(source_config), model_spec(target_config)
+    ds, dt = source.head_dim, target.head_dim
+    layers = []
+    for layer in range(target.num_layers):
+        src_layer = round(layer * (source.num_layers - 1) / max(1, target.num_layers - 1))
+        heads = torch.arange(target.num_kv_heads) * source.num_kv_heads // target.num_kv_heads
+        inputs = torch.stack([torch.full_like(heads, src_layer), heads], dim=-1).unsqueeze(1)
+        w = lambda: torch.randn(target.num_kv_heads, ds, dt) / ds**0.5
+        b = lambda: torch.zeros(target.num_kv_heads, dt)
+        layers.append(LayerMap([src_layer], inputs, w(), b(), w(), b()))
+    return Bridge(source, target, "cachebridge", "identity", layers)
+
+
+def timed(fn, device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def run_pair(source_name, target_name, lengths, device, dtype, repeats, smoke):
+    source_config, target_config = config_of(source_name, smoke), config_of(target_name, smoke)
+    with torch.device(device):
+        target = AutoModelForCausalLM.from_config(
+            target_config, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
+    bridge = random_headlocal_bridge(source_config, target_config)
+    src_heads = source_config.num_key_value_heads
+    src_dim = source_config.hidden_size // source_config.num_attention_heads
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, target_config.vocab_size, (1, n), device=device)
+        kv = [(torch.randn(1, src_heads, n, src_dim, device=device, dtype=dtype),
+               torch.randn(1, src_heads, n, src_dim, device=device, dtype=dtype))
+              for _ in range(source_config.num_hidden_layers)]  # fmt: skip
+        gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+        native = timed(lambda: target.generate(ids, **gen), device, repeats)
+
+        def bridged():
+            cache = BridgedCache(bridge, kv, target, ids)
+            target.generate(ids, **gen, **cache_kwargs(target, cache))
+
+        def ceiling():
+            cache = DynamicCache()
+            target(ids[:, :-1], **cache_kwargs(target, cache))  # not timed separately: subtract below
+            return cache
+
+        prefilled = ceiling()
+        sizes = [(layer.keys.clone(), layer.values.clone()) for layer in prefilled.layers]
+
+        def one_token_over_cache():
+            cache = DynamicCache()
+            for i, (k, v) in enumerate(sizes):
+                cache.update(k, v, i)
+            target.generate(ids, **gen, **cache_kwargs(target, cache))
+
+        bridged_s = timed(bridged, device, repeats)
+        ceiling_s = timed(one_token_over_cache, device, repeats)
+        translate_s = timed(lambda: BridgedCache(bridge, kv, target, ids).materialize(), device, repeats)
+        rows.append((f"{source_name} -> {target_name}", n, native, bridged_s, ceiling_s, translate_s))
+        print(_format(rows[-1]), flush=True)
+        del kv, prefilled, sizes
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _format(row) -> str:
+    pair, n, native, bridged, ceiling, translate = row
+    return (f"| {pair} | {n} | {native * 1e3:.1f} | {bridged * 1e3:.1f} | {ceiling * 1e3:.1f} | "
+            f"{translate * 1e3:.2f} | {native / bridged:.2f}x | {native / ceiling:.2f}x | "
+            f"{bridged / ceiling:.2f} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    lengths = [32, 64] if args.smoke else args.lengths
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{dtype}, median of {args.repeats}")  # fmt: skip
+    print("| pair | context tokens | native TTFT ms | bridged TTFT ms | ceiling ms | translate ms | "
+          "native/bridged | native/ceiling (max gain) | bridged/ceiling |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for source_name, target_name in PAIRS:
+        run_pair(
+            source_name, target_name, lengths, device, dtype, 2 if args.smoke else args.repeats, args.smoke
+        )
+
+
+if __name__ == "__main__":
+    main()
