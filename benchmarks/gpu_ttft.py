@@ -31,21 +31,26 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.modelinfo import model_spec
 
 QWEN25 = {
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064),
-}  # fmt: skip
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4
+    ),
+}
+VOCAB = {"qwen2.5-1.5b": 151936, "qwen2.5-7b": 152064}
 PAIRS = [("qwen2.5-7b", "qwen2.5-1.5b"), ("qwen2.5-1.5b", "qwen2.5-7b")]
 
 
 def config_of(name: str, smoke: bool) -> Qwen2Config:
-    shape = dict(QWEN25[name])
+    shape = dict(QWEN25[name], num_hidden_layers=28, vocab_size=VOCAB[name])
     if smoke:  # same head layout, tiny widths
-        shape |= dict(hidden_size=shape["num_attention_heads"] * 16, intermediate_size=64, num_hidden_layers=2,
-                      vocab_size=512)  # fmt: skip
-    return Qwen2Config(**shape, max_position_embeddings=32768, rope_parameters={"rope_type": "default",
-                       "rope_theta": 1e6}, tie_word_embeddings=False)  # fmt: skip
+        shape |= dict(hidden_size=shape["num_attention_heads"] * 16, intermediate_size=64)
+        shape |= dict(num_hidden_layers=2, vocab_size=512)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    return Qwen2Config(
+        **shape, max_position_embeddings=32768, rope_parameters=rope, tie_word_embeddings=False
+    )
 
 
 def random_headlocal_bridge(source_config, target_config) -> Bridge:
@@ -85,45 +90,51 @@ def run_pair(source_name, target_name, lengths, device, dtype, repeats, smoke):
             target_config, dtype=dtype, attn_implementation="sdpa"
         ).eval()
     bridge = random_headlocal_bridge(source_config, target_config)
-    src_heads = source_config.num_key_value_heads
-    src_dim = source_config.hidden_size // source_config.num_attention_heads
+    shape = (
+        source_config.num_key_value_heads,
+        source_config.hidden_size // source_config.num_attention_heads,
+    )
     rows = []
     for n in lengths:
         ids = torch.randint(0, target_config.vocab_size, (1, n), device=device)
-        kv = [(torch.randn(1, src_heads, n, src_dim, device=device, dtype=dtype),
-               torch.randn(1, src_heads, n, src_dim, device=device, dtype=dtype))
-              for _ in range(source_config.num_hidden_layers)]  # fmt: skip
-        gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
-        native = timed(lambda: target.generate(ids, **gen), device, repeats)
-
-        def bridged():
-            cache = BridgedCache(bridge, kv, target, ids)
-            target.generate(ids, **gen, **cache_kwargs(target, cache))
-
-        def ceiling():
-            cache = DynamicCache()
-            target(ids[:, :-1], **cache_kwargs(target, cache))  # not timed separately: subtract below
-            return cache
-
-        prefilled = ceiling()
-        sizes = [(layer.keys.clone(), layer.values.clone()) for layer in prefilled.layers]
-
-        def one_token_over_cache():
-            cache = DynamicCache()
-            for i, (k, v) in enumerate(sizes):
-                cache.update(k, v, i)
-            target.generate(ids, **gen, **cache_kwargs(target, cache))
-
-        bridged_s = timed(bridged, device, repeats)
-        ceiling_s = timed(one_token_over_cache, device, repeats)
-        translate_s = timed(lambda: BridgedCache(bridge, kv, target, ids).materialize(), device, repeats)
-        rows.append((f"{source_name} -> {target_name}", n, native, bridged_s, ceiling_s, translate_s))
+        kv = [
+            tuple(torch.randn(1, shape[0], n, shape[1], device=device, dtype=dtype) for _ in range(2))
+            for _ in range(source_config.num_hidden_layers)
+        ]
+        times = measure(target, bridge, kv, ids, device, repeats)
+        rows.append((f"{source_name} -> {target_name}", n, *times))
         print(_format(rows[-1]), flush=True)
-        del kv, prefilled, sizes
+        del kv
     del target
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def measure(target, bridge, kv, ids, device, repeats) -> tuple[float, float, float, float]:
+    """(native, bridged, ceiling, translate) seconds for one context."""
+    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+    prefix = DynamicCache()
+    target(ids[:, :-1], **cache_kwargs(target, prefix))
+    filled = [(layer.keys, layer.values) for layer in prefix.layers]
+
+    def native():
+        target.generate(ids, **gen)
+
+    def bridged():
+        cache = BridgedCache(bridge, kv, target, ids)
+        target.generate(ids, **gen, **cache_kwargs(target, cache))
+
+    def ceiling():  # the held-back token over a ready cache: translation for free
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(filled):
+            cache.update(k.clone(), v.clone(), i)
+        target.generate(ids, **gen, **cache_kwargs(target, cache))
+
+    def translate():
+        BridgedCache(bridge, kv, target, ids).materialize()
+
+    return tuple(timed(fn, device, repeats) for fn in (native, bridged, ceiling, translate))
 
 
 def _format(row) -> str:
@@ -142,8 +153,8 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     lengths = [32, 64] if args.smoke else args.lengths
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"{dtype}, median of {args.repeats}")  # fmt: skip
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, {dtype}, median of {args.repeats}")
     print("| pair | context tokens | native TTFT ms | bridged TTFT ms | ceiling ms | translate ms | "
           "native/bridged | native/ceiling (max gain) | bridged/ceiling |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
