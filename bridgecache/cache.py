@@ -23,10 +23,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from bridgecache.align import gather_rows
 from bridgecache.capture import cache_to_layers, position_ids_from_mask
 from bridgecache.compat import cache_kwargs
 from bridgecache.modelinfo import model_spec
-from bridgecache.rope import RopeTables
+from bridgecache.rope import RopeTables, unrotate
 from bridgecache.source import SourceKV, as_source
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
@@ -241,7 +242,13 @@ class _Translator:
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )
-        rows = _plan_rows(source, target_mask, alignment, bridge.alignment_policy)
+        policy = bridge.alignment_policy
+        if policy == "mean" and alignment is not None:
+            # Each target row averages several un-rotated source rows: pool them once, up front,
+            # so translation then reads one (already un-rotated) row per target position.
+            source = _pool_source(source, alignment, target_mask, RopeTables.from_spec(spec))
+            self.source = source
+        rows = _plan_rows(source, target_mask, alignment, policy)
         pad = (target_mask == 0).sum(1)
         leading_native = _leading_native(rows, pad)
         self.head = int((pad + torch.maximum(torch.tensor(head), leading_native)).max()) if total > 1 else 0
@@ -256,7 +263,9 @@ class _Translator:
         self._target_tables: dict = {}
         self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
         self.target_rope = RopeTables.from_model(target)
-        self.source_rope = SourceRope(RopeTables.from_spec(spec), source, self.home_device)
+        self.source_rope = None
+        if not (policy == "mean" and alignment is not None):
+            self.source_rope = SourceRope(RopeTables.from_spec(spec), source, self.home_device)
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
@@ -305,8 +314,49 @@ class _Translator:
         return self._target_tables[key]
 
 
+def _alignments(alignment, batch: int) -> list:
+    alignments = list(alignment) if isinstance(alignment, (list, tuple)) else [alignment]
+    if len(alignments) != batch:
+        raise ValueError(f"got {len(alignments)} alignments for a batch of {batch}")
+    return alignments
+
+
+def _pool_source(source: SourceKV, alignment, target_mask, tables: RopeTables) -> SourceKV:
+    """Source KV re-indexed by TARGET column: row c = mean of the un-rotated source rows that
+    overlap target token c (policy `mean`); keys come back un-rotated, NATIVE rows zero."""
+    batch, total = target_mask.shape
+    source_pad = ((source.position_ids == 0).sum(1) - 1).tolist()
+    target_pad = (target_mask == 0).sum(1).tolist()
+    if any(source.first_token):
+        raise ValueError(
+            "policy 'mean' needs every source row: capture the source with bridgecache.capture_kv"
+        )
+    keys, values = [], []
+    for layer in range(source.num_layers):
+        cos, sin = tables.cos_sin(layer, source.position_ids)
+        unrotated = unrotate(
+            source.keys[layer].float(), cos.to(source.keys[layer].device), sin.to(source.keys[layer].device)
+        )
+        pooled_k, pooled_v = [], []
+        for b, al in enumerate(_alignments(alignment, batch)):
+            pad = (0, 0, target_pad[b], 0)  # left-pad the target columns back
+            rows_k = gather_rows(unrotated[b : b + 1, :, source_pad[b] :], al, "mean")
+            rows_v = gather_rows(source.values[layer][b : b + 1, :, source_pad[b] :].float(), al, "mean")
+            pooled_k.append(torch.nn.functional.pad(rows_k, pad))
+            pooled_v.append(torch.nn.functional.pad(rows_v, pad))
+        keys.append(torch.cat(pooled_k))
+        values.append(torch.cat(pooled_v))
+    positions = position_ids_from_mask(target_mask).to(source.position_ids.device)
+    return SourceKV(tuple(keys), tuple(values), positions, (0,) * source.num_layers)
+
+
 def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor:
-    """[batch, target tokens] int64: the source column feeding each target column (-1: native)."""
+    """[batch, target tokens] int64: the source column feeding each target column (-1: native).
+
+    With an alignment, policy `last` reads the source token covering the target token's last
+    character, `first` the one covering its first; `mean` sources are already pooled per target
+    column (see `_pool_source`), so they are read one to one.
+    """
     batch, total = target_mask.shape
     source_pad = (source.position_ids == 0).sum(1).cpu() - 1  # left padding has position 0 too
     target_pad = (target_mask == 0).sum(1).cpu()
@@ -320,12 +370,13 @@ def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor
             )
         rows = torch.arange(total).expand(batch, total) - target_pad[:, None] + source_pad[:, None]
         return torch.where(torch.arange(total)[None] < target_pad[:, None], -1, rows)
-    alignments = alignment if isinstance(alignment, (list, tuple)) else [alignment]
-    if len(alignments) != batch:
-        raise ValueError(f"got {len(alignments)} alignments for a batch of {batch}")
     rows = torch.full((batch, total), -1, dtype=torch.long)
-    for b, al in enumerate(alignments):
+    for b, al in enumerate(_alignments(alignment, batch)):
         index = torch.as_tensor(al.source_index, dtype=torch.long)
+        if policy == "first":
+            index = torch.where(index >= 0, torch.as_tensor(al.span_start, dtype=torch.long), -1)
+        elif policy == "mean":
+            index = torch.where(index >= 0, torch.arange(len(index)), -1)  # pooled: target column order
         if len(index) != total - int(target_pad[b]):
             raise ValueError(
                 f"alignment of row {b} covers {len(index)} target tokens; the target context has "

@@ -71,7 +71,7 @@ class LayerPlan:
 def translate_layer(
     plan: LayerPlan,
     source: SourceKV,
-    source_rope: SourceRope,
+    source_rope: SourceRope | None,
     rows: torch.Tensor,
     target_cos: torch.Tensor,
     target_sin: torch.Tensor,
@@ -82,7 +82,8 @@ def translate_layer(
     Args:
         plan: the bridge's map of this target layer, on the output device.
         source: the source context's KV (read only).
-        source_rope: source cos/sin tables of this context.
+        source_rope: source cos/sin tables of this context; None when the source keys are
+            already un-rotated (rows pooled under the alignment policy `mean`).
         rows: [batch, tgt_tokens] int64 on the plan's device: context-token index of the source
             row feeding each target position; -1 where the target computes the position itself
             (output rows are zero). Callers check the rows against `source_rows_kept`.
@@ -99,9 +100,11 @@ def translate_layer(
     src_k = [source.keys[layer].to(device) for layer in plan.used]
     src_v = [source.values[layer].to(device) for layer in plan.used]
     heads_per_layer = src_k[0].shape[1]
-    src_cos, src_sin = _source_tables(
-        source_rope, plan.used, heads_per_layer, offset, src_k[0].shape[2], device
-    )
+    src_cos = src_sin = None
+    if source_rope is not None:
+        src_cos, src_sin = _source_tables(
+            source_rope, plan.used, heads_per_layer, offset, src_k[0].shape[2], device
+        )
     keys = map_heads(
         src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
         src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out_dtype=dtype,

@@ -200,3 +200,36 @@ def test_a_sliding_window_source_cache_that_lacks_rows_gets_a_clear_error():
         ValueError, match="keep only tokens >= 18 .* capture the source with bridgecache.capture_kv"
     ):
         cache.materialize()
+
+
+@pytest.mark.parametrize("policy", ["last", "first", "mean"])
+def test_alignment_policies_read_the_source_rows_they_name(policy):
+    import dataclasses
+
+    from tokenalign import NATIVE, Alignment
+
+    from bridgecache.rope import RopeTables, rotate
+
+    model = tiny_model("llama")
+    source_ids = torch.randint(3, 300, (1, 12))
+    target_ids = torch.randint(3, 300, (1, 7))
+    # target token t covers source tokens [2t - 1, 2t + 1); target token 0 has no source text
+    start = torch.tensor([0, 1, 3, 5, 7, 9, 10])
+    end = torch.tensor([0, 3, 5, 7, 9, 10, 12])
+    index = torch.where(end > 0, end - 1, NATIVE)
+    alignment = Alignment(index.numpy(), start.numpy(), end.numpy(), num_source=12, policy=policy)
+    bridge = dataclasses.replace(Bridge.identity(model), alignment_policy=policy)
+    captured = capture_kv(model, source_ids)
+    cache = BridgedCache(bridge, captured, model, target_ids, alignment=alignment, native_head=0)
+    assert cache.translator.head == 1  # the leading NATIVE token is computed by the target
+    keys, values = cache.translator.layer(1)
+    tables = RopeTables.from_model(model)
+    for t in range(1, 6):  # translated positions 1..5 (position 6 is the held-back token)
+        lo, hi = int(start[t]), int(end[t])
+        span = {"last": slice(hi - 1, hi), "first": slice(lo, lo + 1), "mean": slice(lo, hi)}[policy]
+        want_v = captured.values[1][:, :, span].mean(dim=2)
+        want_k = captured.unrotated_keys(1)[:, :, span].mean(dim=2, keepdim=True)
+        cos, sin = tables.cos_sin(1, torch.tensor([[t]]))
+        want_k = rotate(want_k, cos, sin)[:, :, 0]
+        assert torch.allclose(values[:, :, t], want_v, atol=1e-5)
+        assert torch.allclose(keys[:, :, t], want_k, atol=1e-5)
