@@ -206,9 +206,8 @@ def test_a_sliding_window_source_cache_that_lacks_rows_gets_a_clear_error():
 def test_alignment_policies_read_the_source_rows_they_name(policy):
     import dataclasses
 
-    from tokenalign import NATIVE, Alignment
-
     from bridgecache.rope import RopeTables, rotate
+    from tokenalign import NATIVE, Alignment
 
     model = tiny_model("llama")
     source_ids = torch.randint(3, 300, (1, 12))
