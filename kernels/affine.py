@@ -1,0 +1,479 @@
+"""Gathered, rope-aware affine maps of KV rows: the computation behind map_heads and map_fullhead.
+
+For every target layer l, target head h and target position t (one batch row b):
+
+    x_j   = src[v_j][b, rows[b, t], :]           j < n, v_j = heads[l, h, j] (virtual source head)
+    u_j   = unrotate(x_j, src_cos[b, v_j, rows[b, t]], src_sin[...])      (keys; identity for values)
+    z     = concat_j(u_j) @ weight[l, h] + bias[l, h]                      ([n * Ds] -> [Dt])
+    out[l, b, h, t] = rotate(z, tgt_cos[l, b, t], tgt_sin[l, b, t])       (keys), cast to out's dtype
+    out[l, b, h, t] = 0 where rows[b, t] == -1
+
+RoPE follows transformers (`rotate_half` over the two halves of the last axis). cos/sin tables are
+[..., D] as transformers builds them, cat(freqs, freqs): only their first half is read, so
+    unrotate: u1 = (x1 c + x2 s) / (c^2 + s^2),  u2 = (x2 c - x1 s) / (c^2 + s^2)
+    rotate:   y1 = z1 c - z2 s,                  y2 = z2 c + z1 s
+with (x1, x2) the halves of x and (c, s) = (cos, sin)[..., :D/2]. Dividing by c^2 + s^2 inverts
+rope types that scale both tables (attention factor) exactly.
+
+`affine_reference` (PyTorch, float32 arithmetic) and the Triton kernel compute the same function;
+`gathered_affine` checks the arguments, dispatches, and is registered as the torch operator
+bridgecache::gathered_affine. A Triton program owns one block of target positions of one target
+layer and a tile of 128 output columns: matching column blocks of both rope halves of one head,
+or, when every head reads the same inputs (full-head), of several heads, which then share the
+gathered, un-rotated X (a GEMM tile). Every layer of a cache is one launch. Arithmetic: gathered
+rows are cast to float32; dot products run on tensor cores in TF32 for bf16 outputs (well below
+bf16 rounding) and 3xTF32 for fp16/fp32 outputs (about float32). Triton needs power-of-two head
+dims >= 32; other dims use the reference.
+
+Knows nothing about models, bridges or which source heads feed which target head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._dispatch import (
+    LazyKernel,
+    SourceView,
+    device_of,
+    interpreting,
+    next_pow2,
+    resolve_backend,
+    source_view,
+)
+
+tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
+
+__all__ = [
+    "affine_reference",
+    "gathered_affine",
+    "launch_affine",
+    "rope_halves",
+    "source_tables",
+    "target_tables",
+    "unrope_halves",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch reference
+
+
+def unrope_halves(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Undo RoPE. x: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    r = c * c + s * s
+    return torch.cat(((x1 * c + x2 * s) / r, (x2 * c - x1 * s) / r), dim=-1)
+
+
+def rope_halves(z: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE. z: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
+    h = z.shape[-1] // 2
+    z1, z2 = z[..., :h], z[..., h:]
+    return torch.cat((z1 * c - z2 * s, z2 * c + z1 * s), dim=-1)
+
+
+def _gather_table(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[B, Ls, Hs, S, D] table -> its first half at rows idx [B, T]: [B, Ls*Hs or 1, T, D/2] float32."""
+    b, ls, hs, s, d = table.shape
+    half = d // 2
+    if table.stride(1) == 0 and table.stride(2) == 0:  # shared by every head: gather once
+        table = table[:, 0, :1]
+    else:
+        table = table.reshape(b, ls * hs, s, d)
+    table = table[..., :half].float()
+    index = idx[:, None, :, None].expand(b, table.shape[1], idx.shape[1], half)
+    return table.gather(2, index)
+
+
+def affine_reference(
+    src: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None,
+    tgt_sin: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Write the function of the module docstring into `out`; shapes as in `gathered_affine`."""
+    b, t = rows.shape
+    n_layers, n_heads, n = heads.shape
+    ds = src[0].shape[-1]
+    valid = rows >= 0
+    idx = rows.clamp(min=0)
+    index = idx[:, None, :, None].expand(b, src[0].shape[1], t, ds)
+    x = torch.cat([layer.gather(2, index) for layer in src], dim=1).float()  # [B, Hv, T, Ds]
+    if src_cos is not None:
+        x = unrope_halves(x, _gather_table(src_cos, idx), _gather_table(src_sin, idx))
+    shared = heads.stride(1) == 0  # every target head reads the same inputs: one GEMM
+    for layer in range(n_layers):
+        w = weight[layer].float()  # [Ht, n * Ds, Dt]
+        if shared:
+            xl = x[:, heads[layer, 0]].permute(0, 2, 1, 3).reshape(b, t, n * ds)
+            z = torch.einsum("btk,hkd->bhtd", xl, w)
+        else:
+            xl = x[:, heads[layer].reshape(-1)].view(b, n_heads, n, t, ds)
+            z = torch.einsum("bhjtk,hjkd->bhtd", xl, w.view(n_heads, n, ds, -1))
+        z = z + bias[layer].float()[None, :, None, :]
+        if tgt_cos is not None:
+            half = z.shape[-1] // 2
+            z = rope_halves(
+                z, tgt_cos[layer, ..., :half].float()[:, None], tgt_sin[layer, ..., :half].float()[:, None]
+            )
+        out[layer].copy_(z.masked_fill(~valid[:, None, :, None], 0.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+
+
+def _affine_kernel(
+    src_ptr, lay_off_ptr, s_b, s_h, s_s,
+    rows_ptr, r_b, r_t,
+    heads_ptr, hd_l, hd_h, hd_j,
+    w_ptr, w_l, w_h, w_k, w_n,
+    bias_ptr, bi_l, bi_h,
+    sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s,
+    tc_ptr, ts_ptr, tc_l, tc_b, tc_t,
+    out_ptr, o_l, o_b, o_h, o_t,
+    T, T_KEY, Ht, n, HS,
+    HALF_S: tl.constexpr, HALF_T: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr,
+    SRC_ROPE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr, PRECISION: tl.constexpr,
+    OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # axis 0: (target layer, head group, column block), fastest, so the programs of one token
+    # block run together and share source rows and rope tables in L2; axis 1: (batch, token block).
+    n_hg = tl.cdiv(Ht, HB)
+    cb = tl.program_id(0) % (HALF_T // BH)
+    hg = (tl.program_id(0) // (HALF_T // BH)) % n_hg
+    layer = (tl.program_id(0) // ((HALF_T // BH) * n_hg)).to(tl.int64)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = (tl.program_id(1) // n_tb).to(tl.int64)
+    offs_t = (tl.program_id(1) % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    row = tl.load(rows_ptr + b * r_b + offs_t * r_t, mask=t_mask, other=-1)
+    valid = row >= 0
+    row = tl.where(valid, row, 0).to(tl.int64)
+    ld_mask = t_mask & valid
+
+    # Accumulator column c = (hb * 2 + half) * BH + e holds output dim half * HALF_T + cb * BH + e
+    # of head hg * HB + hb: each program owns matching column blocks of both halves (rope pairs).
+    offs_n = tl.arange(0, HB * 2 * BH)
+    col_n = ((offs_n // BH) % 2) * HALF_T + cb * BH + offs_n % BH
+    col_n = tl.max_contiguous(tl.multiple_of(col_n, BH), BH)
+    head_n = (hg * HB + offs_n // (2 * BH)).to(tl.int64)
+    n_mask = head_n < Ht
+    w_base = w_ptr + layer * w_l + head_n[None, :] * w_h + col_n[None, :] * w_n
+    offs_c = tl.arange(0, BLOCK_S)
+
+    acc = tl.zeros([BLOCK_T, HB * 2 * BH], dtype=tl.float32)
+    for j in range(n):
+        # the heads of a group read the same slot list (HB > 1 only when shared)
+        v = tl.load(heads_ptr + layer * hd_l + (hg * HB).to(tl.int64) * hd_h + j * hd_j)
+        lay = v // HS
+        hd = v % HS
+        src_off = tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
+        if ALIGNED:
+            src_off = tl.multiple_of(src_off, 16)
+        x_row = src_ptr + src_off
+        for c0 in tl.static_range(0, HALF_S, BLOCK_S):
+            d = c0 + offs_c
+            m = ld_mask[:, None]
+            x1 = tl.load(x_row[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row[:, None] + HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
+            if SRC_ROPE:
+                t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
+                cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
+                sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
+                inv = 1.0 / (cs * cs + sn * sn)
+                u1 = (x1 * cs + x2 * sn) * inv
+                u2 = (x2 * cs - x1 * sn) * inv
+            else:
+                u1 = x1
+                u2 = x2
+            k1 = (j * 2 * HALF_S + d)[:, None] * w_k
+            w1 = tl.load(w_base + k1, mask=n_mask[None, :], other=0.0)
+            w2 = tl.load(w_base + k1 + HALF_S * w_k, mask=n_mask[None, :], other=0.0)
+            acc = tl.dot(u1, w1, acc, input_precision=PRECISION)
+            acc = tl.dot(u2, w2, acc, input_precision=PRECISION)
+
+    acc += tl.load(bias_ptr + layer * bi_l + head_n * bi_h + col_n, mask=n_mask, other=0.0)[None, :]
+    # split the columns into the two halves of each head: z1, z2 [BLOCK_T, HB * BH]
+    z = tl.permute(tl.reshape(acc, [BLOCK_T, HB, 2, BH]), (0, 1, 3, 2))
+    z1, z2 = tl.split(tl.reshape(z, [BLOCK_T, HB * BH, 2]))
+    offs_h = tl.arange(0, HB * BH)
+    dh = cb * BH + offs_h % BH
+    head_h = (hg * HB + offs_h // BH).to(tl.int64)
+    if TGT_ROPE:
+        t_off = layer * tc_l + b * tc_b + offs_t[:, None] * tc_t + dh[None, :]
+        tm = t_mask[:, None]
+        cs = tl.load(tc_ptr + t_off, mask=tm, other=1.0)
+        sn = tl.load(ts_ptr + t_off, mask=tm, other=0.0)
+        y1 = z1 * cs - z2 * sn
+        y2 = z2 * cs + z1 * sn
+    else:
+        y1 = z1
+        y2 = z2
+    y1 = tl.where(valid[:, None], y1, 0.0)
+    y2 = tl.where(valid[:, None], y2, 0.0)
+    if OUT_BF16:
+        # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
+        b1 = y1.to(tl.uint32, bitcast=True)
+        b2 = y2.to(tl.uint32, bitcast=True)
+        y1 = ((b1 + 0x7FFF + ((b1 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        y2 = ((b2 + 0x7FFF + ((b2 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    o_ptr = out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t + dh[None, :]
+    om = t_mask[:, None] & (head_h < Ht)[None, :]
+    tl.store(o_ptr, y1.to(out_ptr.dtype.element_ty), mask=om)
+    tl.store(o_ptr + HALF_T, y2.to(out_ptr.dtype.element_ty), mask=om)
+
+
+def _configs():
+    import triton
+
+    return [
+        triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=nw, num_stages=ns)
+        for bt, bs, nw, ns in (
+            (64, 32, 4, 2),
+            (64, 32, 8, 2),
+            (128, 32, 8, 2),
+            (32, 32, 4, 2),
+            (128, 16, 8, 2),
+            (64, 16, 4, 2),
+        )  # fmt: skip
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop chunk widths wider than half the source head dim (all masked work)."""
+    half_s = named_args.get("HALF_S", kwargs.get("HALF_S", 64))
+    kept = [c for c in configs if c.kwargs["BLOCK_S"] <= half_s]
+    return kept or configs[:1]
+
+
+_KERNEL = LazyKernel(
+    _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune
+)
+
+# Interpreter blocks: small, so odd token counts span several blocks and head dims several chunks.
+_INTERPRET_CONFIG = {"BLOCK_T": 16, "BLOCK_S": 16}
+# Output columns per program: one accumulator of [BLOCK_T, _TILE_N] float32.
+_TILE_N = 128
+
+
+def triton_supports(src_dim: int, tgt_dim: int) -> bool:
+    """The kernel's head dims: powers of two, source >= 32, target >= 32 (tensor-core tiles)."""
+    return all(d >= 32 and d & (d - 1) == 0 for d in (src_dim, tgt_dim))
+
+
+def launch_affine(
+    view: SourceView,
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None,
+    tgt_sin: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Run the Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
+    with the source layers as a SourceView. A program computes _TILE_N output columns: one head's
+    (or, when all heads share their inputs, several heads') matching blocks of both rope halves."""
+    src = view.base
+    bsz, hs, _, ds = src.shape
+    n_layers, n_heads, n = heads.shape
+    dt = out.shape[-1]
+    t = rows.shape[1]
+    heads_per_program = 1
+    if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
+        while heads_per_program * 2 <= min(n_heads, _TILE_N // dt):
+            heads_per_program *= 2
+    half_cols = min(dt // 2, _TILE_N // (2 * heads_per_program))
+    src_rope, tgt_rope = src_cos is not None, tgt_cos is not None
+    sc, ss = (src_cos, src_sin) if src_rope else (src, src)
+    tc, ts = (tgt_cos, tgt_sin) if tgt_rope else (out, out)
+    args = (
+        src, view.offsets, *src.stride()[:3],
+        rows, *rows.stride(),
+        heads, *heads.stride(),
+        weight, *weight.stride(),
+        bias, *bias.stride()[:2],
+        sc, ss, *(src_cos.stride()[:4] if src_rope else (0, 0, 0, 0)),
+        tc, ts, *(tgt_cos.stride()[:3] if tgt_rope else (0, 0, 0)),
+        out, *out.stride()[:4],
+        t, next_pow2(t), n_heads, n, hs,
+    )  # fmt: skip
+    meta = dict(
+        HALF_S=ds // 2, HALF_T=dt // 2, HB=heads_per_program, BH=half_cols, SRC_ROPE=src_rope,
+        TGT_ROPE=tgt_rope, ALIGNED=view.aligned and all(st % 16 == 0 for st in src.stride()[:3]),
+        PRECISION="tf32" if out.dtype == torch.bfloat16 else "tf32x3", OUT_BF16=out.dtype == torch.bfloat16,
+    )  # fmt: skip
+    programs_per_layer = -(-n_heads // heads_per_program) * (dt // 2 // half_cols)
+
+    def grid(cfg):
+        return (n_layers * programs_per_layer, bsz * -(-t // cfg["BLOCK_T"]))
+
+    kernel = _KERNEL.tuned(src.device)
+    if src.device.type != "cuda" or interpreting():
+        meta.update(_INTERPRET_CONFIG)
+    with device_of(src):
+        kernel[grid](*args, **meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator: torch.library registration and dispatch
+
+_SCHEMA = (
+    "(Tensor[] src, Tensor rows, Tensor heads, Tensor weight, Tensor bias, Tensor? src_cos, Tensor? src_sin, "
+    "Tensor? tgt_cos, Tensor? tgt_sin, str backend, Tensor(a!) out) -> ()"
+)
+
+
+@torch.library.custom_op("bridgecache::gathered_affine", mutates_args=("out",), schema=_SCHEMA)
+def _gathered_affine_op(
+    src: list[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None,
+    tgt_sin: torch.Tensor | None,
+    backend: str,
+    out: torch.Tensor,
+) -> None:
+    if backend == "torch":
+        affine_reference(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
+        return
+    if len({t.stride() for t in src}) > 1:  # the kernel addresses every layer with one set of strides
+        src = [t.contiguous() for t in src]
+    launch_affine(source_view(src), rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
+
+
+@_gathered_affine_op.register_fake
+def _(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out):
+    return None
+
+
+def gathered_affine(
+    src: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None,
+    tgt_sin: torch.Tensor | None,
+    out: torch.Tensor,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Checked core of map_heads / map_layers / map_fullhead; writes and returns `out`.
+
+    src: Ls tensors [B, Hs, S, Ds] float32/bfloat16/float16, one shape, dtype and device
+        (virtual source head v = layer * Hs + head; any strides, last axis made contiguous).
+    rows: [B, T] int64, source row per target position, -1 for none (output row zero).
+    heads: [Lt, Ht, n] int64 virtual source heads per input slot (stride 0 over Ht: shared).
+    weight: [Lt, Ht, n*Ds, Dt] float32, any strides; the Triton path reads it input-axis-contiguous
+        (`w.transpose(-1, -2).contiguous().transpose(-1, -2)`) and copies other layouts to that.
+    bias: [Lt, Ht, Dt] float32.
+    src_cos, src_sin: [B, Ls, Hs, S, Ds] float32 (stride 0 where shared) or both None.
+    tgt_cos, tgt_sin: [Lt, B, T, Dt] float32 (stride 0 where shared) or both None.
+    out: [Lt, B, Ht, T, Dt] float32/bfloat16/float16, last axis contiguous.
+    backend: "triton" | "torch" | None (see bridgecache.kernels._dispatch.resolve_backend).
+    """
+    src = [_last_contiguous(t) for t in src]
+    bsz, hs, s, ds = src[0].shape
+    n_layers, n_heads, n = heads.shape
+    t = rows.shape[1]
+    dt = out.shape[-1]
+    _expect(rows, (bsz, t), (torch.int64,), "rows")
+    _expect(heads, (n_layers, n_heads, n), (torch.int64,), "heads")
+    _expect(weight, (n_layers, n_heads, n * ds, dt), (torch.float32,), "weight")
+    _expect(bias, (n_layers, n_heads, dt), (torch.float32,), "bias")
+    _expect(out, (n_layers, bsz, n_heads, t, dt), _FLOATS, "out")
+    if ds % 2 or dt % 2:
+        raise ValueError(f"head dims must be even (rotate_half), got {ds} and {dt}")
+    if (src_cos is None) != (src_sin is None) or (tgt_cos is None) != (tgt_sin is None):
+        raise ValueError("pass cos and sin together")
+    if src_cos is not None:
+        for name, tab in (("src_cos", src_cos), ("src_sin", src_sin)):
+            _expect(tab, (bsz, len(src), hs, s, ds), (torch.float32,), name)
+        src_cos, src_sin = _last_contiguous(src_cos), _last_contiguous(src_sin)
+        if src_cos.stride() != src_sin.stride():
+            src_cos, src_sin = src_cos.contiguous(), src_sin.contiguous()
+    if tgt_cos is not None:
+        for name, tab in (("tgt_cos", tgt_cos), ("tgt_sin", tgt_sin)):
+            _expect(tab, (n_layers, bsz, t, dt), (torch.float32,), name)
+        tgt_cos, tgt_sin = _last_contiguous(tgt_cos), _last_contiguous(tgt_sin)
+        if tgt_cos.stride() != tgt_sin.stride():
+            tgt_cos, tgt_sin = tgt_cos.contiguous(), tgt_sin.contiguous()
+    if out.stride(-1) != 1:
+        raise ValueError("out's last axis must be contiguous")
+    for x in (*src, rows, heads, weight, bias, out):
+        if x.device != out.device:
+            raise ValueError(f"all tensors must be on one device; got {x.device} and {out.device}")
+    if out.numel() == 0:
+        return out
+    if s == 0:  # no source rows: every target row is NATIVE
+        return out.zero_()
+    choice = resolve_backend(backend, out.device)
+    if choice == "triton" and not triton_supports(ds, dt):
+        if backend == "triton":
+            raise ValueError(f"the Triton kernel needs power-of-two head dims >= 32, got {ds} -> {dt}")
+        choice = "torch"
+    if choice == "triton" and weight.stride(-2) != 1:  # the kernel reads W input-axis-contiguous
+        weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
+    _gathered_affine_op(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin,
+                        tgt_cos, tgt_sin, choice, out)  # fmt: skip
+    return out
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def source_tables(cos, sin, bsz, n_layers, hs, s, ds):
+    """Public source-table layouts ([B, S, Ds], [B, Ls*Hs, S, Ds] or [B, Ls, Hs, S, Ds]) as
+    [B, Ls, Hs, S, Ds] views."""
+    if cos is None or sin is None:
+        return cos, sin
+    return _as_source5(cos, bsz, n_layers, hs, s, ds), _as_source5(sin, bsz, n_layers, hs, s, ds)
+
+
+def _as_source5(tab, bsz, n_layers, hs, s, ds):
+    if tab.dim() == 3:  # [B, S, Ds] shared by every head
+        return tab[:, None, None].expand(bsz, n_layers, hs, s, ds)
+    if tab.dim() == 4:  # [B, Ls*Hs, S, Ds]: splitting one axis is always a view
+        if tab.shape[1] != n_layers * hs:
+            raise ValueError(f"source tables have {tab.shape[1]} heads, the source {n_layers * hs}")
+        return tab.unflatten(1, (n_layers, hs))
+    return tab
+
+
+def target_tables(cos, sin, n_layers, bsz, t, dt):
+    """Public target-table layouts ([B, T, Dt] shared, or [Lt, B, T, Dt]) as [Lt, B, T, Dt] views."""
+    if cos is None or sin is None:
+        return cos, sin
+    if cos.dim() == 3:
+        cos, sin = cos[None].expand(n_layers, bsz, t, dt), sin[None].expand(n_layers, bsz, t, dt)
+    return cos, sin
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _expect(t: torch.Tensor, shape: tuple, dtypes: tuple, name: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")

@@ -1,0 +1,474 @@
+"""Weighted sufficient statistics of per-head ridge fits, accumulated without materialising X.
+
+For target head h the regression rows are (x, y, w) over the target positions t of a chunk:
+x = concat_j unrotate(src[v_j][b, rows[b, t]]) [p = n*Ds] (v_j = heads[h, j], as in map_heads),
+y = y[b, h, t] [Dt] (targets, already un-rotated), w = weights[b, h, t] (1 when None), and
+positions with rows == -1 are skipped. `accumulate_stats` adds, in place,
+
+    xtx[g]  += sum w x x^T  [p, p]      sum_x[g] += sum w x  [p]      sum_w[g] += sum w
+    xty[h]  += sum w x y^T  [p, Dt]     sum_y[h] += sum w y  [Dt]     sum_yy[h] += sum w y*y  [Dt]
+
+g = h, or g = 0 for every head when the statistics are `shared` (full-head, unweighted: all
+heads read the same x, so one Gram matrix serves the layer). Buffers are float64 (or float32);
+each call forms its products in float32 (the Triton kernel: 3xTF32 dots, about float32) and adds
+them to the buffers, so long streams keep float64 totals.
+
+The Triton kernel tiles the Gram matrix of [X | Y] per head (upper triangle of X^T X, and X^T Y),
+gathering and un-rotating each X chunk on the fly; token blocks are split across programs, which
+add their partial sums with float64 atomics (order-dependent at float64 rounding only).
+`stats_reference` is the PyTorch version (materialises X, float32 matmuls).
+
+Knows nothing about models, layers, bridges or how the statistics are solved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend, source_view
+from .affine import source_tables, unrope_halves
+
+tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
+
+__all__ = ["SufficientStats", "accumulate_stats", "stats_reference"]
+
+
+@dataclass
+class SufficientStats:
+    """Running weighted moments of one target layer's K (or V) maps; see the module docstring.
+
+    xtx [G, p, p], sum_x [G, p], sum_w [G]: moments of the inputs (G = 1 if shared, else Ht);
+    xty [Ht, p, Dt], sum_y [Ht, Dt], sum_yy [Ht, Dt]: moments involving the targets.
+    All float64 (or all float32), contiguous, on one device.
+    """
+
+    xtx: torch.Tensor
+    xty: torch.Tensor
+    sum_x: torch.Tensor
+    sum_y: torch.Tensor
+    sum_yy: torch.Tensor
+    sum_w: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        tgt_heads: int,
+        in_dim: int,
+        tgt_dim: int,
+        *,
+        shared: bool = False,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ) -> SufficientStats:
+        """Empty statistics for `tgt_heads` heads with inputs [in_dim] (= n*Ds) and targets [tgt_dim]."""
+        g = 1 if shared else tgt_heads
+
+        def z(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            z(g, in_dim, in_dim), z(tgt_heads, in_dim, tgt_dim), z(g, in_dim),
+            z(tgt_heads, tgt_dim), z(tgt_heads, tgt_dim), z(g),
+        )  # fmt: skip
+
+    @property
+    def shared(self) -> bool:
+        return self.xtx.shape[0] == 1 and self.xty.shape[0] > 1
+
+    def update(
+        self,
+        src: torch.Tensor | Sequence[torch.Tensor],
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        y: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        src_cos: torch.Tensor | None = None,
+        src_sin: torch.Tensor | None = None,
+        *,
+        backend: str | None = None,
+    ) -> SufficientStats:
+        """Add one chunk of rows (see `accumulate_stats`); returns self."""
+        accumulate_stats(self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend)
+        return self
+
+    def merge(self, other: SufficientStats) -> SufficientStats:
+        """Add another set of statistics of the same shape (another worker, another shard); returns self."""
+        for f in fields(self):
+            getattr(self, f.name).add_(getattr(other, f.name))
+        return self
+
+
+def accumulate_stats(
+    stats: SufficientStats,
+    src: torch.Tensor | Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    src_cos: torch.Tensor | None = None,
+    src_sin: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Add the regression rows of one chunk to `stats`, in place.
+
+    Args:
+        stats: buffers for Ht heads, p = n*Ds inputs, Dt targets (float64 or float32).
+        src: [B, Hs, S, Ds] float32/bfloat16/float16 source K or V as cached, or a list of such
+            layers stacked on the head axis without a copy (as in map_heads).
+        rows: [B, T] int64: source token of each row; -1: skip the row.
+        heads: [Ht, n] int64: (stacked) source heads forming x of head h, in input order. With
+            shared statistics every row of `heads` must be the same.
+        y: [B, Ht, T, Dt] float32/bfloat16/float16, any strides: the targets (keys un-rotated).
+        weights: [B, Ht, T] floating, or None (all ones); shared statistics need None.
+        src_cos, src_sin: [B, Hs_total, S, Ds] or [B, S, Ds] float32 to un-rotate source keys;
+            None for values.
+        backend: "triton" | "torch" | None (auto: Triton on CUDA).
+    """
+    layers = [src] if isinstance(src, torch.Tensor) else list(src)
+    bsz, hs, s, ds = layers[0].shape
+    n_heads, n = heads.shape
+    t = rows.shape[1]
+    dt = y.shape[-1]
+    p = n * ds
+    g = stats.xtx.shape[0]
+    shapes = {
+        "xtx": (g, p, p), "xty": (n_heads, p, dt), "sum_x": (g, p),
+        "sum_y": (n_heads, dt), "sum_yy": (n_heads, dt), "sum_w": (g,),
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        buf = getattr(stats, name)
+        if tuple(buf.shape) != shape or buf.dtype != stats.xtx.dtype or not buf.is_contiguous():
+            raise ValueError(
+                f"stats.{name}: expected contiguous {shape} {stats.xtx.dtype}, got {tuple(buf.shape)}"
+            )
+    if g not in (1, n_heads) or stats.xtx.dtype not in (torch.float64, torch.float32):
+        raise ValueError("stats must be float64 or float32 with G = 1 (shared) or G = Ht")
+    if g == 1 and n_heads > 1 and weights is not None:
+        raise ValueError("shared statistics hold one Gram matrix: per-head weights need per-head statistics")
+    if tuple(rows.shape) != (bsz, t) or rows.dtype != torch.int64:
+        raise ValueError(f"rows: expected int64 {(bsz, t)}, got {rows.dtype} {tuple(rows.shape)}")
+    if tuple(y.shape) != (bsz, n_heads, t, dt):
+        raise ValueError(f"y: expected {(bsz, n_heads, t, dt)}, got {tuple(y.shape)}")
+    if weights is not None and tuple(weights.shape) != (bsz, n_heads, t):
+        raise ValueError(f"weights: expected {(bsz, n_heads, t)}, got {tuple(weights.shape)}")
+    if ds % 2:
+        raise ValueError(f"source head dim must be even (rotate_half), got {ds}")
+    layers = [x if x.stride(-1) == 1 else x.contiguous() for x in layers]
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    src_cos, src_sin = source_tables(src_cos, src_sin, bsz, len(layers), hs, s, ds)
+    if src_cos is not None and (src_cos.stride() != src_sin.stride() or src_cos.stride(-1) != 1):
+        src_cos, src_sin = src_cos.contiguous(), src_sin.contiguous()
+    if rows.numel() == 0 or s == 0:
+        return
+    choice = resolve_backend(backend, stats.xtx.device)
+    _stats_op(
+        layers,
+        rows,
+        heads,
+        y,
+        weights,
+        src_cos,
+        src_sin,
+        choice,
+        *(getattr(stats, f.name) for f in fields(stats)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch reference
+
+
+def stats_reference(
+    src: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor | None,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    xtx: torch.Tensor,
+    xty: torch.Tensor,
+    sum_x: torch.Tensor,
+    sum_y: torch.Tensor,
+    sum_yy: torch.Tensor,
+    sum_w: torch.Tensor,
+) -> None:
+    """Materialise X [Ht, B*T, p] in float32 and add its moments; arguments as the operator's
+    (src: list of layers; src_cos/src_sin: [B, Ls, Hs, S, Ds] or None)."""
+    b, t = rows.shape
+    n_heads, n = heads.shape
+    ds = src[0].shape[-1]
+    valid = rows >= 0
+    idx = rows.clamp(min=0)
+    index = idx[:, None, :, None].expand(b, src[0].shape[1], t, ds)
+    x = torch.cat([layer.gather(2, index) for layer in src], dim=1).float()  # [B, Hv, T, Ds]
+    if src_cos is not None:
+        x = unrope_halves(x, _table_rows(src_cos, idx), _table_rows(src_sin, idx))
+    x = (
+        x[:, heads.reshape(-1)]
+        .view(b, n_heads, n, t, ds)
+        .permute(1, 0, 3, 2, 4)
+        .reshape(n_heads, b * t, n * ds)
+    )
+    w = torch.ones(b, n_heads, t, device=x.device) if weights is None else weights.float()
+    w = (w * valid[:, None]).permute(1, 0, 2).reshape(n_heads, b * t)
+    yy = torch.where(valid[:, None, :, None], y.float(), 0.0).permute(1, 0, 2, 3).reshape(n_heads, b * t, -1)
+    g = xtx.shape[0]
+    xw = x * w[..., None]
+    xtx += (xw[:g].transpose(1, 2) @ x[:g]).to(xtx.dtype)
+    sum_x += xw[:g].sum(1).to(sum_x.dtype)
+    sum_w += w[:g].sum(1).to(sum_w.dtype)
+    xty += (xw.transpose(1, 2) @ yy).to(xty.dtype)
+    sum_y += (w[..., None] * yy).sum(1).to(sum_y.dtype)
+    sum_yy += (w[..., None] * yy * yy).sum(1).to(sum_yy.dtype)
+
+
+def _table_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[B, Ls, Hs, S, D] -> first half at rows idx [B, T]: [B, Ls*Hs, T, D/2] float32."""
+    b, ls, hs, s, d = table.shape
+    table = table.reshape(b, ls * hs, s, d)[..., : d // 2].float()
+    return table.gather(2, idx[:, None, :, None].expand(b, ls * hs, idx.shape[1], d // 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+
+
+def _chunk(k, HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr):
+    """X chunk k = (input slot, half, c): (slot, half, dims within the half [C], their columns in
+    [0, p), valid dims)."""
+    slot = k // (2 * NC)
+    half = (k // NC) % 2
+    d = (k % NC) * C + tl.arange(0, C)
+    return slot, half, d, slot * 2 * HALF_S + half * HALF_S + d, d < HALF_S
+
+
+def _x_chunk(
+    src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
+    sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s,
+    h, k, b, row, ok, HS,
+    HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr,
+):  # fmt: skip
+    """Un-rotated X chunk k of head h at source rows `row` [BLOCK_T]: float32 [BLOCK_T, C], 0
+    where not ok."""
+    slot, half, d, _, dm = _chunk(k, HALF_S, C, NC)
+    v = tl.load(heads_ptr + h * hd_h + slot * hd_j)
+    lay = v // HS
+    hd = v % HS
+    x_row = src_ptr + tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
+    m = ok[:, None] & dm[None, :]
+    own = tl.load(x_row[:, None] + half * HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
+    if SRC_ROPE:
+        partner = tl.load(x_row[:, None] + (1 - half) * HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
+        t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
+        cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
+        sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
+        sign = 1.0 - 2.0 * half  # u1 = (x1 c + x2 s) / r,  u2 = (x2 c - x1 s) / r
+        own = (own * cs + sign * partner * sn) / (cs * cs + sn * sn)
+    return own
+
+
+def _stats_kernel(
+    src_ptr, lay_off_ptr, s_b, s_h, s_s,
+    rows_ptr, r_b, r_t,
+    heads_ptr, hd_h, hd_j,
+    y_ptr, y_b, y_h, y_t,
+    w_ptr, w_b, w_h, w_t,
+    sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s,
+    tiles_ptr,
+    xtx_ptr, xty_ptr, sx_ptr, sy_ptr, syy_ptr, sw_ptr,
+    T, HS, P, DT, NXC, n_blocks, blocks_per_split,
+    HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr, HAS_W: tl.constexpr,
+    ATOMIC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    # tile = (i, j, h): X chunk i against X chunk j >= i, or against Y chunk j - NXC, of head h
+    tile = tl.program_id(0)
+    i = tl.load(tiles_ptr + 3 * tile)
+    j = tl.load(tiles_ptr + 3 * tile + 1)
+    h = tl.load(tiles_ptr + 3 * tile + 2).to(tl.int64)
+    is_y = j >= NXC
+    jx = tl.where(is_y, 0, j)
+    dy = (j - NXC) * C + tl.arange(0, C)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    q0 = tl.program_id(1) * blocks_per_split
+    q1 = tl.minimum(q0 + blocks_per_split, n_blocks)
+
+    acc = tl.zeros([C, C], dtype=tl.float32)
+    sum_xi = tl.zeros([C], dtype=tl.float32)
+    sum_yj = tl.zeros([C], dtype=tl.float32)
+    sum_yyj = tl.zeros([C], dtype=tl.float32)
+    sum_w = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for q in range(q0, q1):
+        b = (q // n_tb).to(tl.int64)
+        offs_t = (q % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row = tl.load(rows_ptr + b * r_b + offs_t * r_t, mask=offs_t < T, other=-1)
+        ok = row >= 0
+        row = tl.where(ok, row, 0).to(tl.int64)
+        if HAS_W:
+            w = tl.load(w_ptr + b * w_b + h * w_h + offs_t * w_t, mask=ok, other=0.0).to(tl.float32)
+        else:
+            w = ok.to(tl.float32)
+        xi = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
+                      sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, i, b, row, ok, HS,
+                      HALF_S, C, NC, SRC_ROPE)  # fmt: skip
+        if is_y:
+            m = ok[:, None] & (dy < DT)[None, :]
+            xj = tl.load(y_ptr + b * y_b + h * y_h + offs_t[:, None] * y_t + dy[None, :], mask=m, other=0.0)
+            xj = xj.to(tl.float32)
+        else:
+            xj = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
+                          sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, jx, b, row, ok, HS,
+                          HALF_S, C, NC, SRC_ROPE)  # fmt: skip
+        xw = xi * w[:, None]
+        acc = tl.dot(tl.trans(xw), xj, acc, input_precision=PRECISION)
+        sum_xi += tl.sum(xw, axis=0)
+        yw = xj * w[:, None]
+        sum_yj += tl.sum(yw, axis=0)
+        sum_yyj += tl.sum(yw * xj, axis=0)
+        sum_w += w
+
+    buf = xtx_ptr.dtype.element_ty
+    _, _, _, cols_i, mi = _chunk(i, HALF_S, C, NC)
+    if is_y:
+        my = dy < DT
+        _add(
+            xty_ptr + h * P * DT + cols_i[:, None] * DT + dy[None, :],
+            acc.to(buf),
+            mi[:, None] & my[None, :],
+            ATOMIC,
+        )
+        if i == 0:
+            _add(sy_ptr + h * DT + dy, sum_yj.to(buf), my, ATOMIC)
+            _add(syy_ptr + h * DT + dy, sum_yyj.to(buf), my, ATOMIC)
+    else:
+        _, _, _, cols_j, mj = _chunk(jx, HALF_S, C, NC)
+        m2 = mi[:, None] & mj[None, :]
+        _add(xtx_ptr + h * P * P + cols_i[:, None] * P + cols_j[None, :], acc.to(buf), m2, ATOMIC)
+        if j != i:  # mirror into the lower triangle
+            _add(xtx_ptr + h * P * P + cols_j[None, :] * P + cols_i[:, None], acc.to(buf), m2, ATOMIC)
+        else:
+            _add(sx_ptr + h * P + cols_i, sum_xi.to(buf), mi, ATOMIC)
+            if i == 0:
+                total = tl.sum(sum_w, axis=0).to(buf)
+                if ATOMIC:
+                    tl.atomic_add(sw_ptr + h, total, sem="relaxed")
+                else:
+                    tl.store(sw_ptr + h, tl.load(sw_ptr + h) + total)
+
+
+def _add(ptr, val, mask, ATOMIC: tl.constexpr):
+    """*ptr += val: a relaxed atomic when several programs add to one element, else load + store."""
+    if ATOMIC:
+        tl.atomic_add(ptr, val, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + val, mask=mask)
+
+
+_KERNEL = LazyKernel(_stats_kernel, helpers=(_chunk, _x_chunk, _add))
+_BLOCK_T = 64
+_INTERPRET_BLOCK_T = 16
+
+
+def _tiles(nxc: int, nyc: int, g: int, n_heads: int, device) -> torch.Tensor:
+    """int32 [P, 3] (i, j, h): X-X tiles j >= i for g heads, X-Y tiles for every head."""
+    out = [(i, j, h) for h in range(g) for i in range(nxc) for j in range(i, nxc)]
+    out += [(i, nxc + j, h) for h in range(n_heads) for i in range(nxc) for j in range(nyc)]
+    return torch.tensor(out, dtype=torch.int32).to(device, non_blocking=True)
+
+
+_TILES_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits: int | None = None) -> None:
+    """Run the Triton kernel; arguments as the operator's. splits: programs per tile along the
+    tokens (None: enough to fill the GPU); > 1 makes them add with atomics."""
+    xtx = bufs[0]
+    view = source_view(layers)
+    src = view.base
+    bsz, hs, _, ds = src.shape
+    n_heads, n = heads.shape
+    t, dt = rows.shape[1], y.shape[-1]
+    half_s = ds // 2
+    c = min(next_pow2(max(half_s, 16)), 64)
+    nc = -(-half_s // c)
+    nxc, nyc = n * 2 * nc, -(-dt // c)
+    g = xtx.shape[0]
+    key = (nxc, nyc, g, n_heads, xtx.device)
+    if key not in _TILES_CACHE:
+        _TILES_CACHE[key] = _tiles(nxc, nyc, g, n_heads, xtx.device)
+    tiles = _TILES_CACHE[key]
+    interp = src.device.type != "cuda" or interpreting()
+    block_t = _INTERPRET_BLOCK_T if interp else _BLOCK_T
+    n_blocks = bsz * -(-t // block_t)
+    if splits is None:
+        sms = 1 if interp else torch.cuda.get_device_properties(src.device).multi_processor_count
+        splits = max(1, min(-(-4 * sms // tiles.shape[0]), n_blocks // 4))
+    per_split = -(-n_blocks // splits)
+    splits = -(-n_blocks // per_split)
+    src_rope, has_w = src_cos is not None, weights is not None
+    sc, ss = (src_cos, src_sin) if src_rope else (src, src)
+    wt = weights if has_w else rows
+    args = (
+        src, view.offsets, *src.stride()[:3],
+        rows, *rows.stride(),
+        heads, *heads.stride(),
+        y, *y.stride()[:3],
+        wt, *(weights.stride() if has_w else (0, 0, 0)),
+        sc, ss, *(src_cos.stride()[:4] if src_rope else (0, 0, 0, 0)),
+        tiles, *bufs,
+        t, hs, n * ds, dt, nxc, n_blocks, per_split,
+    )  # fmt: skip
+    with device_of(src):
+        _KERNEL[(tiles.shape[0], splits)](
+            *args, HALF_S=half_s, C=c, NC=nc, SRC_ROPE=src_rope, HAS_W=has_w, ATOMIC=splits > 1,
+            PRECISION="tf32x3", BLOCK_T=block_t, num_warps=4,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator
+
+_SCHEMA = (
+    "(Tensor[] src, Tensor rows, Tensor heads, Tensor y, Tensor? weights, Tensor? src_cos, Tensor? src_sin, "
+    "str backend, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, Tensor(e!) sum_yy, "
+    "Tensor(f!) sum_w) -> ()"
+)
+
+
+@torch.library.custom_op(
+    "bridgecache::accumulate_stats",
+    mutates_args=("xtx", "xty", "sum_x", "sum_y", "sum_yy", "sum_w"),
+    schema=_SCHEMA,
+)
+def _stats_op(
+    src: list[torch.Tensor],
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor | None,
+    src_cos: torch.Tensor | None,
+    src_sin: torch.Tensor | None,
+    backend: str,
+    xtx: torch.Tensor,
+    xty: torch.Tensor,
+    sum_x: torch.Tensor,
+    sum_y: torch.Tensor,
+    sum_yy: torch.Tensor,
+    sum_w: torch.Tensor,
+) -> None:
+    bufs = (xtx, xty, sum_x, sum_y, sum_yy, sum_w)
+    if backend == "torch":
+        stats_reference(src, rows, heads, y, weights, src_cos, src_sin, *bufs)
+        return
+    if len({t.stride() for t in src}) > 1:
+        src = [t.contiguous() for t in src]
+    launch_stats(src, rows, heads, y, weights, src_cos, src_sin, bufs)
+
+
+@_stats_op.register_fake
+def _(src, rows, heads, y, weights, src_cos, src_sin, backend, xtx, xty, sum_x, sum_y, sum_yy, sum_w):
+    return None

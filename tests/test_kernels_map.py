@@ -1,0 +1,224 @@
+"""map_heads / map_layers / map_fullhead: the Triton kernel (CPU interpreter) and the PyTorch
+reference against a float64 computation of the documented formula, on fresh random inputs.
+
+Rule (../shared/STYLE.md): relative error of the kernel <= 2x that of the PyTorch reference in the
+same output dtype, plus a small floor; outputs start poisoned (NaN) so every element must be written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# Triton runs CPU tensors only in its interpreter, which it picks when it is imported: say so first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bridgecache.kernels import map_fullhead, map_heads, map_layers  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOOR = 1e-6  # relative error both backends reach in float32 arithmetic
+# What the PyTorch reference must reach on its own (output rounding), so a shared bug still fails.
+REF_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _triton_compiled_only() -> bool:
+    """True when this process imported triton before TRITON_INTERPRET=1 (its library won't interpret)."""
+    if DEVICE == "cuda" or "triton" not in sys.modules:
+        return False
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(std.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_if_needed(request):
+    if _triton_compiled_only() and request.node.name != "test_in_fresh_process":
+        pytest.skip("triton was imported without its interpreter; test_in_fresh_process runs these")
+
+
+def test_in_fresh_process():
+    """Run this module in a new process with the interpreter on, when this one cannot."""
+    if not _triton_compiled_only():
+        pytest.skip("this process interprets Triton: the tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+
+
+def on_device(*xs):
+    return [None if x is None else x.to(DEVICE) for x in xs]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_tables(*shape: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., D] as transformers builds them (halves repeated), with an attention factor."""
+    angle = torch.rand(*shape[:-1], shape[-1] // 2, generator=gen, dtype=torch.float64) * 100.0
+    factor = 1.0 + 0.5 * torch.rand(*shape[:-1], 1, generator=gen, dtype=torch.float64)
+    cos, sin = angle.cos() * factor, angle.sin() * factor
+    return torch.cat((cos, cos), -1).float(), torch.cat((sin, sin), -1).float()
+
+
+def random_rows(bsz: int, t: int, s: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, T] source rows with -1 (no source) and repeated indices."""
+    rows = torch.randint(0, s, (bsz, t), generator=gen)
+    rows[:, 0] = -1
+    rows[:, 1::7] = -1
+    rows[:, 2] = rows[:, 3]
+    return rows
+
+
+def float64_map(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin):
+    """The documented function, full-width formula, float64. src [B, Hv, S, Ds]; heads [Ht, n];
+    src_cos [B, Hv, S, Ds] or None; tgt_cos [B, T, Dt] or None -> [B, Ht, T, Dt]."""
+    x = src.double()
+    if src_cos is not None:
+        c, s = src_cos.double(), src_sin.double()
+        x = (x * c - rotate_half(x) * s) / (c * c + s * s)
+    bsz, t = rows.shape
+    n_heads, n = heads.shape
+    out = torch.zeros(bsz, n_heads, t, weight.shape[-1], dtype=torch.float64)
+    for b in range(bsz):
+        idx = rows[b].clamp(min=0)
+        for h in range(n_heads):
+            xh = torch.cat([x[b, heads[h, j], idx] for j in range(n)], dim=-1)
+            z = xh @ weight[h].double() + bias[h].double()
+            if tgt_cos is not None:
+                z = z * tgt_cos[b].double() + rotate_half(z) * tgt_sin[b].double()
+            out[b, h] = torch.where((rows[b] >= 0)[:, None], z, 0.0)
+    return out
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "output not fully written (NaN poison left)"
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def check(run, ref, out_shape, dtype):
+    """Run both backends (Triton into a NaN-poisoned buffer) and apply the error rule."""
+    poisoned = torch.full(out_shape, float("nan"), dtype=dtype, device=DEVICE)
+    got = run("triton", poisoned)
+    assert got.data_ptr() == poisoned.data_ptr()
+    want = run("torch", None)
+    got, want = got.cpu(), want.cpu()
+    err_kernel, err_torch = rel_err(got, ref), rel_err(want, ref)
+    assert err_torch <= REF_TOL[dtype], err_torch
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    return got
+
+
+# src heads -> tgt heads, n inputs per head, Ds -> Dt, tokens S -> T, src dtype, out dtype, keys?
+CASES = [
+    (3, 2, 2, 64, 64, 29, 37, torch.bfloat16, torch.bfloat16, True),
+    (2, 1, 1, 128, 128, 23, 21, torch.bfloat16, torch.float16, True),
+    (8, 8, 1, 64, 64, 13, 19, torch.float16, torch.float32, True),
+    (2, 4, 1, 128, 256, 11, 17, torch.bfloat16, torch.bfloat16, True),
+    (2, 2, 1, 256, 64, 9, 18, torch.float32, torch.float32, False),
+    (3, 2, 2, 64, 128, 15, 33, torch.bfloat16, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("hs, ht, n, ds, dt, s, t, src_dtype, out_dtype, keys", CASES)
+def test_map_heads_matches_float64(hs, ht, n, ds, dt, s, t, src_dtype, out_dtype, keys):
+    gen = torch.Generator().manual_seed(hash((hs, ht, n, ds, dt, s, t)) % 2**31)
+    bsz = 2
+    src = torch.randn(bsz, hs, s, ds, generator=gen).to(src_dtype)
+    rows = random_rows(bsz, t, s, gen)
+    heads = torch.randint(0, hs, (ht, n), generator=gen)
+    weight = torch.randn(ht, n * ds, dt, generator=gen) / (n * ds) ** 0.5
+    bias = torch.randn(ht, dt, generator=gen)
+    sc = ss = tc = ts = None
+    if keys:
+        sc, ss = rope_tables(bsz, s, ds, gen=gen)
+        sc, ss = sc[:, None].expand(bsz, hs, s, ds), ss[:, None].expand(bsz, hs, s, ds)  # stride 0
+        tc, ts = rope_tables(bsz, t, dt, gen=gen)
+    ref = float64_map(src, rows, heads, weight, bias, sc, ss, tc, ts)
+
+    def run(backend, out):
+        args = on_device(src, rows, heads, weight, bias, sc, ss, tc, ts)
+        return map_heads(*args, out_dtype, backend=backend, out=out)
+
+    got = check(run, ref, (bsz, ht, t, dt), out_dtype)
+    assert (got[:, :, 0] == 0).all() and (got[:, :, 1::7] == 0).all()  # rows -1 are zero
+
+
+def test_map_heads_strided_source_and_per_head_tables():
+    """A source that is a transposed view, per-head (not broadcast) source tables, a list source."""
+    gen = torch.Generator().manual_seed(7)
+    bsz, hs, s, ds, t, dt = 1, 2, 19, 64, 25, 64
+    storage = torch.randn(bsz, s, hs, ds, generator=gen).to(torch.bfloat16)
+    src = storage.transpose(1, 2)  # [B, Hs, S, Ds], non-contiguous
+    other = torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16)
+    rows = random_rows(bsz, t, s, gen)
+    heads = torch.tensor([[0, 3], [2, 1]])  # virtual heads of [src, other]
+    weight = torch.randn(2, 2 * ds, dt, generator=gen) / ds**0.5
+    bias = torch.randn(2, dt, generator=gen)
+    sc, ss = rope_tables(bsz, 2 * hs, s, ds, gen=gen)
+    tc, ts = rope_tables(bsz, t, dt, gen=gen)
+    both = torch.cat([src, other], dim=1)
+    ref = float64_map(both, rows, heads, weight, bias, sc, ss, tc, ts)
+
+    def run(backend, out):
+        a, b, *args = on_device(src, other, rows, heads, weight, bias, sc, ss, tc, ts)
+        return map_heads([a, b], *args, backend=backend, out=out)
+
+    check(run, ref, (bsz, 2, t, dt), torch.bfloat16)
+
+
+def test_map_layers_matches_float64():
+    """All target layers in one launch; separate source tensors; per-layer-type source tables."""
+    gen = torch.Generator().manual_seed(11)
+    bsz, hs, s, ds, t, dt, n_src, n_tgt, ht, n = 2, 2, 17, 64, 23, 128, 3, 2, 3, 2
+    src = [torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16) for _ in range(n_src)]
+    rows = random_rows(bsz, t, s, gen)
+    heads = torch.randint(0, n_src * hs, (n_tgt, ht, n), generator=gen)
+    weight = torch.randn(n_tgt, ht, n * ds, dt, generator=gen) / (n * ds) ** 0.5
+    bias = torch.randn(n_tgt, ht, dt, generator=gen)
+    per_layer_cos, per_layer_sin = rope_tables(bsz, n_src, s, ds, gen=gen)  # [B, Ls, S, Ds]
+    sc = per_layer_cos[:, :, None].expand(bsz, n_src, hs, s, ds)
+    ss = per_layer_sin[:, :, None].expand(bsz, n_src, hs, s, ds)
+    tc, ts = rope_tables(bsz, t, dt, gen=gen)
+    flat = (sc.reshape(bsz, n_src * hs, s, ds), ss.reshape(bsz, n_src * hs, s, ds))
+    both = torch.cat(src, dim=1)
+    ref = torch.stack(
+        [float64_map(both, rows, heads[i], weight[i], bias[i], *flat, tc, ts) for i in range(n_tgt)]
+    )
+
+    def run(backend, out):
+        return map_layers(on_device(*src), *on_device(rows, heads, weight, bias, sc, ss, tc, ts),
+                          backend=backend, out=out)  # fmt: skip
+
+    check(run, ref, (n_tgt, bsz, ht, t, dt), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dt, ht", [(64, 3), (128, 2)])
+def test_map_fullhead_matches_float64(dt, ht):
+    """Every target head reads all heads of k = 2 source layers (dt 64: two heads per program)."""
+    gen = torch.Generator().manual_seed(dt + ht)
+    bsz, hs, s, ds, t = 1, 2, 15, 64, 21
+    src = [torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    rows = random_rows(bsz, t, s, gen)
+    weight = torch.randn(ht, 2 * hs * ds, dt, generator=gen) / (2 * hs * ds) ** 0.5
+    bias = torch.randn(ht, dt, generator=gen)
+    sc, ss = rope_tables(bsz, s, ds, gen=gen)
+    tc, ts = rope_tables(bsz, t, dt, gen=gen)
+    heads = torch.arange(2 * hs)[None].expand(ht, -1)
+    sc4, ss4 = sc[:, None].expand(bsz, 2 * hs, s, ds), ss[:, None].expand(bsz, 2 * hs, s, ds)
+    ref = float64_map(torch.cat(src, 1), rows, heads, weight, bias, sc4, ss4, tc, ts)
+
+    def run(backend, out):
+        return map_fullhead(
+            on_device(*src), *on_device(rows, weight, bias, sc, ss, tc, ts), backend=backend, out=out
+        )
+
+    check(run, ref, (bsz, ht, t, dt), torch.bfloat16)

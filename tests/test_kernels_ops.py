@@ -1,0 +1,125 @@
+"""bridgecache.kernels as torch operators and as a package: custom-op registration (opcheck, fake
+tensors), backend dispatch, argument checks, and the import boundary (no models, no tokenizers)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import bridgecache.kernels as K
+import pytest
+import torch
+from bridgecache.kernels import SufficientStats, map_fullhead, map_heads, map_layers
+from bridgecache.kernels._dispatch import ENV_VAR, resolve_backend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+KERNELS_DIR = pathlib.Path(K.__file__).parent
+
+
+def small_inputs(gen=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    src = torch.randn(1, 2, 5, 32, generator=gen)
+    rows = torch.tensor([[0, -1, 4, 4, 2]])
+    heads = torch.tensor([[1], [0], [1]])
+    weight = torch.randn(3, 32, 64, generator=gen)
+    bias = torch.randn(3, 64, generator=gen)
+    sc = torch.rand(1, 5, 32, generator=gen).cos()
+    ss = torch.rand(1, 5, 32, generator=gen).sin()
+    tc = torch.rand(1, 5, 64, generator=gen).cos()
+    ts = torch.rand(1, 5, 64, generator=gen).sin()
+    return src, rows, heads, weight, bias, sc, ss, tc, ts
+
+
+def test_opcheck_gathered_affine():
+    src, rows, heads, weight, bias, sc, ss, tc, ts = small_inputs()
+    out = torch.empty(1, 1, 3, 5, 64)
+    cos5 = sc[:, None, None].expand(1, 1, 2, 5, 32)
+    sin5 = ss[:, None, None].expand(1, 1, 2, 5, 32)
+    args = ([src], rows, heads[None], weight[None], bias[None], cos5, sin5, tc[None], ts[None], "torch", out)
+    torch.library.opcheck(torch.ops.bridgecache.gathered_affine.default, args)
+
+
+def test_opcheck_accumulate_stats():
+    src, rows, heads, *_ = small_inputs()
+    stats = SufficientStats.zeros(3, 32, 16)
+    y = torch.randn(1, 3, 5, 16)
+    args = ([src], rows, heads, y, torch.rand(1, 3, 5), None, None, "torch",
+            stats.xtx, stats.xty, stats.sum_x, stats.sum_y, stats.sum_yy, stats.sum_w)  # fmt: skip
+    torch.library.opcheck(torch.ops.bridgecache.accumulate_stats.default, args)
+
+
+def test_fake_tensors_propagate_shapes():
+    """Shapes and dtypes come out right without running anything (what torch.compile traces)."""
+    with FakeTensorMode() as mode:
+        src, rows, heads, weight, bias, sc, ss, tc, ts = (mode.from_tensor(x) for x in small_inputs())
+        keys = map_heads(src, rows, heads, weight, bias, sc, ss, tc, ts, out_dtype=torch.bfloat16)
+        assert keys.shape == (1, 3, 5, 64) and keys.dtype == torch.bfloat16
+        layers = map_layers([src, src], rows, heads[None].expand(4, 3, 1), weight[None].expand(4, 3, 32, 64),
+                            bias[None].expand(4, 3, 64))  # fmt: skip
+        assert layers.shape == (4, 1, 3, 5, 64) and layers.dtype == torch.float32
+        full = map_fullhead(src, rows, torch.zeros(3, 64, 64), bias, out_dtype=torch.float16)
+        assert full.shape == (1, 3, 5, 64) and full.dtype == torch.float16
+        stats = SufficientStats.zeros(3, 32, 16)
+        stats = SufficientStats(*(mode.from_tensor(getattr(stats, f)) for f in stats.__dataclass_fields__))
+        stats.update(src, rows, heads, torch.zeros(1, 3, 5, 16))
+
+
+def test_backend_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_backend(None, cpu) == "torch"
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert resolve_backend(None, torch.device("cuda")) == "torch"
+    assert resolve_backend("auto", cpu) == "torch"
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend(None, cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        resolve_backend("triton", cpu)
+
+
+def test_torch_backend_is_the_cpu_default(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    args = small_inputs()
+    assert torch.equal(map_heads(*args), map_heads(*args, backend="torch"))
+
+
+def test_argument_checks(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # let backend="triton" reach the head-dim check
+    src, rows, heads, weight, bias, sc, ss, tc, ts = small_inputs()
+    with pytest.raises(ValueError, match="weight"):
+        map_heads(src, rows, heads, weight[:, :16], bias)
+    with pytest.raises(ValueError, match="rows"):
+        map_heads(src, rows.int(), heads, weight, bias)
+    with pytest.raises(ValueError, match="cos and sin"):
+        map_heads(src, rows, heads, weight, bias, sc, None)
+    with pytest.raises(ValueError, match="out"):
+        map_heads(src, rows, heads, weight, bias, out=torch.empty(1, 3, 4, 64))
+    with pytest.raises(ValueError, match="power-of-two"):
+        odd = torch.randn(1, 2, 5, 40)
+        map_heads(odd, rows, heads, torch.randn(3, 40, 64), bias, backend="triton")
+
+
+def test_imports_stay_below_bridgecache():
+    """kernels/ knows no models or tokenizers: it imports torch, triton and the standard library only."""
+    allowed = {"torch", "triton", "__future__", "collections", "contextlib", "dataclasses", "functools",
+               "importlib", "os"}  # fmt: skip
+    for path in KERNELS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [] if node.level else [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_empty_contexts():
+    src, rows, heads, weight, bias, *_ = small_inputs()
+    none = map_heads(src, rows[:, :0], heads, weight, bias)
+    assert none.shape == (1, 3, 0, 64)
+    native = map_heads(src[:, :, :0], torch.full((1, 4), -1), heads, weight, bias)
+    assert native.shape == (1, 3, 4, 64) and not native.any()
