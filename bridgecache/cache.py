@@ -19,6 +19,10 @@ Sliding-window target layers translate only the rows their window keeps.
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+from functools import lru_cache
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -233,8 +237,8 @@ class _Translator:
                 f"target_ids has shape {tuple(target_ids.shape)}; expected [batch={self.batch_size}, tokens] "
                 "(the source context's batch size)"
             )
-        if target_mask is None:
-            target_mask = torch.ones_like(target_ids)
+        # Planning runs on the CPU (small integer work); tensors move to the device once.
+        target_mask = torch.ones_like(target_ids, device="cpu") if target_mask is None else target_mask.cpu()
         self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
@@ -246,7 +250,7 @@ class _Translator:
         if policy == "mean" and alignment is not None:
             # Each target row averages several un-rotated source rows: pool them once, up front,
             # so translation then reads one (already un-rotated) row per target position.
-            source = _pool_source(source, alignment, target_mask, RopeTables.from_spec(spec))
+            source = _pool_source(source, alignment, target_mask, _rope_of(spec))
             self.source = source
         rows = _plan_rows(source, target_mask, alignment, policy)
         pad = (target_mask == 0).sum(1)
@@ -259,13 +263,13 @@ class _Translator:
         # against what a sliding source layer keeps, without a device sync).
         masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).amin(dim=0)
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
-        self._plans: dict = {}
         self._target_tables: dict = {}
+        self._device_rows: dict = {}
         self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
         self.target_rope = RopeTables.from_model(target)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
-            self.source_rope = SourceRope(RopeTables.from_spec(spec), source, self.home_device)
+            self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
@@ -289,7 +293,7 @@ class _Translator:
                     "capture the source with bridgecache.capture_kv"
                 )
             cos, sin = self._target_cos_sin(idx, begin, device)
-            rows = self.rows[:, begin:].to(device)
+            rows = self._rows_from(begin, device)
             keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype)
             parts_k.append(keys)
             parts_v.append(values)
@@ -298,12 +302,17 @@ class _Translator:
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
     def _plan(self, idx: int, device: torch.device) -> LayerPlan:
-        key = (idx, device)
-        if key not in self._plans:
-            self._plans[key] = LayerPlan.build(
-                self.bridge.layers[idx], self.bridge.source.num_kv_heads, device
-            )
-        return self._plans[key]
+        # Kept on the LayerMap itself, per device: every cache a bridge serves reuses it.
+        plans = vars(self.bridge.layers[idx]).setdefault("_plans_by_device", {})
+        if device not in plans:
+            plans[device] = LayerPlan.build(self.bridge.layers[idx], self.bridge.source.num_kv_heads, device)
+        return plans[device]
+
+    def _rows_from(self, begin: int, device: torch.device) -> torch.Tensor:
+        key = (begin, device)
+        if key not in self._device_rows:
+            self._device_rows[key] = self.rows[:, begin:].to(device)
+        return self._device_rows[key]
 
     def _target_cos_sin(self, idx: int, begin: int, device: torch.device):
         """Target cos/sin [batch, rows, dim] from `begin` on; shared by layers of one rope type."""
@@ -312,6 +321,12 @@ class _Translator:
             cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
             self._target_tables[key] = (cos.to(device), sin.to(device))
         return self._target_tables[key]
+
+
+@lru_cache(maxsize=16)
+def _rope_of(spec) -> RopeTables:
+    """The rotary tables of a bridge's source spec (built once: it constructs a config and module)."""
+    return RopeTables.from_spec(spec)
 
 
 def _alignments(alignment, batch: int) -> list:
@@ -396,11 +411,29 @@ def _leading_native(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     return torch.tensor(counts)
 
 
-@torch.no_grad()
+# Native head KV depend only on the head tokens themselves (nothing precedes them), so they are
+# computed once per (target model, head tokens) and reused by every later cache: a BOS or a fixed
+# system prompt then costs nothing. Bounded, and dropped with the model.
+_NATIVE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NATIVE_HEADS_PER_MODEL = 32
+
+
 def _native_head(target, target_ids, target_mask, head: int):
     """Per-layer native keys/values [batch, tgt_heads, head, head_dim] of the first `head` columns."""
     if head == 0:
         return None, None
+    key = (tuple(target_ids[:, :head].flatten().tolist()), tuple(target_mask[:, :head].flatten().tolist()))
+    memo = _NATIVE_HEADS.setdefault(target, OrderedDict())
+    if key not in memo:
+        memo[key] = _run_native_head(target, target_ids, target_mask, head)
+        if len(memo) > _NATIVE_HEADS_PER_MODEL:
+            memo.popitem(last=False)
+    memo.move_to_end(key)
+    return memo[key]
+
+
+@torch.no_grad()
+def _run_native_head(target, target_ids, target_mask, head: int):
     device = target.get_input_embeddings().weight.device
     cache = DynamicCache()  # config-less: every layer keeps every token
     mask = target_mask[:, :head].to(device)

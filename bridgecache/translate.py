@@ -35,8 +35,9 @@ class SourceRope:
 
     def cos_sin(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer_type = self.tables.layer_types[layer]
-        if layer_type not in self._by_type:
-            self._by_type[layer_type] = self.tables.cos_sin(layer, self.positions)
+        if layer_type not in self._by_type:  # computed where the tables live, kept on the device
+            cos, sin = self.tables.cos_sin(layer, self.positions)
+            self._by_type[layer_type] = (cos.to(self.positions.device), sin.to(self.positions.device))
         return self._by_type[layer_type]
 
 
@@ -62,9 +63,11 @@ class LayerPlan:
         position_of_layer[torch.tensor(used)] = torch.arange(len(used))
         heads = position_of_layer[inputs[..., 0]] * heads_per_layer + inputs[..., 1]
         move = lambda t: t.to(device=device, dtype=torch.float32).contiguous()
+        # The fused kernel reads W [Ht, n*Ds, Dt] input-axis-contiguous; lay it out so once here.
+        weight = lambda t: move(t).transpose(-1, -2).contiguous().transpose(-1, -2)
         return cls(
-            tuple(used), heads.to(device), move(layer_map.key_weight), move(layer_map.key_bias),
-            move(layer_map.value_weight), move(layer_map.value_bias),
+            tuple(used), heads.to(device), weight(layer_map.key_weight), move(layer_map.key_bias),
+            weight(layer_map.value_weight), move(layer_map.value_bias),
         )  # fmt: skip
 
 

@@ -232,3 +232,17 @@ def test_alignment_policies_read_the_source_rows_they_name(policy):
         want_k = rotate(want_k, cos, sin)[:, :, 0]
         assert torch.allclose(values[:, :, t], want_v, atol=1e-5)
         assert torch.allclose(keys[:, :, t], want_k, atol=1e-5)
+
+
+def test_native_head_is_computed_once_per_model_and_head_tokens():
+    model = tiny_model("qwen2")
+    bridge = Bridge.identity(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    for length in (9, 12):  # two contexts that start with the same token
+        ids = torch.cat([torch.tensor([[5]]), torch.randint(3, 300, (1, length - 1))], dim=1)
+        captured = capture_kv(model, ids)
+        before = len(forwards)
+        cache = BridgedCache(bridge, captured, model, ids)
+        assert len(forwards) - before == (1 if length == 9 else 0)
+        assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
