@@ -1,0 +1,140 @@
+"""Attention-aligned token weights from the TARGET model's own attention (CacheBridge).
+
+At up to 32 log-spaced prefix boundaries u (query rows u = prefix length - 1), with the target's
+attention a_ui of boundary query u on key i, output o_u = sum_i a_ui v_i and query q_u:
+    value weight  r^V_i = sum_u a_ui^2
+    key weight    r^K_i = sum_u a_ui^2 ||v_i - o_u||^2 ||q_u||^2 s^2     (s = attention scaling)
+summed over the query heads that share KV head h. ||d o_u / d k_i||_F^2 = a_ui^2 ||v_i - o_u||^2
+||q_u||^2 s^2, so r^K is the squared sensitivity of the outputs to key i (s^2 = 1/d for the usual
+1/sqrt(d) scaling). Only the boundary query rows are ever formed: [batch, q_heads, rows, tokens],
+never the [tokens, tokens] attention matrix.
+
+Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
+rows from the module's own q_proj, q_norm (where present) and the rotary tables the model passes
+in (`position_embeddings`); keys and values are the captured cache. Causal masking, sliding
+windows and logit soft-capping follow the module's attributes.
+
+Knows the attention layout of transformers' Llama-style modules (q_proj, optional q_norm,
+position_embeddings, scaling, sliding_window, num_key_value_groups); nothing about bridges or
+tokenizers. Attention sinks (learned extra logits) are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bridgecache.rope import rotate
+
+__all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
+
+
+def boundary_rows(tokens: int, count: int = 32, first: int = 1) -> torch.Tensor:
+    """Query rows of up to `count` log-spaced prefix lengths in [first + 1, tokens]: int64 [rows]."""
+    start = min(first + 1, tokens)
+    lengths = torch.logspace(math.log10(start), math.log10(tokens), count, dtype=torch.float64)
+    return torch.unique(lengths.round().long().clamp(start, tokens)) - 1
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The self-attention modules of a transformers decoder, ordered by layer index."""
+    found = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx")
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+class QueryRecorder:
+    """Context manager keeping each layer's boundary queries during one forward pass.
+
+    queries[l]: [batch, q_heads, rows, head_dim] float32 (after q-norm and RoPE).
+    """
+
+    def __init__(self, model, rows: torch.Tensor):
+        self.modules = attention_modules(model)
+        self.rows = rows
+        self.queries: dict[int, torch.Tensor] = {}
+        self._handles = []
+
+    def __enter__(self) -> QueryRecorder:
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        rows = self.rows.to(hidden.device)
+        h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
+        q = module.q_proj(h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
+        if getattr(module, "q_norm", None) is not None:
+            q = module.q_norm(q)
+        q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+        self.queries[module.layer_idx] = q
+
+
+@torch.no_grad()
+def token_weights(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw key and value weights (r^K, r^V) of every token: each [batch, kv_heads, tokens] float32.
+
+    queries: [batch, q_heads, rows, d] boundary queries; keys (post-RoPE), values:
+    [batch, kv_heads, tokens, d]; rows: [rows] int64 query positions.
+    """
+    b, hq, nb, d = queries.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    q = queries.float().view(b, hkv, hq // hkv, nb, d)
+    k, v = keys.float().unsqueeze(2), values.float().unsqueeze(2)  # [b, hkv, 1, t, d]
+    logits = (q @ k.transpose(-1, -2)) * scaling  # [b, hkv, group, rows, t]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    u = rows.to(keys.device)[:, None]
+    i = torch.arange(t, device=keys.device)[None, :]
+    allowed = i <= u
+    if sliding_window:
+        allowed &= u - i < sliding_window
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    attn = logits.softmax(-1)
+    out = attn @ v  # [b, hkv, group, rows, d]
+    a2 = attn * attn
+    r_value = a2.sum((2, 3))
+    # ||v_i - o_u||^2 = ||v_i||^2 - 2 v_i.o_u + ||o_u||^2, without a [rows, t, d] tensor.
+    v_norm2 = (v * v).sum(-1).unsqueeze(-2)  # [b, hkv, 1, 1, t]
+    dist = v_norm2 - 2.0 * (out @ v.transpose(-1, -2)) + (out * out).sum(-1, keepdim=True)
+    q_norm2 = (q * q).sum(-1, keepdim=True) * scaling * scaling
+    r_key = (a2 * dist.clamp_min(0.0) * q_norm2).sum((2, 3))
+    return r_key, r_value
+
+
+def layer_weights(
+    model, recorder: QueryRecorder, keys, values
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(r^K, r^V) per target layer from a recorder filled by one forward pass and its cache."""
+    r_keys, r_values = [], []
+    for module in recorder.modules:
+        layer = module.layer_idx
+        r_k, r_v = token_weights(
+            recorder.queries[layer],
+            keys[layer],
+            values[layer],
+            recorder.rows,
+            scaling=module.scaling,
+            sliding_window=getattr(module, "sliding_window", None),
+            softcap=getattr(module, "attn_logit_softcapping", None),
+        )
+        r_keys.append(r_k)
+        r_values.append(r_v)
+    return r_keys, r_values

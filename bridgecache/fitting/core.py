@@ -1,0 +1,185 @@
+"""The fitting core: paired KV of calibration sequences in, per-layer affine maps out.
+
+Per calibration sequence it consumes a `PairedKV`: un-rotated source keys and values, target
+keys and values, the pairing (source row, target row) of the rows to fit (positions the target
+computes natively already removed) and, for attention-aligned fitting, the target's raw token
+weights. It accumulates, per target layer, the statistics of that layer's maps (train split,
+optionally attention-weighted, and an unweighted held-out split), then solves them.
+
+Knows nothing about models, tokenizers or calibration text: a same-tokenizer pair and a
+cross-tokenizer pair differ only in the pairing they hand in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from bridgecache.bridge import LayerMap
+from bridgecache.fitting.ridge import r2, solve
+from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
+from bridgecache.fitting.support import ProbeMoments
+
+__all__ = ["PairedKV", "Shift", "add_probe", "LayerAccumulator"]
+
+
+@dataclass
+class PairedKV:
+    """One calibration sequence as the core sees it.
+
+    source_keys[l], source_values[l]: [1, src_heads, src_tokens, src_dim], keys un-rotated.
+    target_keys[l], target_values[l]: [1, tgt_heads, tgt_tokens, tgt_dim], keys un-rotated.
+    src_rows, tgt_rows: int64 [n], the pairs to fit (target rows < native_head already dropped).
+    key_weights[l], value_weights[l]: [1, tgt_heads, tgt_tokens] raw attention weights, or None.
+    heldout: whether this sequence scores the maps instead of fitting them.
+    """
+
+    source_keys: list[torch.Tensor]
+    source_values: list[torch.Tensor]
+    target_keys: list[torch.Tensor]
+    target_values: list[torch.Tensor]
+    src_rows: torch.Tensor
+    tgt_rows: torch.Tensor
+    heldout: bool = False
+    key_weights: list[torch.Tensor] | None = None
+    value_weights: list[torch.Tensor] | None = None
+
+
+@dataclass
+class Shift:
+    """Constant offsets subtracted from every row before accumulating: [1, heads, 1, dim] per layer.
+
+    Raw moments lose digits to cancellation when the data sit far from zero (keys carry large
+    biases) and the statistics kernel forms its products in float32. Any constant shift leaves the
+    fitted W and the R^2 unchanged; with a shift near the mean (that of the first sequence) the
+    moments stay well conditioned. `LayerAccumulator.solve` shifts the bias back.
+    """
+
+    source_keys: list[torch.Tensor]
+    source_values: list[torch.Tensor]
+    target_keys: list[torch.Tensor]
+    target_values: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, seq: PairedKV) -> Shift:
+        src, tgt = seq.src_rows, seq.tgt_rows
+
+        def means(layers, idx):
+            return [x[:, :, idx.to(x.device)].mean(2, keepdim=True) for x in layers]
+
+        return cls(
+            means(seq.source_keys, src), means(seq.source_values, src),
+            means(seq.target_keys, tgt), means(seq.target_values, tgt),
+        )  # fmt: skip
+
+    def apply(self, seq: PairedKV) -> PairedKV:
+        def sub(layers, shifts):
+            return [x - c for x, c in zip(layers, shifts)]
+
+        return replace(
+            seq,
+            source_keys=sub(seq.source_keys, self.source_keys),
+            source_values=sub(seq.source_values, self.source_values),
+            target_keys=sub(seq.target_keys, self.target_keys),
+            target_values=sub(seq.target_values, self.target_values),
+        )
+
+
+def add_probe(probe: ProbeMoments, seq: PairedKV) -> None:
+    """Add one sequence's rows to the single-layer probe statistics."""
+    src, tgt = seq.src_rows.to(seq.source_keys[0].device), seq.tgt_rows.to(seq.target_keys[0].device)
+
+    def rows(layers, idx):  # [1, heads, tokens, d] -> [n, heads, d]
+        return [x[0][:, idx].transpose(0, 1) for x in layers]
+
+    probe.update(
+        rows(seq.source_keys, src), rows(seq.source_values, src),
+        rows(seq.target_keys, tgt), rows(seq.target_values, tgt),
+    )  # fmt: skip
+
+
+class LayerAccumulator:
+    """Statistics of one target layer's K and V maps; `solve` turns them into a LayerMap.
+
+    inputs: int64 [tgt_heads, n_in, 2] (source layer, source head) per input slot.
+    weighted: accumulate attention-aligned (r-weighted) training statistics as well.
+    """
+
+    def __init__(self, layer: int, inputs: torch.Tensor, src_heads: int, src_dim: int, tgt_dim: int,
+                 weighted: bool, device=None):  # fmt: skip
+        self.layer = layer
+        self.inputs = inputs
+        self.used = sorted({int(s) for s in inputs[..., 0].flatten()})
+        position = {s: i for i, s in enumerate(self.used)}
+        layer_pos = torch.tensor(
+            [[position[int(s)] for s in row] for row in inputs[..., 0]], dtype=torch.long
+        )
+        self.heads = (layer_pos * src_heads + inputs[..., 1]).to(device)  # index into stacked source heads
+        shared = bool((inputs == inputs[:1]).all())  # full-head: one Gram matrix for the layer
+        h, p = inputs.shape[0], inputs.shape[1] * src_dim
+        self.weighted = weighted
+        if weighted:
+            self.train = {kind: WeightedMoments.zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
+        else:
+            self.train = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
+        self.heldout = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
+        self.alphas: dict[str, list[float]] = {}
+
+    def add(self, seq: PairedKV) -> None:
+        device = self.heads.device
+        rows = seq.src_rows.to(device)[None]
+        tgt = seq.tgt_rows.to(device)
+        for kind, src_layers, tgt_layers, weights in (
+            ("k", seq.source_keys, seq.target_keys, seq.key_weights),
+            ("v", seq.source_values, seq.target_values, seq.value_weights),
+        ):
+            src = [src_layers[s].to(device) for s in self.used]  # stacked on the head axis
+            y = tgt_layers[self.layer][:, :, tgt].to(device)  # [1, Ht, n, Dt]
+            if seq.heldout:
+                accumulate(self.heldout[kind], src, rows, self.heads, y)
+            elif not self.weighted:
+                accumulate(self.train[kind], src, rows, self.heads, y)
+            elif weights is None:
+                raise ValueError("attention-weighted fitting needs key_weights and value_weights")
+            else:
+                self.train[kind].add(src, rows, self.heads, y, weights[self.layer][:, :, tgt].to(device))
+
+    def training_moments(self, kind: str) -> SufficientStats:
+        """The statistics the map is solved from (attention-weighted when asked for)."""
+        if not self.weighted:
+            return self.train[kind]
+        combined, self.alphas[kind] = self.train[kind].combine()
+        return combined
+
+    def solve(self, lam: float, shift: Shift | None = None) -> LayerMap:
+        """The fitted maps; `shift` is the Shift the accumulated rows were taken with, if any."""
+        maps, scores = {}, {}
+        for kind in "kv":
+            w, b = solve(self.training_moments(kind), lam)
+            has_heldout = float(self.heldout[kind].sum_w.min()) > 0
+            scores[kind] = r2(w, b, self.heldout[kind])[1] if has_heldout else math.nan
+            if shift is not None:
+                b = b + self._unshift(shift, kind, w)
+            maps[kind] = (w.float().cpu(), b.float().cpu())
+        return LayerMap(
+            source_layers=self.used,
+            inputs=self.inputs.cpu(),
+            key_weight=maps["k"][0],
+            key_bias=maps["k"][1],
+            value_weight=maps["v"][0],
+            value_bias=maps["v"][1],
+            r2_key=scores["k"],
+            r2_value=scores["v"],
+        )
+
+    def _unshift(self, shift: Shift, kind: str, w: torch.Tensor) -> torch.Tensor:
+        """c_y - c_x W per head: the bias correction for rows shifted by (c_x, c_y)."""
+        src = shift.source_keys if kind == "k" else shift.source_values
+        tgt = shift.target_keys if kind == "k" else shift.target_values
+        cx = torch.stack(
+            [torch.cat([src[int(s)][0, int(h), 0] for s, h in head]) for head in self.inputs]
+        ).to(w)  # [Ht, p]
+        cy = tgt[self.layer][0, :, 0].to(w)  # [Ht, Dt]
+        return cy - (cx.unsqueeze(1) @ w).squeeze(1)
