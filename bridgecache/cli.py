@@ -101,6 +101,8 @@ def _demo(args) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from bridgecache.fitting.cli import add_fit_command
+
     parser = argparse.ArgumentParser(
         prog="bridgecache",
         description="Hand one LLM's KV cache to another: fit bridges, run handoffs, measure them.",
@@ -116,12 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.set_defaults(func=_demo)
 
-    try:
-        from bridgecache.fitting.cli import add_fit_command
-
-        add_fit_command(sub)
-    except ImportError:
-        pass
+    add_fit_command(sub)
     try:
         from bridgecache.evaluation.cli import add_eval_command
 
