@@ -101,6 +101,7 @@ def _demo(args) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from bridgecache.evaluation.cli import add_eval_command
     from bridgecache.fitting.cli import add_fit_command
 
     parser = argparse.ArgumentParser(
@@ -119,12 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     add_fit_command(sub)
-    try:
-        from bridgecache.evaluation.cli import add_eval_command
-
-        add_eval_command(sub)
-    except ImportError:
-        pass
+    add_eval_command(sub)
     return parser
 
 

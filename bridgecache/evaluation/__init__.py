@@ -1,0 +1,32 @@
+"""Evaluation of bridges: the field's protocols plus the controls that keep the numbers honest.
+
+    bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] ...
+
+Modules, one job each:
+    items     evaluation items and their JSONL formats (DataFormatError names line and field)
+    facts     invented facts (people, towns, numbers, ships) for in-context retrieval questions
+    builtin   the offline built-in tasks, from bridgecache.text's evaluation split
+    prompts   an item's parts as token ids for each model: plain text or each model's chat template
+    scoring   native / bridged prefixes (timed) and log-likelihoods after them
+    runner    every condition for every item, shared work done once -> Evaluation
+    metrics   gain-recovered, accuracy, retention, bootstrap intervals (pure arithmetic)
+    report    the JSON summary and the table on stdout
+    cli       the `bridgecache eval` subcommand
+"""
+
+from bridgecache.evaluation.items import ChoiceItem, DataFormatError, EvaluationError, PplItem, load_items
+from bridgecache.evaluation.report import format_table, summarise
+from bridgecache.evaluation.runner import Evaluation, Variant, evaluate
+
+__all__ = [
+    "ChoiceItem",
+    "DataFormatError",
+    "Evaluation",
+    "EvaluationError",
+    "PplItem",
+    "Variant",
+    "evaluate",
+    "format_table",
+    "load_items",
+    "summarise",
+]

@@ -1,0 +1,146 @@
+"""How an evaluation item becomes token ids for each model: plain text or each model's chat template.
+
+An item is read in three parts:
+    context  what the source has read; the target gets it as a cache (bridged) or prefills it
+    prompt   what the target then reads natively: "" (ppl) or "\\nQuestion: {q}\\nAnswer:" (choice)
+    scored   the strings whose log-likelihood is measured: the continuation, or " {choice}" each
+Plain: the context is `tokenizer(context)` (with the model's own BOS where it adds one), in each
+    model's own tokenization, as `bridgecache.handoff` feeds it; across tokenizers
+    `tokenalign.align` pairs them.
+Chat (`chat=True`): the context is the first user message in each model's own chat template
+    (`tokenalign.align_chat`; template scaffolding is computed by the target); the prompt is a second
+    user message (the question, or CHAT_PPL_INSTRUCTION for ppl) and the assistant header; the
+    scored strings are the assistant's reply, leading whitespace stripped.
+No context: plain: the model's start token (BOS, else EOS: lm-evaluation-harness's convention) and
+    the prompt; chat: the conversation without the context message. Scored strings are the same.
+
+This module knows nothing about KV caches or metrics; it calls tokenizers and tokenalign only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bridgecache.evaluation.items import ChoiceItem, EvaluationError, PplItem
+from bridgecache.handoff import context_ids, same_tokenization
+
+__all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
+
+CHAT_PPL_INSTRUCTION = "Continue the text."
+
+
+@dataclass
+class Context:
+    """One context for one (source, target) pair and bridge.
+
+    source_ids [1, S], target_ids [1, T] int64, each model's own tokenization; alignment: the
+    tokenalign.Alignment of target onto source, or None when both share a tokenizer (identity)."""
+
+    alignment: object
+    source_ids: torch.Tensor
+    target_ids: torch.Tensor
+
+
+class Prompts:
+    """Token ids of an item's parts for one (source tokenizer, target tokenizer) pair."""
+
+    def __init__(self, source_tokenizer, target_tokenizer, chat: bool = False):
+        self.source_tok, self.target_tok, self.chat = source_tokenizer, target_tokenizer, chat
+        # Once: comparing vocabularies takes seconds for a 150K-token vocabulary.
+        self.same = same_tokenization(source_tokenizer, target_tokenizer)
+
+    def context(self, text: str, bridge) -> Context:
+        """The context as each model reads it, aligned for `bridge` (its alignment policy)."""
+        from tokenalign import align, align_chat, render_chat
+
+        policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
+        if not self.chat:
+            if self.same:
+                ids = context_ids(self.target_tok, text)
+                return Context(None, ids, ids.clone())
+            alignment, source_ids, target_ids = align(text, self.source_tok, self.target_tok, policy=policy)
+            return Context(alignment, _row(source_ids), _row(target_ids))
+        messages = [{"role": "user", "content": text}]
+        if self.same:
+            ids = self._chat_ids(render_chat(messages, self.target_tok))
+            return Context(None, ids, ids.clone())
+        alignment, source_ids, target_ids = align_chat(
+            messages, self.source_tok, self.target_tok, policy=policy
+        )
+        return Context(alignment, _row(source_ids), _row(target_ids))
+
+    def prompt(self, item: PplItem | ChoiceItem, context_text: str | None = None) -> list[int]:
+        """Target ids read natively right after the context (`context_text`: chat needs it)."""
+        if not self.chat:
+            return self._ids(_plain_prompt(item))
+        from tokenalign import render_chat
+
+        first = [{"role": "user", "content": context_text if context_text is not None else item.context}]
+        both = first + [{"role": "user", "content": _chat_message(item)}]
+        head = render_chat(first, self.target_tok).text
+        full = render_chat(both, self.target_tok, add_generation_prompt=True).text
+        if not full.startswith(head):
+            raise EvaluationError(
+                "the target's chat template renders a conversation differently once a message follows "
+                "the context, so the context cannot be cached on its own: evaluate without --chat"
+            )
+        return self._ids(full[len(head) :])
+
+    def scored(self, item: PplItem | ChoiceItem) -> list[list[int]]:
+        """Target ids of each scored string: [continuation] or one per choice."""
+        if isinstance(item, PplItem):
+            texts = [item.continuation.lstrip() if self.chat else item.continuation]
+        else:
+            texts = [c.strip() if self.chat else " " + c.strip() for c in item.choices]
+        return [self._ids(t) for t in texts]
+
+    def bare(self, item: PplItem | ChoiceItem) -> list[int]:
+        """Target ids read INSTEAD of context + prompt in the no-context condition."""
+        if not self.chat:
+            return [_start_token(self.target_tok)] + self._ids(_plain_prompt(item))
+        from tokenalign import render_chat
+
+        messages = [{"role": "user", "content": _chat_message(item)}]
+        return self._chat_ids(render_chat(messages, self.target_tok, add_generation_prompt=True))[0].tolist()
+
+    def content_length(self, text: str) -> int:
+        """Target tokens of a context's text alone (no BOS, no template): the length `cut` keeps."""
+        return len(self._ids(text))
+
+    def cut(self, text: str, tokens: int) -> str:
+        """The first `tokens` target tokens' worth of `text` (the whole text if it is shorter)."""
+        offsets = self.target_tok(text, add_special_tokens=False, return_offsets_mapping=True)[
+            "offset_mapping"
+        ]
+        if len(offsets) <= tokens:
+            return text
+        return text[: offsets[tokens - 1][1]]
+
+    def _ids(self, text: str) -> list[int]:
+        return self.target_tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _chat_ids(self, rendered) -> torch.Tensor:
+        ids = self.target_tok(rendered.text, add_special_tokens=rendered.add_special_tokens)["input_ids"]
+        return _row(ids)
+
+
+def _plain_prompt(item: PplItem | ChoiceItem) -> str:
+    return "" if isinstance(item, PplItem) else f"\nQuestion: {item.question}\nAnswer:"
+
+
+def _chat_message(item: PplItem | ChoiceItem) -> str:
+    return CHAT_PPL_INSTRUCTION if isinstance(item, PplItem) else item.question
+
+
+def _start_token(tokenizer) -> int:
+    """BOS if the tokenizer has one, else EOS: the start of a text with nothing before it."""
+    token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise ValueError("the target tokenizer has neither a BOS nor an EOS token to start a bare text")
+    return int(token)
+
+
+def _row(ids) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long).reshape(1, -1)

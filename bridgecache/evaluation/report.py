@@ -1,0 +1,154 @@
+"""Summaries of an Evaluation: the JSON object and the table printed on stdout.
+
+`summarise(evaluation, variant, **meta)` -> dict with `task`, `n`, `skipped`, the metrics of
+`metrics.py` (ppl: nll_* / ppl_* / *_gain_recovered; choice: acc_* / retention), the timings summed
+over items (`native_prefill_s`, `handoff_s`, `source_prefill_s`, `align_s`, `speedup`) and the
+per-item records (for plots). `format_table(summary)` renders it for people.
+
+This module knows nothing about models or data files.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bridgecache.evaluation.metrics import choice_metrics, pick_choice, ppl_metrics
+from bridgecache.evaluation.runner import Evaluation, Variant
+
+__all__ = ["summarise", "format_table", "HANDOFF_NOTE"]
+
+HANDOFF_NOTE = (
+    "A handoff pays only when the source has read the context anyway: the target skips its prefill, "
+    "but reading the context costs the source its own prefill (source_prefill_s)."
+)
+_PPL_ROWS = (
+    ("native", "(a) native prefill"),
+    ("bridged", "(b) bridged cache"),
+    ("no_context", "(c) no context"),
+    ("other_native", "(d) native, unrelated context"),
+    ("other_bridged", "(e) bridged, unrelated context"),
+)
+_CHOICE_ROWS = (
+    ("native", "(a) native prefill"),
+    ("bridged", "(b) bridged cache"),
+    ("no_context", "(c) no context"),
+    ("other_native", "(d) native, unrelated context"),
+)
+
+
+def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
+    """Our condition name -> the key of its scores in ItemResult.scores."""
+    keys = {"native": "native", "no_context": "no_context", "other_native": "other_native"}
+    keys["bridged"] = f"bridged[{variant.name}]"
+    if evaluation.task == "ppl":
+        keys["other_bridged"] = f"other_bridged[{variant.name}]"
+    return keys
+
+
+def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
+    """The JSON-able result of one variant (meta: source, target, data, chat, ...)."""
+    bridge, items = variant.bridge, evaluation.items
+    keys = _conditions(evaluation, variant)
+    out = {
+        "task": evaluation.task,
+        "n": len(items),
+        "skipped": len(evaluation.skipped),
+        "skipped_items": [{"index": i, "reason": reason} for i, reason in evaluation.skipped],
+        "method": bridge.method,
+        "native_head": variant.native_head,
+        "native_tail": variant.native_tail,
+        "alignment_policy": bridge.alignment_policy,
+        **meta,
+        "context_tokens_mean": sum(r.context_tokens for r in items) / len(items),
+    }
+    if evaluation.task == "ppl":
+        tokens = [r.scores["native"][0][1] for r in items]
+        nll = {c: [-r.scores[k][0][0] for r in items] for c, k in keys.items()}
+        out["scored_tokens_mean"] = sum(tokens) / len(tokens)
+        out |= ppl_metrics(nll, tokens)
+    else:
+        picks = {c: [pick_choice(*zip(*r.scores[k], strict=True)) for r in items] for c, k in keys.items()}
+        answers = [r.answer for r in items]
+        out |= choice_metrics(picks, answers, [len(r.scores["native"]) for r in items])
+    out["native_prefill_s"] = sum(r.native_prefill_s for r in items)
+    out["handoff_s"] = sum(r.handoff_s[variant.name] for r in items)
+    out["source_prefill_s"] = sum(r.source_prefill_s for r in items)
+    out["align_s"] = sum(r.align_s[variant.name] for r in items)
+    out["speedup"] = out["native_prefill_s"] / out["handoff_s"] if out["handoff_s"] > 0 else math.nan
+    out["note"] = HANDOFF_NOTE
+    out["items"] = [_item_record(r, keys, evaluation.task, variant) for r in items]
+    return out
+
+
+def _item_record(result, keys: dict[str, str], task: str, variant: Variant) -> dict:
+    record = {
+        "index": result.index,
+        "other_index": result.other_index,
+        "context_tokens": result.context_tokens,
+        "source_tokens": result.source_tokens,
+        "native_prefill_s": result.native_prefill_s,
+        "handoff_s": result.handoff_s[variant.name],
+        "source_prefill_s": result.source_prefill_s,
+    }
+    if task == "ppl":
+        record["tokens"] = result.scores["native"][0][1]
+        record |= {f"nll_{c}": -result.scores[k][0][0] for c, k in keys.items()}
+    else:
+        record["answer"] = result.answer
+        record |= {f"pick_{c}": pick_choice(*zip(*result.scores[k], strict=True)) for c, k in keys.items()}
+    return record
+
+
+def _pct(x: float) -> str:
+    return "  n/a" if x is None or math.isnan(x) else f"{100 * x:5.1f}%"
+
+
+def _ci(interval) -> str:
+    lo, hi = interval
+    return "" if math.isnan(lo) else f"  [95% CI {100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def format_table(s: dict) -> str:
+    """A readable report of one summary."""
+    lines = [
+        f"bridgecache eval: {s.get('source', '?')} -> {s.get('target', '?')}  ({s['method']} bridge, "
+        f"native_head={s['native_head']}, native_tail={s['native_tail']}, alignment={s['alignment_policy']})",
+        f"task {s['task']} on {s.get('data', '?')}: {s['n']} items, {s['skipped']} skipped"
+        f"{' (longer than a window)' if s['skipped'] else ''}; "
+        f"context {s['context_tokens_mean']:.0f} target tokens on average",
+        "",
+    ]
+    if s["task"] == "ppl":
+        lines.append(f"  {'condition':<34}{'NLL/token':>10}{'PPL':>10}")
+        for key, label in _PPL_ROWS:
+            lines.append(f"  {label:<34}{s[f'nll_{key}']:>10.4f}{s[f'ppl_{key}']:>10.2f}")
+        lines += [
+            "",
+            f"  context-gain recovered (c-b)/(c-a)  {_pct(s['context_gain_recovered'])}"
+            f"{_ci(s['context_gain_recovered_ci'])}",
+            f"  content-gain recovered (d-b)/(d-a)  {_pct(s['content_gain_recovered'])}"
+            f"{_ci(s['content_gain_recovered_ci'])}",
+            f"  (NLL per continuation token, {s['scored_tokens_mean']:.0f} tokens per item on average)",
+        ]
+    else:
+        lines.append(f"  {'condition':<34}{'accuracy':>10}")
+        for key, label in _CHOICE_ROWS:
+            lines.append(f"  {label:<34}{_pct(s[f'acc_{key}']):>10}")
+        lines += [
+            "",
+            f"  retention (b)/(a)                   {_pct(s['retention'])}{_ci(s['retention_ci'])}",
+            f"  retention above chance ({_pct(s['chance']).strip()})   {_pct(s['retention_above_chance'])}",
+        ]
+    n = s["n"]
+    lines += [
+        "",
+        f"  time, summed over {n} items",
+        f"    target native prefill of the context               {s['native_prefill_s']:9.3f} s",
+        f"    handoff (translate + native anchors + held-back)   {s['handoff_s']:9.3f} s"
+        f"   ({s['speedup']:.1f}x faster)",
+        f"    source prefill of the context                      {s['source_prefill_s']:9.3f} s",
+        f"    tokenization alignment                             {s['align_s']:9.3f} s",
+        "",
+        HANDOFF_NOTE,
+    ]
+    return "\n".join(lines)
