@@ -6,8 +6,10 @@ with the name of the field that differs. Built from a transformers config (+ tok
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import weakref
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["ModelSpec", "model_spec", "tokenizer_fingerprint", "SpecMismatchError"]
@@ -105,12 +107,28 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
     )
 
 
+# tokenizer -> (len(tokenizer), fingerprint). Hashing a 150k vocabulary costs ~0.6 s of CPU and
+# handoff() checks the pair's tokenizers on every call; adding tokens changes len(), which
+# invalidates the entry.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """16 hex digits of sha256 over the vocabulary (token -> id) and the special tokens."""
+    size = len(tokenizer)
+    try:
+        known_size, known = _FINGERPRINTS[tokenizer]
+        if known_size == size:
+            return known
+    except (KeyError, TypeError):  # TypeError: an object that cannot be weakly referenced
+        pass
     vocab = sorted(tokenizer.get_vocab().items())
     specials = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
     payload = json.dumps([vocab, specials], ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]
+    fingerprint = hashlib.sha256(payload).hexdigest()[:16]
+    with contextlib.suppress(TypeError):
+        _FINGERPRINTS[tokenizer] = (size, fingerprint)
+    return fingerprint
 
 
 def _short(value) -> str:

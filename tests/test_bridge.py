@@ -155,3 +155,23 @@ def test_layer_map_dataclass_fields():
     layer = LayerMap([0], torch.zeros(1, 1, 2, dtype=torch.long), torch.eye(2)[None], torch.zeros(1, 2),
                      torch.eye(2)[None], torch.zeros(1, 2))  # fmt: skip
     assert math.isnan(layer.r2_key) and layer.num_parameters == 12
+
+
+@pytest.mark.real_model
+def test_tokenizer_fingerprint_is_remembered_until_the_vocabulary_changes(monkeypatch):
+    from bridgecache.modelinfo import tokenizer_fingerprint
+    from bridgecache.zoo import load_tokenizer
+
+    tokenizer, fresh = load_tokenizer("smollm2-135m"), load_tokenizer("smollm2-135m")
+    reads = []
+    get_vocab = tokenizer.get_vocab
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: reads.append(1) or get_vocab())
+    first = tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(tokenizer) == first == tokenizer_fingerprint(fresh)
+    assert len(reads) == 1  # the second call did not hash the vocabulary again
+
+    tokenizer.add_tokens(["<bridgecache-new-token>"])
+    changed = tokenizer_fingerprint(tokenizer)
+    assert len(reads) == 2 and changed != first
+    fresh.add_tokens(["<bridgecache-new-token>"])
+    assert tokenizer_fingerprint(fresh) == changed

@@ -32,6 +32,12 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--layer-support", default="probe", choices=["probe", "depth"])
     fit.add_argument("--weighting", default=None, choices=["uniform", "attention"], help="(method default)")
     fit.add_argument("--domain", default="prose", choices=["prose", "code", "mixed"])
+    fit.add_argument(
+        "--alignment-policy",
+        default=None,
+        choices=["last", "first", "mean"],
+        help="which source rows feed a target token across tokenizers (default last; recorded in the bridge)",
+    )
     fit.add_argument("--lam", type=float, default=1e-2, help="ridge strength relative to the data scale")
     fit.add_argument("--native-head", type=int, default=1, help="target positions computed natively")
     fit.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -55,6 +61,7 @@ def run_fit(args) -> int:
         source, target, source_tok, target_tok, method=args.method,
         num_sequences=args.calib_seqs, seq_len=args.seq_len, domain=args.domain, layers_k=args.layers_k,
         layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,
+        alignment_policy=args.alignment_policy,
         native_head=args.native_head, seed=args.seed, source_name=args.source, target_name=args.target,
     )  # fmt: skip
     seconds = time.perf_counter() - start
