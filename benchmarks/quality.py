@@ -113,7 +113,11 @@ def run(args) -> None:
         m: _bridge(args.pair, m if m != "identity" else "identity", fit, models, given) for m in methods
     }
     anchors = [tuple(int(x) for x in a.split(":")) for a in args.anchors]
-    variants = [Variant(bridges[m][0], head, tail) for m in methods for head, tail in anchors]
+    variants = [
+        Variant(bridges[m][0], head, tail, key_norm=not args.no_key_norm)
+        for m in methods
+        for head, tail in anchors
+    ]
 
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
@@ -140,6 +144,7 @@ def run(args) -> None:
                 str(args.limit),
             ]
             command += ["--native-head", str(variant.native_head), "--native-tail", str(variant.native_tail)]
+            command += [] if variant.key_norm else ["--no-key-norm"]
             summary["command"] = shlex.join(command)
             summaries.append(summary)
         record = {
@@ -291,10 +296,11 @@ def _plots(records: list[dict], directory: Path, tag: str) -> None:
         ),
         ("facts-choice", "retention", "retention (5-choice fact questions)", "retention"),
     ):
+        series = {k: v for k, v in _series(records, family, key, tag).items() if len(v) >= 2}
+        if not series:  # this configuration was measured at one context length only
+            continue
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        for (pair, method, anchors), points in _series(records, family, key, tag).items():
-            if len(points) < 2:
-                continue
+        for (pair, method, anchors), points in series.items():
             xs, ys = zip(*points)
             style = "-" if method == "cachebridge" else "--"
             ax.plot(xs, [100 * y for y in ys], style, marker="o", label=f"{pair} {method} {anchors}")
@@ -350,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--anchors", nargs="+", default=["1:0", "1:32"], help="native_head:native_tail options")
     r.add_argument("--fit", nargs="*", default=[], help="Bridge.fit options, key=value (e.g. domain=mixed)")
     r.add_argument("--bridge", nargs="*", default=[], help="METHOD=DIR: use this bridge instead of fitting")
+    r.add_argument("--no-key-norm", action="store_true", help="BridgedCache(key_norm=False) in every variant")
     r.add_argument("--tag", default="default", help="name of this configuration (for before/after)")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--overwrite", action="store_true")

@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.align import gather_rows
 from bridgecache.capture import cache_to_layers, position_ids_from_mask
 from bridgecache.compat import cache_kwargs
+from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
 from bridgecache.rope import RopeTables, unrotate
 from bridgecache.source import SourceKV, as_source
@@ -166,6 +167,9 @@ class BridgedCache(DynamicCache):
             bridge's, usually 1, the attention sink; leading tokens without source text are added).
         native_tail: context tokens before the held-back last token that generate() prefills
             natively on top of the translated cache (default 0).
+        key_norm: for a target that normalises its keys (Gemma 3, Qwen3: a `k_norm` per
+            attention), rescale each mapped key onto what that norm produces (default True; see
+            bridgecache.keynorm). No effect on other targets.
     """
 
     def __init__(
@@ -180,11 +184,12 @@ class BridgedCache(DynamicCache):
         alignment=None,
         native_head: int | None = None,
         native_tail: int = 0,
+        key_norm: bool = True,
     ):
         native_head = bridge.native_head if native_head is None else native_head
         translator = _Translator(
             bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
-            alignment, native_head, native_tail,
+            alignment, native_head, native_tail, key_norm,
         )  # fmt: skip
         layers = []
         for i, layer_type in enumerate(translator.target_layer_types):
@@ -198,6 +203,12 @@ class BridgedCache(DynamicCache):
         self.layers = layers
         self.layer_class_to_replicate = None
         self.translator = translator
+
+    @property
+    def translated_positions(self) -> range:
+        """Context positions whose KV come from the source; the target computes the others
+        (native head, native tail, the held-back last token) itself."""
+        return range(self.translator.head, self.translator.prefix_length)
 
     @property
     def materialized_layers(self) -> list[int]:
@@ -216,7 +227,9 @@ class _Translator:
     """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
     target's rope tables and native head KV. Produces one target layer's tensors on request."""
 
-    def __init__(self, bridge, source: SourceKV, target, target_ids, target_mask, alignment, head, tail):
+    def __init__(
+        self, bridge, source: SourceKV, target, target_ids, target_mask, alignment, head, tail, key_norm=True
+    ):
         spec = bridge.source
         source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
         bridge.target.check(model_spec(target), "target")
@@ -267,6 +280,7 @@ class _Translator:
         self._device_rows: dict = {}
         self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
         self.target_rope = RopeTables.from_model(target)
+        self.key_norm_scales = key_norm_scales(target) if key_norm else None
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
             self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
@@ -294,7 +308,9 @@ class _Translator:
                 )
             cos, sin = self._target_cos_sin(idx, begin, device)
             rows = self._rows_from(begin, device)
-            keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype)
+            scale = None if self.key_norm_scales is None else self.key_norm_scales[idx]
+            scale = None if scale is None else scale.to(device)
+            keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype, scale)
             parts_k.append(keys)
             parts_v.append(values)
         if len(parts_k) == 1:

@@ -56,7 +56,12 @@ def _demo(args) -> int:
     torch.manual_seed(0)
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
-    bridge = bridge_for(args.source, args.target, args.method, source, target)
+    if args.bridge:
+        from bridgecache.bridge import Bridge
+
+        bridge = Bridge.from_pretrained(args.bridge)
+    else:
+        bridge = bridge_for(args.source, args.target, args.method, source, target)
     context, prompt = args.context or DEMO_CONTEXT, args.prompt or DEMO_PROMPT
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -72,14 +77,19 @@ def _demo(args) -> int:
     native_text = target_tok.decode(native[0, ids.shape[1] :], skip_special_tokens=True)
 
     # Bridged: the source reads the context; the target continues from the translated cache.
+    anchors = dict(native_tail=args.native_tail)
     first = handoff(source, target, bridge, context, prompt, source_tokenizer=source_tok,
-                    target_tokenizer=target_tok, max_new_tokens=1, do_sample=False)  # fmt: skip
+                    target_tokenizer=target_tok, max_new_tokens=1, do_sample=False, **anchors)  # fmt: skip
     _, source_ids, _ = align_context(bridge, context, source_tok, target_tok)
     source_kv = capture_kv(source, source_ids)
     result = handoff(None, target, bridge, context, prompt, source_tokenizer=source_tok,
-                     target_tokenizer=target_tok, source_cache=source_kv, **gen)  # fmt: skip
+                     target_tokenizer=target_tok, source_cache=source_kv, **gen, **anchors)  # fmt: skip
     print(f"\nsource {args.source}  ->  target {args.target}   ({bridge.method} bridge)")
-    print(f"context: {len(ids[0])} target tokens\n")
+    bridged = len(result.cache.translated_positions)
+    print(
+        f"context + prompt: {len(ids[0])} target tokens; {bridged} bridged from the source, "
+        f"{len(ids[0]) - bridged} computed by the target (native head and tail, last context token, prompt)\n"
+    )
     print(f"native  : {native_text.strip()!r}")
     print(f"bridged : {result.text.strip()!r}\n")
     rows = [
@@ -114,9 +124,16 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--source", default="qwen2.5-coder-1.5b", help="model that reads the context")
     demo.add_argument("--target", default="qwen2.5-coder-0.5b", help="model that continues from it")
     demo.add_argument("--method", default="cachebridge", choices=["cachebridge", "fullhead"])
+    demo.add_argument("--bridge", help="a saved bridge directory (default: fit one for the pair, once)")
     demo.add_argument("--context", help="context text (default: a short story)")
     demo.add_argument("--prompt", help="text the target reads after the context")
     demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument(
+        "--native-tail",
+        type=int,
+        default=0,
+        help="last context tokens the target prefills itself (default 0)",
+    )
     demo.set_defaults(func=_demo)
 
     add_fit_command(sub)

@@ -68,6 +68,7 @@ def handoff(
     source_cache=None,
     native_head: int | None = None,
     native_tail: int = 0,
+    key_norm: bool = True,
     **generate_kwargs,
 ) -> HandoffResult:
     """Let `target` continue `context + prompt` from the KV that `source` computed for `context`.
@@ -78,7 +79,7 @@ def handoff(
         context: the text the source has read; prompt: text the target reads after it natively.
         source_cache: the source's KV of `context` if already computed (a cache, CapturedKV,
             per-layer tensors or a save_kv path); else the source prefills it here.
-        native_head, native_tail: see BridgedCache.
+        native_head, native_tail, key_norm: see BridgedCache.
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
@@ -96,7 +97,7 @@ def handoff(
     start = time.perf_counter()
     cache = BridgedCache(
         bridge, source_cache, target, target_ids,
-        alignment=alignment, native_head=native_head, native_tail=native_tail,
+        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
     )  # fmt: skip
     generate_kwargs.setdefault("pad_token_id", target_tokenizer.pad_token_id or target_tokenizer.eos_token_id)
     output = target.generate(

@@ -115,7 +115,7 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """16 hex digits of sha256 over the vocabulary (token -> id) and the special tokens."""
-    size = len(tokenizer)
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     try:
         known_size, known = _FINGERPRINTS[tokenizer]
         if known_size == size:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.kernels import map_heads
-from bridgecache.rope import RopeTables
+from bridgecache.keynorm import project_to_key_norm
+from bridgecache.rope import RopeTables, rotate
 from bridgecache.source import SourceKV
 
 __all__ = ["LayerPlan", "SourceRope", "source_rows_kept", "translate_layer"]
@@ -79,6 +80,7 @@ def translate_layer(
     target_cos: torch.Tensor,
     target_sin: torch.Tensor,
     dtype: torch.dtype,
+    key_norm_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target keys and values of one layer for the target positions `rows` describes.
 
@@ -92,6 +94,9 @@ def translate_layer(
             (output rows are zero). Callers check the rows against `source_rows_kept`.
         target_cos, target_sin: [batch, tgt_tokens, tgt_head_dim] float32, target positions.
         dtype: of the returned tensors (the target layer's).
+        key_norm_scale: [tgt_head_dim] float32 on the device, the scale of the target layer's key
+            norm (see bridgecache.keynorm), or None: mapped keys are rescaled onto what the norm
+            produces before RoPE is applied (unfused: map, rescale, then rotate).
     Returns:
         keys, values: [batch, tgt_heads, tgt_tokens, tgt_head_dim] (keys post-RoPE).
     """
@@ -108,10 +113,17 @@ def translate_layer(
         src_cos, src_sin = _source_tables(
             source_rope, plan.used, heads_per_layer, offset, src_k[0].shape[2], device
         )
-    keys = map_heads(
-        src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
-        src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out_dtype=dtype,
-    )  # fmt: skip
+    if key_norm_scale is None:
+        keys = map_heads(
+            src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
+            src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out_dtype=dtype,
+        )  # fmt: skip
+    else:
+        keys = map_heads(
+            src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
+            src_cos=src_cos, src_sin=src_sin, out_dtype=torch.float32,
+        )  # fmt: skip
+        keys = rotate(project_to_key_norm(keys, key_norm_scale), target_cos, target_sin).to(dtype)
     values = map_heads(src_v, rows, plan.heads, plan.value_weight, plan.value_bias, out_dtype=dtype)
     return keys, values
 

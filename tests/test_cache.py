@@ -73,6 +73,7 @@ def test_native_anchors_keep_exactness_and_set_the_prefix_length(native_head, na
         native_tail=native_tail,
     )
     assert cache.get_seq_length() == 16 - 1 - native_tail
+    assert cache.translated_positions == range(native_head, 16 - 1 - native_tail)
     assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
 
 

@@ -156,6 +156,22 @@ def test_a_damaged_bridge_loses_gain_and_the_metrics_say_so(llama, tok):
     assert s["context_gain_recovered"] < 0.95 and s["content_gain_recovered"] < 0.95
 
 
+def test_key_norm_variants_are_scored_apart_and_the_projection_repairs_short_keys(gemma, tok):
+    bridge = Bridge.identity(gemma)
+    for layer in bridge.layers:
+        layer.key_weight.mul_(0.1)  # keys 10x too short: flatter attention over the context
+    variants = [Variant(bridge, 1, 0), Variant(bridge, 1, 0, key_norm=False)]
+    ev = evaluate(gemma, tok, gemma, tok, _ppl_items(gemma, tok), "ppl", variants, progress=False)
+    projected, plain = (summarise(ev, v) for v in variants)
+    assert variants[1].name.endswith("key_norm=off") and (projected["key_norm"], plain["key_norm"]) == (
+        True,
+        False,
+    )
+    exact_error = abs(projected["nll_bridged"] - projected["nll_native"])  # Gemma 3's k_norm undoes it
+    plain_error = abs(plain["nll_bridged"] - plain["nll_native"])
+    assert exact_error < 1e-5 and plain_error > 10 * exact_error
+
+
 def test_choice_through_an_identity_bridge_keeps_every_pick(gemma, tok):
     items = _choice_items(gemma, tok)
     ev, s = _run(gemma, tok, items, "choice")

@@ -221,3 +221,22 @@ def test_mean_policy_pools_source_rows_per_target_token():
     assert paired.source_values[1].shape[2] == 6  # one pooled row per target token
     torch.testing.assert_close(paired.source_values[1][:, :, 3], plain[:, :, 3:6].mean(2))
     torch.testing.assert_close(paired.source_values[1][:, :, 2], plain[:, :, 2])
+
+
+@pytest.mark.parametrize("method", ["fullhead", "cachebridge"])
+def test_key_scale_stretches_only_the_keys_and_records_the_factor(method):
+    shapes = ((4, 2, 8), (3, 2, 8))
+    seqs, _ = _synthetic(*shapes, [0, 1], noise=6.0)  # noisy targets: shrunken ridge predictions
+    plain, _ = fit_layer_maps(lambda w: seqs, *shapes, method, layers_k=1, lam=1e-2, key_scale="none")
+    scaled, info = fit_layer_maps(lambda w: seqs, *shapes, method, layers_k=1, lam=1e-2, key_scale="variance")
+    assert info["key_scale"] == "variance" and len(info["key_alpha"]) == 3
+    for p, s, alphas, r2_ridge in zip(plain, scaled, info["key_alpha"], info["r2_key_ridge"]):
+        alpha = torch.tensor(alphas)[:, None, None]
+        assert bool((alpha > 1).all())
+        assert torch.allclose(s.key_weight, p.key_weight * alpha, rtol=1e-3, atol=1e-6)
+        assert torch.equal(s.value_weight, p.value_weight) and torch.equal(s.value_bias, p.value_bias)
+        assert r2_ridge == pytest.approx(p.r2_key, abs=1e-4)
+        if method == "fullhead":  # uniform weights: the ridge map minimises the (held-out) MSE
+            assert s.r2_key < p.r2_key
+    with pytest.raises(ValueError, match="key_scale"):
+        fit_layer_maps(lambda w: seqs, *shapes, method, key_scale="double")

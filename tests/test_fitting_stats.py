@@ -135,3 +135,23 @@ def test_ridge_penalty_is_relative_to_data_scale():
     torch.testing.assert_close(b * 1000, a, rtol=1e-4, atol=1e-5)
     loose, _ = solve(_stats(x, y), lam=1e-6)
     assert (a - loose).abs().max() > 1e-3  # the penalty does act
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_variance_scale_restores_the_spread_and_keeps_the_mean(shared):
+    from bridgecache.fitting.ridge import rescale, variance_scale
+
+    x, y = _data(n=400, seed=7)
+    y = y + 2.0 * torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=F64)  # R^2 < 1
+    m = _stats(x, y, shared=shared)
+    w, b = solve(m, lam=0.1)
+    alpha = variance_scale(w, m)
+    w2, b2 = rescale(w, b, alpha, m)
+    xf = x.float().double()  # the rows the statistics saw (accumulated in float32)
+    pred, pred2 = xf @ w, xf @ w2 + b2[:, None]
+    spread = lambda t: ((t - t.mean(1, keepdim=True)) ** 2).sum((1, 2))  # noqa: E731
+    yf = y.float().double()
+    assert torch.allclose(spread(pred2), spread(yf), rtol=1e-4)  # the target's spread, per head
+    assert bool((alpha > 1.05).all())  # ridge predictions of noisy targets are shrunken
+    assert torch.allclose(pred2.mean(1), (pred + b[:, None]).mean(1), atol=1e-5)  # same mean prediction
+    assert torch.allclose(alpha, torch.sqrt(spread(yf) / spread(pred)), rtol=1e-4)

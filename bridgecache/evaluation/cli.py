@@ -2,7 +2,7 @@
 
     bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
                      [--json OUT] [--source NAME --target NAME] [--native-head N] [--native-tail N]
-                     [--chat] [--no-progress]
+                     [--no-key-norm] [--chat] [--no-progress]
 
 Models come from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
@@ -45,6 +45,9 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--native-tail", type=int, default=0, help="context tokens before the held-back one computed natively"
+    )
+    parser.add_argument(
+        "--no-key-norm", action="store_true", help="do not rescale mapped keys onto the target's k_norm"
     )
     parser.add_argument(
         "--chat", action="store_true", help="read contexts and questions through each model's chat template"
@@ -94,7 +97,7 @@ def run_eval(args) -> int:
     source, source_tok = (target, target_tok) if source_name == target_name else load_model(source_name)
     bridge.check(source, target)
     head = bridge.native_head if args.native_head is None else args.native_head
-    variant = Variant(bridge, head, args.native_tail)
+    variant = Variant(bridge, head, args.native_tail, key_norm=not args.no_key_norm)
     try:
         if builtin:
             items = load_items(args.data, task, target_tok, args.limit)[1]

@@ -57,6 +57,7 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
         "method": bridge.method,
         "native_head": variant.native_head,
         "native_tail": variant.native_tail,
+        "key_norm": variant.key_norm,
         "alignment_policy": bridge.alignment_policy,
         **meta,
         "context_tokens_mean": sum(r.context_tokens for r in items) / len(items),

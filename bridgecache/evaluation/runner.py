@@ -45,10 +45,12 @@ class Variant:
     bridge: object
     native_head: int = 1
     native_tail: int = 0
+    key_norm: bool = True
 
     @property
     def name(self) -> str:
-        return f"{self.bridge.method} head={self.native_head} tail={self.native_tail}"
+        name = f"{self.bridge.method} head={self.native_head} tail={self.native_tail}"
+        return name if self.key_norm else name + " key_norm=off"
 
 
 @dataclass
@@ -242,7 +244,7 @@ class _ItemRun:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
         return bridged_prefix(
             variant.bridge, source_kv, self.target, context.target_ids, context.alignment,
-            variant.native_head, variant.native_tail,
+            variant.native_head, variant.native_tail, variant.key_norm,
         )  # fmt: skip
 
 

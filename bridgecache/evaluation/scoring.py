@@ -61,8 +61,9 @@ def native_prefix(target, ids: torch.Tensor) -> Prefix:
 
 @torch.no_grad()
 def bridged_prefix(
-    bridge, source_kv, target, ids: torch.Tensor, alignment=None, native_head: int = 1, native_tail: int = 0
-) -> Prefix:
+    bridge, source_kv, target, ids: torch.Tensor, alignment=None, native_head: int = 1, native_tail: int = 0,
+    key_norm: bool = True,
+) -> Prefix:  # fmt: skip
     """The target continues from `source_kv` translated through `bridge`.
 
     ids: [1, T] the context in the target's tokenization. Timed: translation of every layer, the
@@ -72,8 +73,9 @@ def bridged_prefix(
     ids = ids.to(_device(target))
     start = time.perf_counter()
     cache = BridgedCache(
-        bridge, source_kv, target, ids, alignment=alignment, native_head=native_head, native_tail=native_tail
-    )
+        bridge, source_kv, target, ids, alignment=alignment, native_head=native_head,
+        native_tail=native_tail, key_norm=key_norm,
+    )  # fmt: skip
     first = cache.get_seq_length()
     out = target(input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
     logits = out.logits[:, -1].float()

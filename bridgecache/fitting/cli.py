@@ -38,6 +38,12 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
         choices=["last", "first", "mean"],
         help="which source rows feed a target token across tokenizers (default last; recorded in the bridge)",
     )
+    fit.add_argument(
+        "--key-scale",
+        default="variance",
+        choices=["variance", "none"],
+        help="variance (default): stretch mapped keys to the target keys' spread (sharper attention)",
+    )
     fit.add_argument("--lam", type=float, default=1e-2, help="ridge strength relative to the data scale")
     fit.add_argument("--native-head", type=int, default=1, help="target positions computed natively")
     fit.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -61,7 +67,7 @@ def run_fit(args) -> int:
         source, target, source_tok, target_tok, method=args.method,
         num_sequences=args.calib_seqs, seq_len=args.seq_len, domain=args.domain, layers_k=args.layers_k,
         layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,
-        alignment_policy=args.alignment_policy,
+        alignment_policy=args.alignment_policy, key_scale=args.key_scale,
         native_head=args.native_head, seed=args.seed, source_name=args.source, target_name=args.target,
     )  # fmt: skip
     seconds = time.perf_counter() - start

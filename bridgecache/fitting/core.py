@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bridgecache.bridge import LayerMap
-from bridgecache.fitting.ridge import r2, solve
+from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
 from bridgecache.fitting.support import ProbeMoments
 
@@ -153,12 +153,24 @@ class LayerAccumulator:
         combined, self.alphas[kind] = self.train[kind].combine()
         return combined
 
-    def solve(self, lam: float, shift: Shift | None = None) -> LayerMap:
-        """The fitted maps; `shift` is the Shift the accumulated rows were taken with, if any."""
+    def solve(self, lam: float, shift: Shift | None = None, key_scale: str = "none") -> LayerMap:
+        """The fitted maps; `shift` is the Shift the accumulated rows were taken with, if any.
+
+        key_scale "variance": stretch each head's key prediction to the target keys' spread
+        (see bridgecache.fitting.ridge), measured on the held-out rows (training rows if none);
+        `self.key_alpha` [tgt_heads] and `self.r2_key_ridge` keep the factor and the R^2 before it.
+        """
         maps, scores = {}, {}
         for kind in "kv":
-            w, b = solve(self.training_moments(kind), lam)
+            moments = self.training_moments(kind)
+            w, b = solve(moments, lam)
             has_heldout = float(self.heldout[kind].sum_w.min()) > 0
+            if kind == "k" and key_scale == "variance":
+                self.r2_key_ridge = r2(w, b, self.heldout[kind])[1] if has_heldout else math.nan
+                self.key_alpha = variance_scale(w, self.heldout[kind] if has_heldout else moments)
+                w, b = rescale(w, b, self.key_alpha, moments)
+            elif key_scale not in ("none", "variance"):
+                raise ValueError(f"unknown key_scale {key_scale!r}; expected 'variance' or 'none'")
             scores[kind] = r2(w, b, self.heldout[kind])[1] if has_heldout else math.nan
             if shift is not None:
                 b = b + self._unshift(shift, kind, w)

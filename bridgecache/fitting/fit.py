@@ -33,10 +33,19 @@ from bridgecache.fitting.support import (
 )
 from bridgecache.modelinfo import model_spec
 
-__all__ = ["fit_bridge", "fit_layer_maps", "DEFAULT_K", "DEFAULT_WEIGHTING"]
+__all__ = [
+    "fit_bridge",
+    "fit_layer_maps",
+    "DEFAULT_K",
+    "DEFAULT_WEIGHTING",
+    "DEFAULT_KEY_SCALE",
+    "KEY_SCALES",
+]
 
 DEFAULT_K = {"fullhead": 4, "cachebridge": 2}
 DEFAULT_WEIGHTING = {"fullhead": "uniform", "cachebridge": "attention"}
+KEY_SCALES = ("variance", "none")
+DEFAULT_KEY_SCALE = "variance"
 SUPPORTS = ("probe", "depth")
 
 # sequences(with_weights) -> a fresh iterable over the calibration sequences' PairedKV.
@@ -54,17 +63,22 @@ def fit_layer_maps(
     weighting: str | None = None,
     device=None,
     probe_sequences: SequenceSource | None = None,
+    key_scale: str = DEFAULT_KEY_SCALE,
 ) -> tuple[list[LayerMap], dict]:
     """Fit one LayerMap per target layer from streamed paired KV.
 
     source_shape, target_shape: (layers, kv_heads, head_dim) of each model.
     probe_sequences: what the layer-probe pass streams (default: `sequences`; a subset is cheaper).
+    key_scale: "variance" stretches key predictions to the target keys' spread, "none" keeps
+        the ridge solution (see bridgecache.fitting.ridge).
     Returns the layer maps and a JSON-able description (layer scores, support, shrinkage).
     """
     if method not in DEFAULT_K:
         raise ValueError(f"unknown method {method!r}; expected 'fullhead' or 'cachebridge'")
     if layer_support not in SUPPORTS:
         raise ValueError(f"unknown layer support {layer_support!r}; expected one of {SUPPORTS}")
+    if key_scale not in KEY_SCALES:
+        raise ValueError(f"unknown key_scale {key_scale!r}; expected one of {KEY_SCALES}")
     weighting = weighting or DEFAULT_WEIGHTING[method]
     if weighting not in ("uniform", "attention"):
         raise ValueError(f"unknown weighting {weighting!r}; expected 'uniform' or 'attention'")
@@ -76,6 +90,7 @@ def fit_layer_maps(
         "layer_support": layer_support,
         "lam": lam,
         "weighting": weighting,
+        "key_scale": key_scale,
     }
 
     need_heads = method == "cachebridge" and hs != ht
@@ -108,8 +123,11 @@ def fit_layer_maps(
         seq = shift.apply(seq)
         for acc in accs:
             acc.add(seq)
-    layers = [acc.solve(lam, shift) for acc in accs]
+    layers = [acc.solve(lam, shift, key_scale) for acc in accs]
     info["rows"] = rows
+    if key_scale == "variance":
+        info["key_alpha"] = [[round(float(a), 4) for a in acc.key_alpha] for acc in accs]
+        info["r2_key_ridge"] = [round(acc.r2_key_ridge, 4) for acc in accs]
     if weighted:
         info["alpha"] = {kind: [[round(a, 4) for a in acc.alphas[kind]] for acc in accs] for kind in "kv"}
     return layers, info
@@ -130,6 +148,7 @@ def fit_bridge(
     lam: float = DEFAULT_LAM,
     weighting: str | None = None,
     alignment_policy: str | None = None,
+    key_scale: str = DEFAULT_KEY_SCALE,
     native_head: int = 1,
     heldout_every: int = 8,
     boundaries: int = 32,
@@ -151,6 +170,7 @@ def fit_bridge(
         lam: ridge strength relative to the data scale (see bridgecache.fitting.ridge).
         weighting: "uniform" or "attention" (method default: DEFAULT_WEIGHTING).
         alignment_policy: tokenalign policy across tokenizers (default "last").
+        key_scale: "variance" (stretch key predictions to the target keys' spread) or "none".
         native_head: target positions [0, native_head) are computed natively, never fitted.
         boundaries: prefix boundaries of the attention weights.
         probe_subset: layer probes read only the first this many sequences (plus a held-out one
@@ -190,7 +210,7 @@ def fit_bridge(
         sequences,
         (source_spec.num_layers, source_spec.num_kv_heads, source_spec.head_dim),
         (target_spec.num_layers, target_spec.num_kv_heads, target_spec.head_dim),
-        method, layers_k, layer_support, lam, weighting, device, probes,
+        method, layers_k, layer_support, lam, weighting, device, probes, key_scale,
     )  # fmt: skip
     calibration = {
         "text": "bridgecache.text",

@@ -9,6 +9,12 @@ four orders of magnitude, and the plain ridge maps measured here used 1e-2 * tra
 The bias is not penalised. When the Gram matrix is shared by all heads (SufficientStats.shared), one
 Cholesky factorisation solves every head of the layer at once.
 
+Variance matching of keys (`variance_scale`, `rescale`): a ridge prediction is a conditional mean,
+so its spread around the mean is about R^2 of the target's (less with lam). Attention logits q.k
+made from shrunken keys are flatter than the target's own, and attention spreads over the whole
+context. Stretching each head's centred prediction by alpha = sqrt(tr Cov(y) / tr Cov(x W)),
+keeping its mean, restores the spread: it costs MSE (R^2 falls) but not attention sharpness.
+
 R^2 of a fitted map on held-out statistics is 1 - SSE / SST, pooled over the output dims of a
 head (SST about the held-out mean), computed from the held-out moments alone.
 
@@ -21,7 +27,7 @@ import torch
 
 from bridgecache.fitting.stats import SufficientStats
 
-__all__ = ["DEFAULT_LAM", "centred", "solve", "sse_sst", "r2"]
+__all__ = ["DEFAULT_LAM", "centred", "solve", "sse_sst", "r2", "variance_scale", "rescale"]
 
 DEFAULT_LAM = 1e-2
 
@@ -74,14 +80,11 @@ def sse_sst(w: torch.Tensor, b: torch.Tensor, m: SufficientStats) -> tuple[torch
     cxx, cxy, mean_x, mean_y, tr_cyy = centred(m)
     w = w.to(torch.float64)
     heads = m.xty.shape[0]
+    quad = _quad(w, cxx, m.shared)
     if m.shared:
-        # One [p, p] @ [p, heads * d] product instead of a batch over an expanded Gram matrix.
-        p, d = w.shape[1], w.shape[2]
-        cxx_w = (cxx[0] @ w.permute(1, 0, 2).reshape(p, heads * d)).reshape(p, heads, d).permute(1, 0, 2)
         mean_x, sw = mean_x.expand(heads, -1), m.sum_w.expand(heads)
     else:
-        cxx_w, sw = cxx @ w, m.sum_w
-    quad = (w * cxx_w).sum((-2, -1))  # tr(W^T Cxx W)
+        sw = m.sum_w
     cross = (w * cxy).sum((-2, -1))  # tr(W^T Cxy)
     offset = mean_y - (mean_x.unsqueeze(1) @ w).squeeze(1) - b.to(torch.float64)
     sse = tr_cyy - 2.0 * cross + quad + sw * (offset * offset).sum(-1)
@@ -94,6 +97,36 @@ def r2(w: torch.Tensor, b: torch.Tensor, m: SufficientStats) -> tuple[torch.Tens
     per_head = 1.0 - sse / sst.clamp_min(1e-300)
     pooled = 1.0 - float(sse.sum()) / max(float(sst.sum()), 1e-300)
     return per_head, pooled
+
+
+def variance_scale(w: torch.Tensor, m: SufficientStats) -> torch.Tensor:
+    """alpha [heads]: how much to stretch each head's centred prediction x W so that its spread
+    matches the target's on `m` (alpha^2 = tr Cov(y) / tr Cov(x W))."""
+    cxx, _, _, _, tr_cyy = centred(m)
+    quad = _quad(w.to(torch.float64), cxx, m.shared)
+    return torch.sqrt(tr_cyy / quad.clamp_min(1e-300))
+
+
+def rescale(
+    w: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, m: SufficientStats
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha W, b'): the centred prediction stretched by alpha per head, the mean prediction on
+    `m` (the statistics W was solved from) unchanged: b' = b + (1 - alpha) mean_x W."""
+    mean_x = m.sum_x / m.sum_w.clamp_min(1e-300)[:, None]
+    mean_pred = (mean_x.unsqueeze(1) @ w.to(mean_x.dtype)).squeeze(1)  # [heads or 1, d]
+    alpha = alpha.to(w.dtype)
+    return w * alpha[:, None, None], b + ((1.0 - alpha)[:, None] * mean_pred.to(b.dtype))
+
+
+def _quad(w: torch.Tensor, cxx: torch.Tensor, shared: bool) -> torch.Tensor:
+    """tr(W_h^T Cxx W_h) per head [heads]: the spread of the centred predictions."""
+    if shared:
+        # One [p, p] @ [p, heads * d] product instead of a batch over an expanded Gram matrix.
+        heads, p, d = w.shape
+        cxx_w = (cxx[0] @ w.permute(1, 0, 2).reshape(p, heads * d)).reshape(p, heads, d).permute(1, 0, 2)
+    else:
+        cxx_w = cxx @ w
+    return (w * cxx_w).sum((-2, -1))
 
 
 def _cholesky(a: torch.Tensor) -> torch.Tensor:

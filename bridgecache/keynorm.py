@@ -1,0 +1,49 @@
+"""Mapped keys for targets that normalise their keys (q/k-norm: Gemma 3, Qwen3, ...).
+
+Such a target's attention applies an RMSNorm per head to every key before RoPE, so each key it
+ever holds is k = s * n with rms(n) = 1 (s: the norm's per-channel scale). A mapped key is a
+regression estimate, shrunken towards the mean: its norm is too small and the target's attention
+over translated rows is flatter than over its own. `project_to_key_norm` rescales each mapped key
+(per head and token, direction kept) back onto that set; keys the target computed itself are
+left as they are, up to rounding. BridgedCache applies it when the target has a `k_norm`.
+
+Knows nothing about bridges or caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["key_norm_scales", "project_to_key_norm"]
+
+# Channels whose norm scale is below this hold ~0 in every key (Gemma 3 has norm weights of -1,
+# i.e. scale 0): their normalised value cannot be read back, so the RMS is estimated from the
+# other channels. In key units (the normalised key has rms 1); a cut relative to the largest
+# scale also dropped small live channels and did worse on Qwen-0.5B -> Gemma 3.
+_DEAD_CHANNEL = 1e-2
+
+
+def key_norm_scales(model) -> list[torch.Tensor | None] | None:
+    """Per decoder layer, the per-channel scale s [head_dim] float32 of its key norm (None for a
+    layer without one); None when the model normalises no keys."""
+    attention = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+    attention.sort(key=lambda m: m.layer_idx)
+    scales = []
+    for module in attention:
+        norm = getattr(module, "k_norm", None)
+        if norm is None or not isinstance(norm, torch.nn.Module) or not hasattr(norm, "weight"):
+            scales.append(None)
+            continue
+        with torch.no_grad():  # an RMSNorm of a vector of ones returns its scale (times ~1 - eps/2)
+            ones = torch.ones(1, norm.weight.shape[-1], dtype=torch.float32, device=norm.weight.device)
+            scales.append(norm(ones)[0].float().cpu())
+    return scales if any(s is not None for s in scales) else None
+
+
+def project_to_key_norm(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """keys [batch, heads, tokens, head_dim] (pre-RoPE, float32) rescaled per head and token so
+    that rms(keys / scale) = 1 over the live channels; all-zero rows stay zero."""
+    live = scale.abs() > _DEAD_CHANNEL
+    normalised = keys[..., live] / scale[live]
+    mean_square = normalised.pow(2).mean(-1, keepdim=True)
+    return keys * torch.where(mean_square > 0, mean_square.clamp_min(1e-30).rsqrt(), 0.0)
