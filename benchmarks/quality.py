@@ -3,7 +3,7 @@
     python benchmarks/quality.py run --pair qwen1.5b-to-0.5b [--tasks prose-ppl code-ppl facts-choice]
         [--limit 16] [--methods fullhead cachebridge] [--anchors 1:0 1:32] [--fit domain=mixed ...]
         [--tag default] [--threads 1]
-    python benchmarks/quality.py report [--tags default ...]   # Markdown tables + PNG plots
+    python benchmarks/quality.py report [--tags default ...] [--plots DIR --plot-tag TAG --r2-tag TAG]
 
 `run` measures every variant (method x native anchors, `head:tail`) of one pair with the library
 call behind `bridgecache eval` (`bridgecache.evaluation.evaluate`): one pass over the data serves
@@ -253,16 +253,16 @@ def report(args) -> None:
             f"| {s['native_prefill_s'] / n:.2f} | {s['handoff_s'] / n:.2f} | {s['speedup']:.1f}x |"
         )
     print("\n### Source prefill (the cost a handoff assumes already paid)\n")
-    print("| pair | task | n | source prefill s/item | target native prefill s/item |")
-    print("|---|---|---|---|---|")
+    print("| pair | tag | task | n | source prefill s/item | target native prefill s/item |")
+    print("|---|---|---|---|---|---|")
     for r in records:
         s = r["variants"][0]
         print(
-            f"| {r['pair']} | {r['task']} | {s['n']} | {s['source_prefill_s'] / s['n']:.2f} "
+            f"| {r['pair']} | {r['tag']} | {r['task']} | {s['n']} | {s['source_prefill_s'] / s['n']:.2f} "
             f"| {s['native_prefill_s'] / s['n']:.2f} |"
         )
     if args.plots:
-        _plots(records, args.plots, args.plot_tag)
+        _plots(records, args.plots, args.plot_tag, args.r2_tag)
 
 
 def _series(records, family: str, key: str, tag: str):
@@ -280,7 +280,7 @@ def _series(records, family: str, key: str, tag: str):
     return {k: sorted(v) for k, v in series.items()}
 
 
-def _plots(records: list[dict], directory: Path, tag: str) -> None:
+def _plots(records: list[dict], directory: Path, tag: str, r2_tag: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,7 +316,7 @@ def _plots(records: list[dict], directory: Path, tag: str) -> None:
 
     bridges = {}
     for r in records:
-        if r["tag"] == tag:
+        if r["tag"] == r2_tag:
             for method, b in r["bridges"].items():
                 bridges[(r["pair"], method)] = b
     pairs = sorted({p for p, m in bridges if m != "identity"}, key=list(PAIRS).index)
@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="Markdown tables (and plots) from the results")
     rep.add_argument("--tags", nargs="*", default=None)
     rep.add_argument("--plots", type=Path, help="write the PNG plots here (e.g. docs/results)")
-    rep.add_argument("--plot-tag", default="default", help="the configuration the plots show")
+    rep.add_argument("--plot-tag", default="default", help="the configuration the length plots show")
+    rep.add_argument("--r2-tag", default="default", help="the configuration whose bridges the R^2 plot shows")
     rep.set_defaults(func=report)
     args = parser.parse_args(argv)
     args.raw = args.raw or _default_raw()
