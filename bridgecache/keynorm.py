@@ -12,6 +12,8 @@ Knows nothing about bridges or caches.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["key_norm_scales", "project_to_key_norm"]
@@ -23,21 +25,33 @@ __all__ = ["key_norm_scales", "project_to_key_norm"]
 _DEAD_CHANNEL = 1e-2
 
 
+# model -> (weights' identity and version, scales): every BridgedCache of a model reuses them
+# (no forward, no device sync on the handoff path) until a norm weight is replaced or edited.
+_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def key_norm_scales(model) -> list[torch.Tensor | None] | None:
-    """Per decoder layer, the per-channel scale s [head_dim] float32 of its key norm (None for a
-    layer without one); None when the model normalises no keys."""
+    """Per decoder layer, the per-channel scale s [head_dim] float32 of its key norm, on the
+    norm's device (None for a layer without one); None when the model normalises no keys."""
     attention = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
     attention.sort(key=lambda m: m.layer_idx)
+    norms = [getattr(module, "k_norm", None) for module in attention]
+    norms = [n if isinstance(n, torch.nn.Module) and hasattr(n, "weight") else None for n in norms]
+    signature = tuple(None if n is None else (id(n.weight), n.weight._version) for n in norms)
+    known = _SCALES.get(model)
+    if known is not None and known[0] == signature:
+        return known[1]
     scales = []
-    for module in attention:
-        norm = getattr(module, "k_norm", None)
-        if norm is None or not isinstance(norm, torch.nn.Module) or not hasattr(norm, "weight"):
+    for norm in norms:
+        if norm is None:
             scales.append(None)
             continue
         with torch.no_grad():  # an RMSNorm of a vector of ones returns its scale (times ~1 - eps/2)
             ones = torch.ones(1, norm.weight.shape[-1], dtype=torch.float32, device=norm.weight.device)
-            scales.append(norm(ones)[0].float().cpu())
-    return scales if any(s is not None for s in scales) else None
+            scales.append(norm(ones)[0].float())
+    scales = scales if any(s is not None for s in scales) else None
+    _SCALES[model] = (signature, scales)
+    return scales
 
 
 def project_to_key_norm(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,10 @@ def test_scales_are_read_from_the_model_and_absent_without_k_norm():
     for layer, scale in zip(model.model.layers, scales):
         assert torch.allclose(scale, 1 + layer.self_attn.k_norm.weight.detach(), atol=1e-5)
     assert key_norm_scales(tiny_model("llama")) is None and key_norm_scales(tiny_model("qwen2")) is None
+    assert key_norm_scales(model) is scales  # remembered per model: no forward per cache
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_norm.weight.add_(1.0)  # an edited weight is noticed
+    assert torch.allclose(key_norm_scales(model)[1], scales[1] + 1, atol=1e-5)
 
 
 def test_bridged_cache_restores_shrunken_keys_of_a_gemma_target():
