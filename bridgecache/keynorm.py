@@ -58,6 +58,7 @@ def project_to_key_norm(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     """keys [batch, heads, tokens, head_dim] (pre-RoPE, float32) rescaled per head and token so
     that rms(keys / scale) = 1 over the live channels; all-zero rows stay zero."""
     live = scale.abs() > _DEAD_CHANNEL
-    normalised = keys[..., live] / scale[live]
-    mean_square = normalised.pow(2).mean(-1, keepdim=True)
+    # Masked by multiplication, not by boolean indexing: no device sync on the translation path.
+    inverse = torch.where(live, 1.0 / torch.where(live, scale, 1.0), 0.0)
+    mean_square = (keys * inverse).pow(2).sum(-1, keepdim=True) / live.sum()
     return keys * torch.where(mean_square > 0, mean_square.clamp_min(1e-30).rsqrt(), 0.0)

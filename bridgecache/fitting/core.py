@@ -156,8 +156,9 @@ class LayerAccumulator:
     def solve(self, lam: float, shift: Shift | None = None, key_scale: str = "none") -> LayerMap:
         """The fitted maps; `shift` is the Shift the accumulated rows were taken with, if any.
 
-        key_scale "variance": stretch each head's key prediction to the target keys' spread
-        (see bridgecache.fitting.ridge), measured on the held-out rows (training rows if none);
+        key_scale "variance" (checked by fit_layer_maps): stretch each head's key prediction to
+        the target keys' spread (see bridgecache.fitting.ridge), measured on the held-out rows
+        (training rows if none);
         `self.key_alpha` [tgt_heads] and `self.r2_key_ridge` keep the factor and the R^2 before it.
         """
         maps, scores = {}, {}
@@ -169,8 +170,6 @@ class LayerAccumulator:
                 self.r2_key_ridge = r2(w, b, self.heldout[kind])[1] if has_heldout else math.nan
                 self.key_alpha = variance_scale(w, self.heldout[kind] if has_heldout else moments)
                 w, b = rescale(w, b, self.key_alpha, moments)
-            elif key_scale not in ("none", "variance"):
-                raise ValueError(f"unknown key_scale {key_scale!r}; expected 'variance' or 'none'")
             scores[kind] = r2(w, b, self.heldout[kind])[1] if has_heldout else math.nan
             if shift is not None:
                 b = b + self._unshift(shift, kind, w)
