@@ -30,8 +30,16 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.align import gather_rows
 from bridgecache.capture import cache_to_layers, position_ids_from_mask
 from bridgecache.compat import cache_kwargs
+from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
+from bridgecache.native import native_layer_kv, resolve_native_layers
+from bridgecache.refresh import (
+    deviation_scores,
+    refresh_budget,
+    refresh_columns,
+    select_columns,
+)
 from bridgecache.rope import RopeTables, unrotate
 from bridgecache.source import SourceKV, as_source
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
@@ -170,6 +178,21 @@ class BridgedCache(DynamicCache):
         key_norm: for a target that normalises its keys (Gemma 3, Qwen3: a `k_norm` per
             attention), rescale each mapped key onto what that norm produces (default True; see
             bridgecache.keynorm). No effect on other targets.
+        native_layers: target layers the target computes itself over the whole cached context
+            (exact; a forward stopped after the deepest one): an int n (the first n layers), a
+            list of layer indices, or "all" (the target's own prefill). Default: none.
+        refresh: context tokens recomputed through every target layer over the bridged cache
+            and written over their translated rows (bridgecache.refresh): a fraction in [0, 1]
+            of the translated tokens or a token count. Default: none.
+        refresh_by: how refreshed tokens are chosen: "deviation" (translated vs native keys at
+            `check_layer`; layers 0..check_layer then come out native too, at no extra cost) or
+            a [batch, target tokens] tensor of scores (higher first), e.g. from
+            `bridgecache.handoff.source_guided_scores` (the source's attention from the prompt).
+        check_layer: the deviation check's layer (default 1, as CacheBlend).
+        min_quality: quality gate (bridgecache.gate): layers whose held-out score is below it
+            are computed natively; too many such layers, or a context whose target tokens align
+            poorly to source tokens, fall back to the target's own prefill. `report()` says
+            what was done. Or a `QualityPolicy` for the other thresholds.
     """
 
     def __init__(
@@ -185,6 +208,11 @@ class BridgedCache(DynamicCache):
         native_head: int | None = None,
         native_tail: int = 0,
         key_norm: bool = True,
+        native_layers=None,
+        refresh=None,
+        refresh_by="deviation",
+        check_layer: int = 1,
+        min_quality=None,
     ):
         native_head = bridge.native_head if native_head is None else native_head
         translator = _Translator(
@@ -203,6 +231,87 @@ class BridgedCache(DynamicCache):
         self.layers = layers
         self.layer_class_to_replicate = None
         self.translator = translator
+        self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
+
+    def _native_work(self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality):
+        """Gate, native layers and token refresh: the target's own compute over the context."""
+        tr = self.translator
+        num_layers = len(self.layers)
+        policy = min_quality if isinstance(min_quality, QualityPolicy) else QualityPolicy(min_quality)
+        cached = tr.target_mask[:, : tr.prefix_length]
+        translated = torch.zeros_like(cached, dtype=torch.bool)
+        translated[:, tr.head :] = cached[:, tr.head :].bool()
+        has_source = (tr.rows >= 0) & translated
+        coverage = float(has_source.sum() / translated.sum().clamp(min=1))
+        scores = layer_scores(tr.bridge)
+        decision = policy.decide(scores, coverage)
+        native = set(resolve_native_layers(native_layers, num_layers)) | set(decision.native_layers)
+        if decision.fallback:
+            native = set(range(num_layers))
+        budget = 0 if len(native) == num_layers else refresh_budget(refresh, int(translated.sum(1).min()))
+        by_deviation = budget > 0 and isinstance(refresh_by, str)
+        if by_deviation:
+            if refresh_by != "deviation":
+                raise ValueError(f"refresh_by={refresh_by!r}; expected 'deviation' or a tensor of scores")
+            if not 0 <= check_layer < num_layers:
+                raise ValueError(f"check_layer={check_layer}; expected 0..{num_layers - 1}")
+            native |= set(range(check_layer + 1))
+        if budget and "sliding_attention" in tr.target_layer_types:
+            raise ValueError(
+                "token refresh needs full-attention target layers; this target has sliding-window layers"
+            )
+        ids = target_ids[:, : tr.prefix_length]
+        tr.native_kv = native_layer_kv(target, ids, cached, native)
+        columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
+        if budget:
+            if by_deviation:
+                translated_keys, _ = tr.translate(check_layer)  # [batch, heads, prefix, dim]
+                column_scores = deviation_scores(translated_keys, tr.native_kv[check_layer][0])
+            else:
+                column_scores = torch.as_tensor(refresh_by)[:, : tr.prefix_length]
+                if column_scores.shape != cached.shape:
+                    raise ValueError(
+                        f"refresh_by scores have shape {tuple(torch.as_tensor(refresh_by).shape)}; expected "
+                        f"[batch={cached.shape[0]}, target tokens >= {tr.prefix_length}]"
+                    )
+            columns = select_columns(column_scores.cpu(), translated, budget)
+            refresh_columns(target, self.layers, ids, cached, columns)
+        self.refreshed_columns = columns
+        self._report = self._build_report(
+            target, sorted(native), scores, decision.fallback, budget,
+            None if not budget else ("deviation" if by_deviation else "scores"),
+            check_layer if by_deviation else None,
+        )  # fmt: skip
+
+    def _build_report(self, target, native, scores, fallback, refreshed, refresh_by, check_layer):
+        tr = self.translator
+        translated = [i for i in range(len(self.layers)) if i not in native]
+        quality = None
+        if scores is not None:
+            kept = [scores[i] for i in translated]
+            quality = sum(kept) / len(kept) if kept else 1.0
+        context = tr.target_mask.shape[1]
+        real = int(tr.target_mask[0].sum())
+        pad = context - real
+        work = handoff_flops(
+            target.config, context_tokens=real, prefix=tr.prefix_length - pad, native_prefix=tr.head - pad,
+            native_layers=tuple(native), refreshed=refreshed, check_layer=check_layer,
+        )  # fmt: skip
+        return HandoffReport(
+            layers_translated=translated,
+            layers_native=list(native),
+            tokens_translated=max(0, tr.prefix_length - tr.head),
+            tokens_native=tr.head - pad,
+            tokens_refreshed=refreshed,
+            refresh_by=refresh_by,
+            estimated_quality=quality,
+            fallback=fallback,
+            native_cost_fraction=work / prefill_flops(target.config, real),
+        )
+
+    def report(self) -> HandoffReport:
+        """What this cache computed natively, what it translated, and why (row 0 of a batch)."""
+        return self._report
 
     @property
     def translated_positions(self) -> range:
@@ -252,6 +361,8 @@ class _Translator:
             )
         # Planning runs on the CPU (small integer work); tensors move to the device once.
         target_mask = torch.ones_like(target_ids, device="cpu") if target_mask is None else target_mask.cpu()
+        self.target_mask = target_mask
+        self.native_kv: dict = {}
         self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
@@ -286,12 +397,28 @@ class _Translator:
             self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`:
+        the target's own where the layer is native, else translated."""
+        if idx in self.native_kv:
+            device = torch.device(device or self.home_device)
+            keys, values = self.native_kv.pop(idx)  # read once: the cache layer then owns them
+            start = self._window_start(idx)
+            return keys[:, :, start:].to(device, dtype or keys.dtype), values[:, :, start:].to(
+                device, dtype or values.dtype
+            )
+        return self.translate(idx, device, dtype)
+
+    def _window_start(self, idx: int) -> int:
+        """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
+        if self.target_layer_types[idx] == "sliding_attention":
+            return max(0, self.prefix_length - (self.sliding_window - 1))
+        return 0
+
+    def translate(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`, translated."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
-        start = 0
-        if self.target_layer_types[idx] == "sliding_attention":
-            start = max(0, self.prefix_length - (self.sliding_window - 1))  # what the window keeps
+        start = self._window_start(idx)
         parts_k, parts_v = [], []
         if start < self.head:
             parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
