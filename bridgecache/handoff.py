@@ -18,7 +18,7 @@ from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 
-__all__ = ["HandoffResult", "handoff", "context_ids", "same_tokenization"]
+__all__ = ["HandoffResult", "handoff", "context_ids", "same_tokenization", "source_guided_scores"]
 
 
 @dataclass
@@ -55,6 +55,32 @@ def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     return alignment, as_batch(source_ids), as_batch(target_ids)
 
 
+def source_rows(alignment, target_tokens: int) -> torch.Tensor:
+    """[1, target tokens] the source token each target token reads (-1: none); identity without
+    an alignment (both sides share a tokenizer)."""
+    if alignment is None:
+        return torch.arange(target_tokens)[None]
+    return torch.as_tensor(alignment.source_index, dtype=torch.long)[None]
+
+
+@torch.no_grad()
+def source_guided_scores(source, source_cache, alignment, target_ids, source_ids, query_ids=None):
+    """Per target column, how much the source's attention from `query_ids` (the prompt in the
+    source's tokens; None: the context's last tokens) falls on it: `BridgedCache(refresh_by=...)`.
+
+    target_ids [1, T], source_ids [1, S]: the context in each model's tokens (batch 1)."""
+    from bridgecache.refresh import source_guided_scores as scores_from_source
+    from bridgecache.source import as_source
+
+    return scores_from_source(
+        source,
+        as_source(source_cache),
+        source_rows(alignment, target_ids.shape[1]),
+        query_ids=query_ids,
+        context_ids=source_ids,
+    )
+
+
 @torch.no_grad()
 def handoff(
     source,
@@ -69,6 +95,10 @@ def handoff(
     native_head: int | None = None,
     native_tail: int = 0,
     key_norm: bool = True,
+    native_layers=None,
+    refresh=None,
+    refresh_by="source",
+    min_quality=None,
     **generate_kwargs,
 ) -> HandoffResult:
     """Let `target` continue `context + prompt` from the KV that `source` computed for `context`.
@@ -79,7 +109,10 @@ def handoff(
         context: the text the source has read; prompt: text the target reads after it natively.
         source_cache: the source's KV of `context` if already computed (a cache, CapturedKV,
             per-layer tensors or a save_kv path); else the source prefills it here.
-        native_head, native_tail, key_norm: see BridgedCache.
+        native_head, native_tail, key_norm, native_layers, refresh, min_quality: see BridgedCache.
+        refresh_by: "source" (default: the source reads the prompt over its own cache and the
+            context tokens its attention picks out are refreshed; without a prompt, the context's
+            last tokens read it), "deviation", or a tensor of scores (see BridgedCache).
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
@@ -95,10 +128,27 @@ def handoff(
     prompt_ids = target_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     input_ids = torch.cat([target_ids, prompt_ids], dim=1).to(device)
     start = time.perf_counter()
+    if refresh and isinstance(refresh_by, str) and refresh_by == "source":
+        if source is None:
+            raise ValueError(
+                "refresh_by='source' needs the source model (pass source=, or refresh_by='deviation')"
+            )
+        query = source_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        refresh_by = source_guided_scores(source, source_cache, alignment, target_ids, source_ids, query)
     cache = BridgedCache(
-        bridge, source_cache, target, target_ids,
-        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
-    )  # fmt: skip
+        bridge,
+        source_cache,
+        target,
+        target_ids,
+        alignment=alignment,
+        native_head=native_head,
+        native_tail=native_tail,
+        key_norm=key_norm,
+        native_layers=native_layers,
+        refresh=refresh,
+        refresh_by=refresh_by,
+        min_quality=min_quality,
+    )
     generate_kwargs.setdefault("pad_token_id", target_tokenizer.pad_token_id or target_tokenizer.eos_token_id)
     output = target.generate(
         input_ids=input_ids,

@@ -33,6 +33,7 @@ __all__ = [
     "deviation_scores",
     "source_attention_scores",
     "scores_on_target",
+    "source_guided_scores",
 ]
 
 
@@ -187,3 +188,52 @@ def scores_on_target(source_scores: torch.Tensor, rows: torch.Tensor) -> torch.T
     names the source token read by each target column (-1: none, score 0)."""
     gathered = source_scores.gather(1, rows.clamp(min=0).to(source_scores.device))
     return torch.where(rows.to(source_scores.device) >= 0, gathered, 0.0)
+
+
+def source_guided_scores(
+    source,
+    source_kv,
+    source_rows: torch.Tensor,
+    *,
+    query_ids: torch.Tensor | None = None,
+    context_ids: torch.Tensor | None = None,
+    recent: int = 16,
+) -> torch.Tensor:
+    """Scores per TARGET column from the source's attention (for `BridgedCache(refresh_by=...)`).
+
+    Args:
+        source: the source model; source_kv: its `SourceKV` of the context (every row kept).
+        source_rows: [batch, target tokens] the source token each target column reads (-1: none).
+        query_ids: [batch, q] what the source reads after the context (the prompt, in the source's
+            tokens). Without it, the source's last `recent` context tokens (`context_ids`
+            [1, source tokens]) read the context before them, and those recent tokens score
+            highest themselves (a continuation depends on them most).
+    Returns:
+        [batch, target tokens] float32 on the CPU.
+    """
+    if any(source_kv.first_token):
+        raise ValueError("source-guided refresh needs every source row: capture the source with capture_kv")
+    tokens = source_kv.num_tokens
+    if query_ids is not None and query_ids.shape[1] > 0:
+        scores = source_attention_scores(
+            source, source_kv.keys, source_kv.values, source_kv.position_ids, query_ids, tokens
+        )
+    else:
+        if context_ids is None or context_ids.shape != (1, tokens):
+            raise ValueError(
+                "source-guided refresh without a prompt needs the source's context ids [1, source tokens]"
+            )
+        recent = min(recent, tokens - 1)
+        if recent <= 0:
+            return torch.zeros(source_rows.shape)
+        scores = source_attention_scores(
+            source,
+            source_kv.keys,
+            source_kv.values,
+            source_kv.position_ids,
+            query_ids=context_ids[:, tokens - recent :],
+            context_tokens=tokens - recent,
+        )
+        top = float(scores.max()) + 1.0
+        scores = torch.nn.functional.pad(scores, (0, recent), value=top)
+    return scores_on_target(scores.float().cpu(), source_rows.cpu())

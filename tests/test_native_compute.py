@@ -199,3 +199,16 @@ def test_budget_and_selection_arguments():
     assert resolve_native_layers([2, 0, 2], 3) == (0, 2) and resolve_native_layers("all", 2) == (0, 1)
     with pytest.raises(ValueError, match="not target layers"):
         resolve_native_layers([5], 3)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridge(family):
+    from bridgecache.fitting.heldout import attention_cosine
+
+    model = tiny_model(family)
+    contexts = [(ids, ids, None) for ids in torch.randint(3, 300, (2, 1, 20))]
+    exact = attention_cosine(Bridge.identity(model), model, model, contexts)
+    poor = attention_cosine(_noisy_bridge(model, scale=2.0), model, model, contexts)
+    assert len(exact) == len(model.model.layers)
+    assert all(abs(c - 1.0) < 1e-4 for c in exact)
+    assert all(c < 0.999 for c in poor)

@@ -32,7 +32,7 @@ BUILTIN_FAMILIES = {"prose-ppl": "ppl", "code-ppl": "ppl", "facts-choice": "choi
 DOCUMENTED_LENGTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_LENGTH = 512
 CONTINUATION_TOKENS = 64  # as in PAPERS.md's CPU experiment (~75); each scored token costs a forward
-MAX_ITEMS = 24
+MAX_ITEMS = 96  # 45+ items per cell separate variants' 95% intervals on choice tasks
 SEED = 0
 _NAME = re.compile(r"^(?P<family>[a-z]+-[a-z]+)(?:-(?P<length>\d+))?$")
 

@@ -158,6 +158,7 @@ def fit_bridge(
     seed: int = 0,
     source_name: str | None = None,
     target_name: str | None = None,
+    score_heldout: bool = True,
 ) -> Bridge:
     """Fit a Bridge from `source_model` to `target_model` on calibration text.
 
@@ -177,6 +178,8 @@ def fit_bridge(
             if none is among them): the probe pass costs a forward of both models per sequence.
             None: all.
         identity_if_same: the same model on both sides gives the exact identity bridge.
+        score_heldout: measure attention-output cosine per target layer on the held-out
+            sequences (bridgecache.fitting.heldout; what the quality gate reads).
     """
     source_spec = model_spec(source_model, source_tokenizer, name=source_name)
     target_spec = model_spec(target_model, target_tokenizer, name=target_name)
@@ -224,7 +227,12 @@ def fit_bridge(
         "probe_sequences": len(probe_seqs) if "layer_scores" in info else 0,
         **info,
     }
-    return Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration)
+    bridge = Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration)
+    if score_heldout:
+        from bridgecache.fitting.heldout import score_bridge
+
+        score_bridge(bridge, source_model, target_model, source_tokenizer, target_tokenizer, progress)
+    return bridge
 
 
 def _same_weights(a, b) -> bool:
