@@ -124,6 +124,10 @@ def format_table(s: dict) -> str:
     lines = [
         f"bridgecache eval: {s.get('source', '?')} -> {s.get('target', '?')}  ({s['method']} bridge, "
         f"native_head={s['native_head']}, native_tail={s['native_tail']}, alignment={s['alignment_policy']})",
+        f"native compute: layers={s.get('native_layers')}, "
+        f"refresh={s.get('refresh')} by {s.get('refresh_by')}, "
+        f"min_quality={s.get('min_quality')}; native FLOPs {_pct(s.get('native_cost_fraction', math.nan))} "
+        f"of the target's prefill; {s.get('fallbacks', 0)} fallbacks",
         f"task {s['task']} on {s.get('data', '?')}: {s['n']} items, {s['skipped']} skipped"
         f"{' (longer than a window)' if s['skipped'] else ''}; "
         f"context {s['context_tokens_mean']:.0f} target tokens on average",
@@ -155,7 +159,7 @@ def format_table(s: dict) -> str:
         "",
         f"  time, summed over {n} items",
         f"    target native prefill of the context               {s['native_prefill_s']:9.3f} s",
-        f"    handoff (translate + native anchors + held-back)   {s['handoff_s']:9.3f} s"
+        f"    handoff (translate + native work + held-back)      {s['handoff_s']:9.3f} s"
         f"   ({s['speedup']:.1f}x faster)",
         f"    source prefill of the context                      {s['source_prefill_s']:9.3f} s",
         f"    tokenization alignment                             {s['align_s']:9.3f} s",
