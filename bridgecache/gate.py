@@ -63,9 +63,11 @@ class GateDecision:
 @dataclass(frozen=True)
 class QualityPolicy:
     """min_quality: layers scoring below it are computed natively (None: no gate).
-    max_native_fraction: above this share of native layers, fall back to full native prefill.
+    max_native_fraction: exact KV of layer k need the target's forward through layers 0..k, so
+        when the deepest low layer lies past this share of the depth, the native work would cost
+        about as much as the target's own prefill: fall back to that (exact) instead.
     min_coverage: fall back when less than this share of translated target tokens have source text
-    (across tokenizers: alignment coverage)."""
+        (across tokenizers: alignment coverage)."""
 
     min_quality: float | None = None
     max_native_fraction: float = 0.5
@@ -82,10 +84,12 @@ class QualityPolicy:
                 f"(min_coverage {self.min_coverage:.0%})"
             )
         low = tuple(i for i, s in enumerate(layer_scores) if not s >= self.min_quality)  # NaN counts as low
-        if len(low) > self.max_native_fraction * len(layer_scores):
+        depth = len(layer_scores)
+        if low and low[-1] + 1 > self.max_native_fraction * depth:
             return GateDecision(
-                fallback=f"{len(low)} of {len(layer_scores)} layers score below min_quality "
-                f"{self.min_quality} (more than {self.max_native_fraction:.0%})"
+                fallback=f"{len(low)} of {depth} layers score below min_quality {self.min_quality}, the "
+                f"deepest at layer {low[-1]}: computing it natively costs a forward through {low[-1] + 1} "
+                f"of {depth} layers (more than {self.max_native_fraction:.0%})"
             )
         return GateDecision(native_layers=low)
 

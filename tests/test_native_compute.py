@@ -137,18 +137,20 @@ def test_refresh_refuses_sliding_window_targets():
         BridgedCache(_noisy_bridge(model), capture_kv(model, ids), model, ids, refresh=0.5)
 
 
-def test_gate_sends_low_scoring_layers_native_and_falls_back_when_too_many_fail():
-    model = tiny_model("qwen2")  # made-up layer scores 0.9, 0.7, 0.5
+def test_gate_sends_shallow_low_layers_native_and_falls_back_when_a_deep_one_fails():
+    model = tiny_model("llama")
     ids = torch.randint(3, 300, (1, 16))
     bridge = _noisy_bridge(model)
+    for layer, score in zip(bridge.layers, (0.5, 0.9, 0.8)):
+        layer.r2_value = score
     cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.6)
     report = cache.report()
-    assert report.layers_native == [2] and report.fallback is None
-    assert report.estimated_quality == pytest.approx(0.8)
+    assert report.layers_native == [0] and report.fallback is None
+    assert report.estimated_quality == pytest.approx(0.85)
 
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.8)
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.85)
     report = cache.report()
-    assert report.fallback and "2 of 3 layers" in report.fallback
+    assert report.fallback and "deepest at layer 2" in report.fallback
     assert report.layers_translated == []
     assert "FALLBACK" in str(report)
     seq, logits = _logits(model, ids, cache)
