@@ -13,7 +13,8 @@ Each task is seeded and reproducible for a given tokenizer: the evaluation docum
 shuffled (seed 0), laid end to end, tokenized once with the target's tokenizer, and items are
 windows spread evenly over that stream. Perplexity windows (context + continuation) never
 overlap, so the unrelated-context control never holds the continuation it is scored on; prose
-holds ~55K tokens, so prose-ppl has about 95 items at N = 512 and fewer than 24 from N = 2048 on. Calibration reads only
+holds ~55K tokens,
+so prose-ppl has about 95 items at N = 512 and fewer than 24 from N = 2048 on. Calibration reads only
 the "calib" split (bridgecache.text splits by document), so no text here was fitted on.
 
 This module knows nothing about models; it only calls the tokenizer (fast, with offsets).
