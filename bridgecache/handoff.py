@@ -128,7 +128,8 @@ def handoff(
     prompt_ids = target_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     input_ids = torch.cat([target_ids, prompt_ids], dim=1).to(device)
     start = time.perf_counter()
-    if refresh and isinstance(refresh_by, str) and refresh_by == "source":
+    guided = bool(refresh) and isinstance(refresh_by, str) and refresh_by == "source"
+    if guided:
         if source is None:
             raise ValueError(
                 "refresh_by='source' needs the source model (pass source=, or refresh_by='deviation')"
@@ -149,6 +150,8 @@ def handoff(
         refresh_by=refresh_by,
         min_quality=min_quality,
     )
+    if guided:
+        cache.report().refresh_by = "source attention"
     generate_kwargs.setdefault("pad_token_id", target_tokenizer.pad_token_id or target_tokenizer.eos_token_id)
     output = target.generate(
         input_ids=input_ids,
