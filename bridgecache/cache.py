@@ -278,12 +278,16 @@ class BridgedCache(DynamicCache):
             refresh_columns(target, self.layers, ids, cached, columns)
         self.refreshed_columns = columns
         self._report = self._build_report(
-            target, sorted(native), scores, decision.fallback, budget,
-            None if not budget else ("deviation" if by_deviation else "scores"),
-            check_layer if by_deviation else None,
-        )  # fmt: skip
+            target,
+            native=sorted(native),
+            scores=scores,
+            fallback=decision.fallback,
+            refreshed=budget,
+            refresh_by=None if not budget else ("deviation" if by_deviation else "given scores"),
+            check_layer=check_layer if by_deviation else None,
+        )
 
-    def _build_report(self, target, native, scores, fallback, refreshed, refresh_by, check_layer):
+    def _build_report(self, target, *, native, scores, fallback, refreshed, refresh_by, check_layer):
         tr = self.translator
         translated = [i for i in range(len(self.layers)) if i not in native]
         quality = None
@@ -294,9 +298,14 @@ class BridgedCache(DynamicCache):
         real = int(tr.target_mask[0].sum())
         pad = context - real
         work = handoff_flops(
-            target.config, context_tokens=real, prefix=tr.prefix_length - pad, native_prefix=tr.head - pad,
-            native_layers=tuple(native), refreshed=refreshed, check_layer=check_layer,
-        )  # fmt: skip
+            target.config,
+            context_tokens=real,
+            prefix=tr.prefix_length - pad,
+            native_prefix=tr.head - pad,
+            native_layers=tuple(native),
+            refreshed=refreshed,
+            check_layer=check_layer,
+        )
         return HandoffReport(
             layers_translated=translated,
             layers_native=list(native),
