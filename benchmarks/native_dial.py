@@ -33,7 +33,7 @@ PAIRS = {
     "qwen0.5b-to-gemma": ("qwen2.5-coder-0.5b", "gemma3-270m"),
 }
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
-_KEYS |= {"by": "refresh_by", "minq": "min_quality"}
+_KEYS |= {"by": "refresh_by", "minq": "min_quality", "spread": "refresh_spread", "last": "refresh_last"}
 
 
 def parse_variant(spec: str) -> dict:

@@ -136,15 +136,22 @@ def deviation_scores(translated_keys: torch.Tensor, native_keys: torch.Tensor) -
 
 @torch.no_grad()
 def source_attention_scores(
-    source, keys, values, positions: torch.Tensor, query_ids: torch.Tensor, context_tokens: int
+    source,
+    keys,
+    values,
+    positions: torch.Tensor,
+    query_ids: torch.Tensor,
+    context_tokens: int,
+    last_queries: int | None = None,
 ) -> torch.Tensor:
     """How much the source's attention from `query_ids` falls on each context token.
 
     The source reads `query_ids` [batch, q] right after the first `context_tokens` rows of its own
     cache (keys/values per layer [batch, kv_heads, >= context_tokens, head_dim], positions
     [batch, >= context_tokens]); the caller's tensors are never modified (a fresh cache holds
-    views). Returns [batch, context_tokens] float32: attention probabilities summed over layers,
-    query heads and queries.
+    views). last_queries: count only the last this many query tokens (None: all). Returns
+    [batch, context_tokens] float32: attention probabilities summed over layers, query heads
+    and the counted queries.
     """
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values)):
@@ -179,7 +186,8 @@ def source_attention_scores(
         if window:
             allowed &= (context_tokens + torch.arange(q, device=device)[:, None]) - key_col < window
         attn = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-        total += attn[..., :context_tokens].sum(dim=(1, 2))
+        counted = attn if last_queries is None else attn[:, :, -last_queries:]
+        total += counted[..., :context_tokens].sum(dim=(1, 2))
     return total
 
 
@@ -198,6 +206,8 @@ def source_guided_scores(
     query_ids: torch.Tensor | None = None,
     context_ids: torch.Tensor | None = None,
     recent: int = 16,
+    spread: int = 0,
+    last_queries: int | None = None,
 ) -> torch.Tensor:
     """Scores per TARGET column from the source's attention (for `BridgedCache(refresh_by=...)`).
 
@@ -208,6 +218,10 @@ def source_guided_scores(
             tokens). Without it, the source's last `recent` context tokens (`context_ids`
             [1, source tokens]) read the context before them, and those recent tokens score
             highest themselves (a continuation depends on them most).
+        spread: each token's score also reaches its `spread` neighbours on either side (a running
+            max), so a refresh picks whole spans around what the source attended to.
+        last_queries: count the attention of only the prompt's last this many tokens (where an
+            answer is read out, e.g. "Answer:"); None: every prompt token.
     Returns:
         [batch, target tokens] float32 on the CPU.
     """
@@ -216,7 +230,7 @@ def source_guided_scores(
     tokens = source_kv.num_tokens
     if query_ids is not None and query_ids.shape[1] > 0:
         scores = source_attention_scores(
-            source, source_kv.keys, source_kv.values, source_kv.position_ids, query_ids, tokens
+            source, source_kv.keys, source_kv.values, source_kv.position_ids, query_ids, tokens, last_queries
         )
     else:
         if context_ids is None or context_ids.shape != (1, tokens):
@@ -236,4 +250,9 @@ def source_guided_scores(
         )
         top = float(scores.max()) + 1.0
         scores = torch.nn.functional.pad(scores, (0, recent), value=top)
-    return scores_on_target(scores.float().cpu(), source_rows.cpu())
+    scores = scores_on_target(scores.float().cpu(), source_rows.cpu())
+    if spread > 0:
+        scores = torch.nn.functional.max_pool1d(scores[:, None], 2 * spread + 1, stride=1, padding=spread)[
+            :, 0
+        ]
+    return scores

@@ -190,6 +190,24 @@ def test_source_attention_scores_match_the_models_own_attention():
     expected = sum(a[0, :, 15:, :15].sum((0, 1)) for a in out.attentions)
     assert torch.allclose(scores[0], expected, atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))  # the source cache is untouched
+    last = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, last_queries=2)
+    expected_last = sum(a[0, :, 17:, :15].sum((0, 1)) for a in out.attentions)
+    assert torch.allclose(last[0], expected_last, atol=1e-4)
+
+
+def test_spread_reaches_neighbours_of_what_the_source_attended_to():
+    from bridgecache.refresh import source_guided_scores
+    from bridgecache.source import as_source
+
+    model = tiny_model("llama")
+    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 3))
+    kv = as_source(capture_kv(model, context))
+    rows = torch.arange(15)[None]
+    plain = source_guided_scores(model, kv, rows, query_ids=prompt)
+    wide = source_guided_scores(model, kv, rows, query_ids=prompt, spread=2)
+    top = int(plain[0].argmax())
+    assert all(wide[0, c] >= plain[0, top] for c in range(max(0, top - 2), min(15, top + 3)))
+    assert torch.all(wide >= plain)
 
 
 def test_budget_and_selection_arguments():

@@ -57,6 +57,8 @@ class Variant:
     refresh: float | int | None = None
     refresh_by: str = "deviation"
     min_quality: float | None = None
+    refresh_spread: int = 0  # source-guided: scores reach this many neighbours (spans)
+    refresh_last: int | None = None  # source-guided: only the prompt's last this many tokens look
     label: str | None = None  # told apart from other bridges of the same method (e.g. a tag)
 
     @property
@@ -68,6 +70,8 @@ class Variant:
             name += f" layers={self.native_layers}"
         if self.refresh:
             name += f" refresh={self.refresh}:{self.refresh_by}"
+            name += f" spread={self.refresh_spread}" if self.refresh_spread else ""
+            name += f" last={self.refresh_last}" if self.refresh_last else ""
         if self.min_quality is not None:
             name += f" min_quality={self.min_quality}"
         return name if self.key_norm else name + " key_norm=off"
@@ -308,6 +312,8 @@ class _ItemRun:
                     target_ids=context.target_ids,
                     source_ids=context.source_ids,
                     query_ids=query,
+                    spread=variant.refresh_spread,
+                    last_queries=variant.refresh_last,
                 )
 
         return bridged_prefix(
