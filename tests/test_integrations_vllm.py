@@ -262,6 +262,13 @@ def test_the_copied_interface_matches_the_installed_vllm():
 
 
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed here (CI: see docs/serving.md)")
+def test_vllms_request_validation_accepts_our_salt(published):
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    validate_cache_salt(published[1].cache_salt)  # raises on a salt vLLM's API would reject
+
+
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed here (CI: see docs/serving.md)")
 def test_vllms_factory_loads_and_builds_the_connector(published):
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
