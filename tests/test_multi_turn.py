@@ -161,3 +161,15 @@ def test_drift_with_an_identity_bridge_matches_the_native_conversation():
                       target_tokenizer=tok, max_new_tokens=3)  # fmt: skip
     assert got["bridged"] == got["native"]
     assert sum(got["native"].values()) <= 2 * len(items)
+
+
+@pytest.mark.real_model
+def test_multi_turn_example_on_smollm2_reproduces_its_own_conversation(capsys):
+    # The same model on both sides: Bridge.fit returns the exact identity, so every bridged turn
+    # (SmolLM2's real chat template, three turns on one cache) must match the native one.
+    args = ["--source", "smollm2-135m", "--target", "smollm2-135m", "--turns", "3", "--max-new-tokens", "8"]
+    got = script("examples/multi_turn.py").main(args)
+    assert [turn["answer"] for turn in got["turns"]] == got["native"]
+    assert all(turn["new_tokens"] >= 1 for turn in got["turns"])
+    assert got["turns"][0]["reused"] == got["handed_over"]
+    assert "fitting a bridge smollm2-135m->smollm2-135m" in capsys.readouterr().out
