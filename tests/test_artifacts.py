@@ -177,6 +177,16 @@ def test_export_refuses_bridges_not_between_zoo_models(pair, tmp_path):
         builtin.export_builtin(tmp_path / "b", "a->b", root=tmp_path)
 
 
+def test_export_refuses_values_float16_cannot_hold(fitted, tmp_path):
+    big = Bridge.from_pretrained(fitted[1])
+    big.layers[1].key_bias[0, 3] = 1e5  # above float16's largest finite value (65504)
+    big.save_pretrained(tmp_path / "big")
+    with pytest.raises(ValueError, match=r"layers.1.key_bias does not fit in float16.*--dtype bfloat16"):
+        builtin.export_builtin(tmp_path / "big", root=tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    assert builtin.export_builtin(tmp_path / "big", dtype="bfloat16", root=tmp_path / "out").exists()
+
+
 def test_builtin_names_are_checked(shipped_root):
     with pytest.raises(ValueError, match="expected 'SOURCE->TARGET'"):
         Bridge.from_pretrained("builtin:qwen2.5-coder-0.5b")

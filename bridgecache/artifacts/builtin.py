@@ -37,6 +37,7 @@ __all__ = [
 
 PREFIX = "builtin:"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAPS = ("key_weight", "key_bias", "value_weight", "value_bias")
 
 
 def builtin_root() -> Path:
@@ -176,19 +177,15 @@ def export_builtin(
             "gguf": zoo_fingerprint(spec.name),
             "tokenizer": spec.tokenizer,
         }
-    cast = _DTYPES[dtype]
     layers = [
         LayerMap(
             source_layers=list(layer.source_layers),
             inputs=layer.inputs,
-            key_weight=layer.key_weight.to(cast),
-            key_bias=layer.key_bias.to(cast),
-            value_weight=layer.value_weight.to(cast),
-            value_bias=layer.value_bias.to(cast),
+            **{name: _cast(getattr(layer, name), dtype, f"layers.{i}.{name}") for name in _MAPS},
             r2_key=layer.r2_key,
             r2_value=layer.r2_value,
         )
-        for layer in bridge.layers
+        for i, layer in enumerate(bridge.layers)
     ]
     calibration = {**bridge.calibration, "fingerprints": fingerprints, "stored_dtype": dtype}
     shipped = Bridge(
@@ -202,6 +199,16 @@ def export_builtin(
     )
     out = Path(root or builtin_root()) / name.replace("->", "--")
     return shipped.save_pretrained(out)
+
+
+def _cast(t: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
+    out = t.to(_DTYPES[dtype])
+    if not torch.isfinite(out).all():  # float16 tops out at 65504: never ship an inf
+        raise ValueError(
+            f"{name} does not fit in {dtype} (largest |value| {float(t.abs().max()):.3g}); "
+            "export with --dtype bfloat16"
+        )
+    return out
 
 
 def _example() -> str:

@@ -100,6 +100,7 @@ def feed_matrix(bridge) -> torch.Tensor:
 def plot_bridge(bridge, path: str | Path) -> Path:
     """Save a PNG: held-out R^2 of keys and values per target layer, and the source-layer feeds."""
     from matplotlib.figure import Figure  # no pyplot: no backend or global figure state touched
+    from matplotlib.ticker import MaxNLocator
 
     layers = list(range(len(bridge.layers)))
     fig = Figure(figsize=(11, 4))
@@ -114,6 +115,8 @@ def plot_bridge(bridge, path: str | Path) -> Path:
         xlabel="target layer", ylabel="source layer", title="which source layers feed each target layer"
     )
     fig.colorbar(image, ax=feeds, label="share of input slots")
+    for axis in (quality.xaxis, feeds.xaxis, feeds.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
     fig.suptitle(f"{bridge.source.name} -> {bridge.target.name} ({bridge.method})")
     fig.tight_layout()
     path = Path(path)
