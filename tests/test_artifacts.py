@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from bridgecache import Bridge, SpecMismatchError, handoff
 from bridgecache.artifacts import builtin
-from bridgecache.artifacts.recipe import RecipeError, recipe_command, recipe_of, refit
+from bridgecache.artifacts.recipe import RecipeError, infer_recipe, recipe_command, recipe_of, refit
 from bridgecache.artifacts.summary import feed_matrix
 from bridgecache.cli import main
 from bridgecache.fitting import fit_bridge
@@ -95,6 +95,20 @@ def test_refit_from_the_recorded_recipe_gives_the_same_maps(pair, fitted):
     assert not torch.equal(fewer.layers[0].key_weight, bridge.layers[0].key_weight)
     with pytest.raises(RecipeError, match="not recipe entries"):
         refit(recipe, source, target, tok, tok, num_seqs=2)
+
+
+def test_a_bridge_fitted_before_recipes_ships_with_a_rebuilt_recipe(pair, fitted, tmp_path):
+    source, target, tok = pair
+    bridge, _ = fitted
+    old = Bridge.from_pretrained(fitted[1])
+    del old.calibration["recipe"]  # as bridgecache wrote bridges before recipes
+    old.save_pretrained(tmp_path / "old")
+    shipped = Bridge.from_pretrained(builtin.export_builtin(tmp_path / "old", root=tmp_path / "shipped"))
+    assert "recipe_rebuilt" in shipped.calibration
+    _assert_same_maps(bridge, refit(recipe_of(shipped), source, target, tok, tok, progress=False))
+    del old.calibration["key_scale"]
+    with pytest.raises(RecipeError, match=r"lacks \['key_scale'\].*fit it again"):
+        infer_recipe(old)
 
 
 def test_recipe_command_names_every_setting_it_needs(fitted):

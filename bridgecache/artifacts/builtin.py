@@ -188,6 +188,11 @@ def export_builtin(
         for i, layer in enumerate(bridge.layers)
     ]
     calibration = {**bridge.calibration, "fingerprints": fingerprints, "stored_dtype": dtype}
+    if "recipe" not in calibration:  # fitted before recipes were recorded: rebuild it
+        from bridgecache.artifacts.recipe import infer_recipe
+
+        calibration["recipe"] = infer_recipe(bridge)
+        calibration["recipe_rebuilt"] = "from the calibration record, at export (fitted before recipes)"
     shipped = Bridge(
         source=bridge.source,
         target=bridge.target,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 
-__all__ = ["RecipeError", "recipe_of", "recipe_command", "refit"]
+__all__ = ["RecipeError", "recipe_of", "infer_recipe", "recipe_command", "refit"]
 
 # recipe key -> `bridgecache fit` option (the keys with no option keep fit_bridge's default).
 _OPTIONS = {
@@ -44,6 +44,35 @@ def recipe_of(bridge) -> dict:
             "recipe: it was not made by fit_bridge, or by a bridgecache older than recipes"
         )
     return dict(recipe)
+
+
+def infer_recipe(bridge) -> dict:
+    """The recipe of a bridge fitted before recipes were recorded, rebuilt from its calibration record.
+
+    Every setting that decides the maps is in that record (resolved: `layers_k` and `weighting`
+    hold the values the method defaults gave); `probe_subset` and `identity_if_same` were never
+    recorded and take `bridgecache fit`'s values (16, True).
+    """
+    calib = bridge.calibration
+    needed = ("num_sequences", "seq_len", "domain", "seed", "heldout_every", "layers_k", "layer_support")
+    needed += ("lam", "weighting", "key_scale")
+    missing = [key for key in needed if key not in calib]
+    if missing or bridge.method not in ("fullhead", "cachebridge"):
+        raise RecipeError(
+            f"bridge {bridge.source.name} -> {bridge.target.name} ({bridge.method}): its calibration "
+            f"record lacks {missing or 'a fitted method'}, so its recipe cannot be rebuilt; fit it again"
+        )
+    return {
+        "source": bridge.source.name,
+        "target": bridge.target.name,
+        "method": bridge.method,
+        **{key: calib[key] for key in needed},
+        "alignment_policy": None if bridge.alignment_policy == "identity" else bridge.alignment_policy,
+        "native_head": bridge.native_head,
+        "boundaries": calib.get("boundaries") or _FIT_DEFAULTS["boundaries"],
+        "probe_subset": _FIT_DEFAULTS["probe_subset"],
+        "identity_if_same": True,
+    }
 
 
 def recipe_command(recipe: dict, out: str = "DIR") -> str:
