@@ -208,12 +208,40 @@ class Bridge:
         }
         save_file(tensors, str(directory / _TENSORS))
         (directory / _JSON).write_text(json.dumps(meta, indent=1))
+        from bridgecache.artifacts.card import write_card
+
+        write_card(self, directory)  # README.md: the bridge card
         return directory
 
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload this bridge (files + card) to a Hub repo; see `bridgecache.artifacts.hub.push_to_hub`."""
+        from bridgecache.artifacts.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
+    def __repr__(self) -> str:
+        from bridgecache.artifacts.summary import short_summary
+
+        return short_summary(self)
+
+    def _repr_markdown_(self) -> str:
+        from bridgecache.artifacts.summary import markdown_summary
+
+        return markdown_summary(self)
+
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> Bridge:
-        """Load and validate a bridge directory; any inconsistency raises BridgeFormatError."""
-        directory = Path(directory)
+    def from_pretrained(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", **hub_kwargs
+    ) -> Bridge:
+        """Load and validate a bridge; any inconsistency raises BridgeFormatError.
+
+        name_or_path: a bridge directory, "builtin:SOURCE->TARGET" (shipped with bridgecache) or a
+            Hub repo id "org/name" (hub_kwargs: revision, cache_dir, token, local_files_only).
+        Stored float16/bfloat16 maps are upcast to float32.
+        """
+        from bridgecache.artifacts.resolve import check_fingerprints, resolve_bridge
+
+        directory = resolve_bridge(name_or_path, **hub_kwargs)
         meta = _read_json(directory / _JSON)
         tensors = _read_tensors(directory / _TENSORS)
         _check_tensors(meta, tensors, directory)
@@ -226,7 +254,7 @@ class Bridge:
         layers = []
         for i, entry in enumerate(meta["layers"]):
             where = f"{directory / _JSON}: layers[{i}]"
-            t = {name: tensors[f"layers.{i}.{name}"].to(device) for name in _FIELDS}
+            t = {name: _as_fp32(tensors[f"layers.{i}.{name}"]).to(device) for name in _FIELDS}
             if t["inputs"].tolist() != _get(entry, "inputs", where):
                 raise BridgeFormatError(
                     f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
@@ -249,6 +277,7 @@ class Bridge:
             calibration=meta["calibration"],
         )
         _check_layer_shapes(bridge, directory)
+        check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
         return bridge
 
 
@@ -359,6 +388,11 @@ def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
             )
         if sorted(set(src_layer.flatten().tolist())) != sorted(layer.source_layers):
             raise BridgeFormatError(f"{directory}: layers.{i}.source_layers disagrees with layers.{i}.inputs")
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    # Shipped bridges store their maps in float16/bfloat16; the maps are applied in float32.
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def _get(entry, key: str, where: str):

@@ -3,6 +3,8 @@
 bridgecache demo                       a real handoff between two built-in models, on CPU (bridgecache.demo)
 bridgecache fit --source A --target B  fit and save a bridge
 bridgecache eval --bridge DIR ...      measure a bridge with the field's protocols + controls
+bridgecache inspect BRIDGE             what a bridge maps, its size, per-layer scores (--plot FILE)
+bridgecache export-builtin DIR [NAME]  ship a fitted bridge inside the package (float16)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def bridge_for(source_name: str, target_name: str, method: str, source=None, tar
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from bridgecache.artifacts.cli import add_export_command, add_inspect_command
     from bridgecache.demo import add_demo_command
     from bridgecache.evaluation.cli import add_eval_command
     from bridgecache.fitting.cli import add_fit_command
@@ -51,6 +54,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_demo_command(sub)
     add_fit_command(sub)
     add_eval_command(sub)
+    add_inspect_command(sub)
+    add_export_command(sub)
     return parser
 
 

@@ -119,6 +119,9 @@ def handoff(
             last tokens read it), "deviation", or a tensor of scores (see BridgedCache).
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
+    from bridgecache.artifacts.builtin import check_models
+
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)  # built-in bridges only
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
     source_prefill_s = 0.0
     if source_cache is None:

@@ -18,14 +18,17 @@ __all__ = ["add_fit_command", "run_fit"]
 def add_fit_command(subparsers) -> argparse.ArgumentParser:
     """Add `fit` to an argparse subparsers object; returns its parser."""
     fit = subparsers.add_parser("fit", help="fit a bridge (Full-Head Mapping or CacheBridge) and save it")
+    fit.add_argument("--source", help="model that reads the context (built-in name, hub id, dir)")
+    fit.add_argument("--target", help="model that continues from the mapped cache")
     fit.add_argument(
-        "--source", required=True, help="model that reads the context (built-in name, hub id, dir)"
+        "--recipe",
+        help="fit again from a bridge's recorded recipe (dir, builtin:NAME or hub id) instead of options; "
+        "--calib-seqs/--seq-len given here override it",
     )
-    fit.add_argument("--target", required=True, help="model that continues from the mapped cache")
     fit.add_argument("--method", default="cachebridge", choices=["cachebridge", "fullhead"])
     fit.add_argument("--out", required=True, help="directory for bridge.safetensors + bridge.json")
-    fit.add_argument("--calib-seqs", type=int, default=32, help="calibration sequences (default 32)")
-    fit.add_argument("--seq-len", type=int, default=256, help="target tokens per sequence (default 256)")
+    fit.add_argument("--calib-seqs", type=int, help="calibration sequences (default 32)")
+    fit.add_argument("--seq-len", type=int, help="target tokens per sequence (default 256)")
     fit.add_argument(
         "--layers-k", type=int, default=None, help="source layers per target layer (method default)"
     )
@@ -59,6 +62,14 @@ def run_fit(args) -> int:
     from bridgecache.bridge import Bridge
     from bridgecache.zoo import load_model
 
+    if args.recipe:
+        from bridgecache.artifacts.cli import run_fit_recipe
+
+        return run_fit_recipe(args)
+    if not (args.source and args.target):
+        raise SystemExit("bridgecache fit: give --source and --target (or --recipe BRIDGE)")
+    args.calib_seqs = args.calib_seqs or 32
+    args.seq_len = args.seq_len or 256
     torch.manual_seed(args.seed)
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)

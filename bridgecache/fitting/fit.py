@@ -226,6 +226,27 @@ def fit_bridge(
         "boundaries": boundaries if info["weighting"] == "attention" else None,
         "probe_sequences": len(probe_seqs) if "layer_scores" in info else 0,
         **info,
+        # Exactly what this call was given: `bridgecache fit --recipe` regenerates the maps from it.
+        "recipe": {
+            "source": source_spec.name,
+            "target": target_spec.name,
+            "method": method,
+            "num_sequences": num_sequences,
+            "seq_len": seq_len,
+            "domain": domain,
+            "layers_k": layers_k,
+            "layer_support": layer_support,
+            "lam": lam,
+            "weighting": weighting,
+            "alignment_policy": alignment_policy,
+            "key_scale": key_scale,
+            "native_head": native_head,
+            "heldout_every": heldout_every,
+            "boundaries": boundaries,
+            "probe_subset": probe_subset,
+            "identity_if_same": identity_if_same,
+            "seed": seed,
+        },
     }
     bridge = Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration)
     if score_heldout:
