@@ -4,13 +4,20 @@
         --method cachebridge --out bridges/q15-q05 [--calib-seqs 32 --seq-len 256 --layers-k 2]
 
 `add_fit_command(subparsers)` registers the subcommand; `bridgecache/cli.py` wires it in.
+Every option, both model references and `--out` are checked before a model loads: a fit can
+take an hour, and it is never lost to a typo or an unwritable destination. An existing bridge
+in `--out` is replaced only with `--force`.
+
 Knows argparse and the zoo; the fitting itself is `bridgecache.fitting.fit_bridge`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 __all__ = ["add_fit_command", "run_fit"]
 
@@ -24,6 +31,7 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--target", required=True, help="model that continues from the mapped cache")
     fit.add_argument("--method", default="cachebridge", choices=["cachebridge", "fullhead"])
     fit.add_argument("--out", required=True, help="directory for bridge.safetensors + bridge.json")
+    fit.add_argument("--force", action="store_true", help="replace a bridge already in --out")
     fit.add_argument("--calib-seqs", type=int, default=32, help="calibration sequences (default 32)")
     fit.add_argument("--seq-len", type=int, default=256, help="target tokens per sequence (default 256)")
     fit.add_argument(
@@ -52,8 +60,52 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
     return fit
 
 
+# fit_bridge's option names -> this command's flags, for error messages.
+_FLAGS = {"num_sequences": "--calib-seqs", "seq_len": "--seq-len", "layers_k": "--layers-k", "lam": "--lam"}
+_FLAGS |= {"native_head": "--native-head", "alignment_policy": "--alignment-policy"}
+
+
+def check_fit_args(args) -> str | None:
+    """The first problem with the arguments, destination included, in words; None if none."""
+    from bridgecache.files import writable_destination
+    from bridgecache.fitting.options import check_fit_options, check_model_reference
+    from bridgecache.zoo import BUILTIN_MODELS
+
+    try:
+        check_fit_options(
+            method=args.method,
+            num_sequences=args.calib_seqs,
+            seq_len=args.seq_len,
+            domain=args.domain,
+            layers_k=args.layers_k,
+            lam=args.lam,
+            alignment_policy=args.alignment_policy,
+            native_head=args.native_head,
+        )
+    except ValueError as err:
+        name, _, rest = str(err).partition(" is ")
+        return f"{_FLAGS.get(name, name)} is {rest}"
+    for flag, name in (("--source", args.source), ("--target", args.target)):
+        problem = check_model_reference(name, BUILTIN_MODELS)
+        if problem:
+            return f"{flag}: {problem}"
+    problem = writable_destination(args.out)
+    if problem:
+        return f"--out: {problem}"
+    if (Path(args.out) / "bridge.json").exists() and not args.force:
+        return (
+            f"--out: {args.out} already holds a bridge; pass --force to replace it, or choose another --out"
+        )
+    return None
+
+
 def run_fit(args) -> int:
-    """Load both models, fit, save, print the report. Returns the exit status."""
+    """Check the arguments, load both models, fit, save, print the report. Returns the exit status."""
+    problem = check_fit_args(args)
+    if problem:
+        print(f"bridgecache fit: error: {problem}", file=sys.stderr)
+        return 2
+
     import torch
 
     from bridgecache.bridge import Bridge
@@ -71,7 +123,16 @@ def run_fit(args) -> int:
         native_head=args.native_head, seed=args.seed, source_name=args.source, target_name=args.target,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    bridge.save_pretrained(args.out)
+    try:
+        bridge.save_pretrained(args.out, overwrite=args.force)
+    except OSError as err:  # the destination changed during the fit: keep the work anyway
+        rescue = Path(tempfile.mkdtemp(prefix="bridgecache-unsaved-"))
+        bridge.save_pretrained(rescue)
+        print(
+            f"bridgecache fit: error: could not save to {args.out} ({err}); saved to {rescue}",
+            file=sys.stderr,
+        )
+        return 1
     print(bridge.summary())
     if "rows" in bridge.calibration:
         rows = bridge.calibration["rows"]
