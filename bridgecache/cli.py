@@ -54,14 +54,21 @@ def _demo(args) -> int:
     from bridgecache.zoo import load_model
 
     torch.manual_seed(0)
-    source, source_tok = load_model(args.source)
-    target, target_tok = load_model(args.target)
+    bridge = None
     if args.bridge:
         from bridgecache.bridge import Bridge
 
         bridge = Bridge.from_pretrained(args.bridge)
-    else:
+    problem = _demo_models(args, bridge)
+    if problem:
+        print(f"bridgecache demo: error: {problem}", file=sys.stderr)
+        return 2
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
+    if bridge is None:
         bridge = bridge_for(args.source, args.target, args.method, source, target)
+    else:
+        bridge.check(source, target)
     context, prompt = args.context or DEMO_CONTEXT, args.prompt or DEMO_PROMPT
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -110,6 +117,20 @@ def _demo(args) -> int:
     return 0
 
 
+def _demo_models(args, bridge) -> str | None:
+    """Fill in args.source/args.target (a bridge's own models by default); the problem, if any."""
+    from bridgecache.fitting.options import check_model_reference
+    from bridgecache.zoo import BUILTIN_MODELS
+
+    for role, default in (("source", "qwen2.5-coder-1.5b"), ("target", "qwen2.5-coder-0.5b")):
+        if getattr(args, role) is None:
+            setattr(args, role, getattr(bridge, role).name if bridge is not None else default)
+            problem = check_model_reference(getattr(args, role), BUILTIN_MODELS)
+            if problem:
+                return f"no --{role} given, and the bridge's {role} model cannot be loaded: {problem}"
+    return None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from bridgecache.evaluation.cli import add_eval_command
     from bridgecache.fitting.cli import add_fit_command
@@ -121,8 +142,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="a real handoff between two built-in models on CPU (offline)")
-    demo.add_argument("--source", default="qwen2.5-coder-1.5b", help="model that reads the context")
-    demo.add_argument("--target", default="qwen2.5-coder-0.5b", help="model that continues from it")
+    demo.add_argument(
+        "--source", help="model that reads the context (default: the bridge's, else qwen2.5-coder-1.5b)"
+    )
+    demo.add_argument(
+        "--target", help="model that continues from it (default: the bridge's, else qwen2.5-coder-0.5b)"
+    )
     demo.add_argument("--method", default="cachebridge", choices=["cachebridge", "fullhead"])
     demo.add_argument("--bridge", help="a saved bridge directory (default: fit one for the pair, once)")
     demo.add_argument("--context", help="context text (default: a short story)")

@@ -191,3 +191,32 @@ def test_a_destination_broken_during_the_fit_keeps_the_work(model_dirs, tmp_path
     assert len(rescued) == 1 and Bridge.from_pretrained(rescued[0]).method == "cachebridge"
     assert out.read_text() == "someone else's file"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_demo_with_a_bridge_uses_the_bridges_models(model_dirs, tmp_path, capsys, monkeypatch):
+    from bridgecache.modelinfo import model_spec
+
+    model, tok = zoo.load_model(model_dirs[0])
+    Bridge.identity(model_spec(model, tok, name=model_dirs[0])).save_pretrained(tmp_path / "b")
+    loaded = []
+    real = zoo.load_model
+    monkeypatch.setattr(zoo, "load_model", lambda name, **kw: loaded.append(name) or real(name, **kw))
+    argv = [
+        "demo",
+        "--bridge",
+        str(tmp_path / "b"),
+        "--context",
+        "the ship lost its mast. ",
+        "--prompt",
+        "Q:",
+    ]
+    assert main([*argv, "--max-new-tokens", "2"]) == 0
+    assert loaded == [model_dirs[0], model_dirs[0]]  # not the built-in defaults
+    assert f"source {model_dirs[0]}  ->  target {model_dirs[0]}" in capsys.readouterr().out
+
+
+def test_demo_with_a_bridge_whose_models_cannot_load_says_so(tmp_path, capsys, no_model_loads):
+    Bridge.identity(tiny_model("qwen2")).save_pretrained(tmp_path / "b")  # names its model "qwen2"
+    assert main(["demo", "--bridge", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "no --source given, and the bridge's source model cannot be loaded: 'qwen2' is neither" in err
