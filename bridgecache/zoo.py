@@ -395,6 +395,7 @@ def _convert(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
         model, tokenizer = _load_gguf(gguf_path)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / ".complete").write_text(entry.sha256 or "verified chunks\n")  # what bridgecache < 0.2 reads
         apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock out other users
         write_manifest(tmp, source=entry.sha256 or "chunks verified by RECORD hash")
         if target.exists():

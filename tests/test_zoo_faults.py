@@ -109,7 +109,9 @@ def _assert_working_and_clean(home):
     assert verify_folder(folder) is None and is_current(folder)
     assert sorted(p.name for p in (home / "models").iterdir()) == ["fake"]  # no staging folders
     assert sorted(p.name for p in (home / "gguf").iterdir()) == ["fake.gguf"]  # no partial file
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == sorted([MANIFEST, STAMP])
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == sorted(
+        [".complete", MANIFEST, STAMP]
+    )
     assert sorted(p.name for p in (home / "wheels" / "fake").iterdir()) == sorted(
         n for n, _ in INDEX.values()
     )
