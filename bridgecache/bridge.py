@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bridgecache.bridgeformat import BridgeFormatError, check_bridge_json
+from bridgecache.bridgeformat import METHODS, BridgeFormatError, check_bridge_json
 from bridgecache.files import staged_directory
 from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
@@ -31,7 +31,6 @@ from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
 __all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
 
 FORMAT_VERSION = 1
-METHODS = ("fullhead", "cachebridge", "identity")
 _JSON, _TENSORS = "bridge.json", "bridge.safetensors"
 _FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
 
@@ -189,9 +188,9 @@ class Bridge:
     def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
         """Write bridge.safetensors + bridge.json into `directory` (created if needed).
 
-        The files are written beside it first and renamed into place (a reader or a crash never
-        sees half a bridge), with the umask's mode. overwrite=False refuses (FileExistsError) to
-        replace a bridge already in `directory`.
+        The files are staged in a hidden folder and renamed into place (a reader or a crash
+        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
+        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
         """
         directory = Path(directory)
         if not overwrite and (directory / _JSON).exists():

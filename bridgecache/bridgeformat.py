@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tokenalign import POLICIES
 
-__all__ = ["BridgeFormatError", "check_bridge_json", "ALIGNMENT_POLICIES"]
+__all__ = ["ALIGNMENT_POLICIES", "METHODS", "BridgeFormatError", "check_bridge_json"]
 
 ALIGNMENT_POLICIES = ("identity", *POLICIES)
-_METHODS = ("fullhead", "cachebridge", "identity")
+METHODS = ("fullhead", "cachebridge", "identity")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -38,8 +38,8 @@ def check_bridge_json(meta: dict, path: Path) -> None:
         raise BridgeFormatError(f"{path}: field 'tensors' is missing")
     for role in ("source", "target"):
         _check_spec(meta[role], role, fail)
-    if meta["method"] not in _METHODS:
-        fail("method", meta["method"], f"one of {_METHODS}")
+    if meta["method"] not in METHODS:
+        fail("method", meta["method"], f"one of {METHODS}")
     if meta["alignment_policy"] not in ALIGNMENT_POLICIES:
         fail("alignment_policy", meta["alignment_policy"], f"one of {ALIGNMENT_POLICIES}")
     if not _is_int(meta["native_head"]) or meta["native_head"] < 0:

@@ -40,8 +40,10 @@ def weight_fingerprint(model: torch.nn.Module) -> str:
             if p.device.type == "meta" or p.numel() == 0:  # offloaded or empty: shape only
                 continue
             flat = p.detach().reshape(-1)
-            index = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel())).long()
-            sample = flat[index.to(flat.device)].to(torch.bfloat16).cpu()
+            count = min(_SAMPLES, flat.numel())
+            # integer steps (a float linspace rounds past the end above 2**24 elements); first and last kept
+            index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+            sample = flat[index].to(torch.bfloat16).cpu()
             hasher.update(sample.view(torch.int16).numpy().tobytes())
     fingerprint = hasher.hexdigest()[:16]
     _MEMO[model] = (versions, fingerprint)

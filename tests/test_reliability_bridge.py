@@ -182,6 +182,15 @@ def test_fingerprint_tells_checkpoints_apart_not_dtypes():
     assert weight_fingerprint(a) != before  # in-place writes bump the version: not served stale
 
 
+def test_fingerprint_reads_the_last_value_of_a_large_parameter():
+    big = torch.nn.Module()
+    big.weight = torch.nn.Parameter(torch.zeros(49152 * 576, dtype=torch.bfloat16), requires_grad=False)
+    before = weight_fingerprint(big)  # SmolLM2's embedding: a float linspace overran it
+    with torch.no_grad():
+        big.weight[-1] = 1.0
+    assert weight_fingerprint(big) != before
+
+
 def test_check_warns_on_other_weights_and_refuses_under_strict(fitted, models, tmp_path):
     src, tgt = models
     fitted.save_pretrained(tmp_path)
