@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,18 +23,20 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from bridgecache.bridgeformat import METHODS, BridgeFormatError, check_bridge_json
+from bridgecache.files import staged_directory
+from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
 
-__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "FORMAT_VERSION", "METHODS"]
+__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
 
 FORMAT_VERSION = 1
-METHODS = ("fullhead", "cachebridge", "identity")
 _JSON, _TENSORS = "bridge.json", "bridge.safetensors"
 _FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
 
 
-class BridgeFormatError(ValueError):
-    """A bridge directory is missing, truncated, corrupted or inconsistent with its metadata."""
+class WeightMismatchWarning(UserWarning):
+    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Bridge:
     native_head: positions [0, native_head) the target computes itself (excluded from fitting).
     layers: one LayerMap per target layer.
     calibration: JSON-able description of the calibration data and fit settings.
+    fingerprints: {"source": ..., "target": ...} weight fingerprints at fit time
+        (`bridgecache.fingerprint`); empty for the identity and for older bridge files.
     """
 
     source: ModelSpec
@@ -83,6 +88,7 @@ class Bridge:
     layers: list[LayerMap]
     native_head: int = 1
     calibration: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -134,10 +140,17 @@ class Bridge:
 
     # ------------------------------------------------------------------ checks and sizes
 
-    def check(self, source_model_or_spec, target_model_or_spec) -> None:
-        """Raise SpecMismatchError naming each field where the given models differ from the bridge's."""
+    def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:
+        """Raise SpecMismatchError naming each field where the given models differ from the bridge's.
+
+        Given models (not specs), their weights are compared with the fingerprints recorded at
+        fit time: a mismatch (e.g. a fine-tuned copy) warns (WeightMismatchWarning), or raises
+        SpecMismatchError under `strict=True`.
+        """
         self.source.check(_as_spec(source_model_or_spec), "source")
         self.target.check(_as_spec(target_model_or_spec), "target")
+        for role, model in (("source", source_model_or_spec), ("target", target_model_or_spec)):
+            _check_fingerprint(self.fingerprints.get(role), model, role, strict)
 
     def num_parameters(self) -> int:
         """Coefficients of all maps (weights and biases, keys and values)."""
@@ -172,10 +185,16 @@ class Bridge:
 
     # ------------------------------------------------------------------ files
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write bridge.safetensors + bridge.json into `directory` (created if needed)."""
+    def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
+        """Write bridge.safetensors + bridge.json into `directory` (created if needed).
+
+        The files are staged in a hidden folder and renamed into place (a reader or a crash
+        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
+        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        if not overwrite and (directory / _JSON).exists():
+            raise FileExistsError(f"{directory} already holds a bridge; refusing to overwrite it")
         tensors, described = {}, {}
         for i, layer in enumerate(self.layers):
             for name in _FIELDS:
@@ -206,11 +225,14 @@ class Bridge:
             ],
             "tensors": described,
         }
-        save_file(tensors, str(directory / _TENSORS))
-        (directory / _JSON).write_text(json.dumps(meta, indent=1))
+        if self.fingerprints:
+            meta["fingerprints"] = dict(self.fingerprints)
         from bridgecache.artifacts.card import write_card
 
-        write_card(self, directory)  # README.md: the bridge card
+        with staged_directory(directory) as staging:
+            save_file(tensors, str(staging / _TENSORS))
+            (staging / _JSON).write_text(json.dumps(meta, indent=1))
+            write_card(self, staging)  # README.md: the bridge card
         return directory
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
@@ -273,8 +295,9 @@ class Bridge:
             method=meta["method"],
             alignment_policy=meta["alignment_policy"],
             layers=layers,
-            native_head=int(meta["native_head"]),
+            native_head=meta["native_head"],
             calibration=meta["calibration"],
+            fingerprints=meta.get("fingerprints", {}),
         )
         _check_layer_shapes(bridge, directory)
         check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
@@ -298,21 +321,7 @@ def _read_json(path: Path) -> dict:
             f"{path}: field 'format_version' is {meta.get('format_version')!r}; "
             f"this bridgecache reads {FORMAT_VERSION}"
         )
-    required = (
-        "source",
-        "target",
-        "method",
-        "alignment_policy",
-        "native_head",
-        "calibration",
-        "layers",
-        "tensors",
-    )
-    for key in required:
-        if key not in meta:
-            raise BridgeFormatError(f"{path}: field {key!r} is missing")
-    if meta["method"] not in METHODS:
-        raise BridgeFormatError(f"{path}: field 'method' is {meta['method']!r}; expected one of {METHODS}")
+    check_bridge_json(meta, path)
     return meta
 
 
@@ -409,6 +418,21 @@ def _as_spec(model_or_spec) -> ModelSpec:
     raise SpecMismatchError(
         f"expected a transformers model or a ModelSpec, got {type(model_or_spec).__name__}"
     )
+
+
+def _check_fingerprint(recorded: str | None, model_or_spec, role: str, strict: bool) -> None:
+    if recorded is None or isinstance(model_or_spec, ModelSpec):
+        return
+    got = weight_fingerprint(model_or_spec)
+    if got == recorded:
+        return
+    message = (
+        f"the {role} model's weights (fingerprint {got}) are not the ones this bridge was fitted on "
+        f"(expected {recorded}): same architecture, other checkpoint (a fine-tune?); the maps may not fit it"
+    )
+    if strict:
+        raise SpecMismatchError(message)
+    warnings.warn(message, WeightMismatchWarning, stacklevel=3)
 
 
 def _tensor_sha(t: torch.Tensor) -> str:

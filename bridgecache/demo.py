@@ -73,9 +73,14 @@ def _document(args, target_tok) -> tuple[str, str, str | None]:
     return item.context, item.question, item.choices[item.answer]
 
 
+class _DemoError(Exception):
+    """What stops the demo before any model loads (exit status 2)."""
+
+
 def _bridge_and_models(args):
+    from bridgecache import zoo
     from bridgecache.bridge import Bridge
-    from bridgecache.zoo import load_model
+    from bridgecache.fitting.options import check_model_reference
 
     name = args.bridge
     if name is None:
@@ -90,8 +95,12 @@ def _bridge_and_models(args):
         print(f"no built-in bridge {name} ({err}); fitting one once", file=sys.stderr)
     source_name = args.source or (bridge.source.name if bridge else DEFAULT_PAIR[0])
     target_name = args.target or (bridge.target.name if bridge else DEFAULT_PAIR[1])
-    source, source_tok = load_model(source_name)
-    target, target_tok = load_model(target_name)
+    for role, name, given in (("source", source_name, args.source), ("target", target_name, args.target)):
+        problem = None if given else check_model_reference(name, zoo.BUILTIN_MODELS)
+        if problem:  # checked before a model loads: a wrong name costs nothing
+            raise _DemoError(f"no --{role} given, and the bridge's {role} model cannot be loaded: {problem}")
+    source, source_tok = zoo.load_model(source_name)
+    target, target_tok = zoo.load_model(target_name)
     if bridge is None:
         from bridgecache.cli import bridge_for
 
@@ -112,7 +121,13 @@ def run_demo(args) -> int:
     from bridgecache.handoff import align_context, handoff
 
     torch.manual_seed(0)
-    bridge, (source_name, source, source_tok), (target_name, target, target_tok) = _bridge_and_models(args)
+    try:
+        bridge, (source_name, source, source_tok), (target_name, target, target_tok) = _bridge_and_models(
+            args
+        )
+    except _DemoError as err:
+        print(f"bridgecache demo: error: {err}", file=sys.stderr)
+        return 2
     context, question, expected = _document(args, target_tok)
     prompt = f"\nQuestion: {question}\nAnswer:"
     pad = target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
@@ -151,7 +166,7 @@ def run_demo(args) -> int:
     bridged_text = bridged(args.max_new_tokens).text.strip()
 
     report = first_token.cache.report()
-    print(f"\nsource {_short(source_name)}  ->  target {_short(target_name)}   ({bridge.method} bridge)")
+    print(f"\nsource {source_name}  ->  target {target_name}   ({bridge.method} bridge)")
     print(f"document: {ids.shape[1]} target tokens with the question; {source_ids.shape[1]} source tokens")
     print(f"question: {question}" + (f"   (expected: {expected})" if expected else ""))
     print(f"\nnative  : {native_text!r}")
@@ -170,11 +185,6 @@ def run_demo(args) -> int:
     print(f"  {'time-to-first-token ratio (native / bridged)':<{width}}  {speedup:7.2f} x\n")
     print(_verdict(expected, native_text, bridged_text, speedup, args.refresh))
     return 0
-
-
-def _short(name: str) -> str:
-    """A model name for people: the last part of a path."""
-    return name.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _verdict(expected, native_text, bridged_text, speedup, refresh) -> str:

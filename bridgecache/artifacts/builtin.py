@@ -14,8 +14,6 @@ Knows the zoo's pins (`bridgecache.zoo.BUILTIN_MODELS`); nothing about caches or
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
 
@@ -65,16 +63,10 @@ def builtin_dir(name: str) -> Path:
 
 
 def zoo_fingerprint(name: str) -> str:
-    """The zoo's pin of a built-in model's file: its GGUF sha256, else a hash of its pinned wheels."""
+    """The zoo's pin of a built-in model's file: its assembled GGUF's sha256."""
     from bridgecache.zoo import BUILTIN_MODELS
 
-    entry = BUILTIN_MODELS[name]
-    if entry.sha256 is not None:
-        return f"sha256:{entry.sha256}"
-    # No pinned sha256 (Qwen2.5-Coder-1.5B): the chunks are checked against the RECORD hashes of
-    # these exact wheel versions, so the versions and chunk order identify the file.
-    pinned = json.dumps([list(entry.wheels), list(entry.chunks)]).encode()
-    return f"wheels:{hashlib.sha256(pinned).hexdigest()[:16]}"
+    return f"sha256:{BUILTIN_MODELS[name].sha256}"
 
 
 def model_fingerprint(model) -> str | None:

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bridgecache.bridge import Bridge, LayerMap
+from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
+from bridgecache.fitting.options import check_fit_options
 from bridgecache.fitting.ridge import DEFAULT_LAM
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
@@ -183,6 +185,18 @@ def fit_bridge(
     """
     source_spec = model_spec(source_model, source_tokenizer, name=source_name)
     target_spec = model_spec(target_model, target_tokenizer, name=target_name)
+    check_fit_options(
+        method=method,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        domain=domain,
+        layers_k=layers_k,
+        lam=lam,
+        alignment_policy=alignment_policy,
+        native_head=native_head,
+        heldout_every=heldout_every,
+        source_layers=source_spec.num_layers,
+    )
     tokenizers_match = same_tokenizer(source_tokenizer, target_tokenizer)
     if identity_if_same and tokenizers_match and _same_weights(source_model, target_model):
         bridge = Bridge.identity(target_spec, native_head=native_head)
@@ -248,7 +262,8 @@ def fit_bridge(
             "seed": seed,
         },
     }
-    bridge = Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration)
+    fingerprints = {"source": weight_fingerprint(source_model), "target": weight_fingerprint(target_model)}
+    bridge = Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration, fingerprints)
     if score_heldout:
         from bridgecache.fitting.heldout import score_bridge
 
