@@ -148,6 +148,11 @@ class BridgedSlidingLayer(_LazyLayerMixin, DynamicSlidingWindowLayer):
         self.cumulative_length = translator.prefix_length
 
 
+# transformers' layer class -> the bridged subclass that replaces it (exact types: a subclass
+# upstream adds, e.g. a chunked or offloaded layer, is refused rather than silently mistreated).
+_BRIDGED_LAYER_TYPES = {DynamicLayer: BridgedLayer, DynamicSlidingWindowLayer: BridgedSlidingLayer}
+
+
 class BridgedCache(DynamicCache):
     """A target-model cache holding a context that a SOURCE model read, translated lazily.
 
@@ -187,20 +192,23 @@ class BridgedCache(DynamicCache):
         key_norm: bool = True,
     ):
         native_head = bridge.native_head if native_head is None else native_head
+        layers = _bridged_layers(target.config)
         translator = _Translator(
-            bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
-            alignment, native_head, native_tail, key_norm,
-        )  # fmt: skip
-        layers = []
-        for i, layer_type in enumerate(translator.target_layer_types):
-            if layer_type == "sliding_attention":
-                layer = BridgedSlidingLayer(sliding_window=translator.sliding_window)
-            else:
-                layer = BridgedLayer()
-            layer._bind(translator, i)
-            layers.append(layer)
+            bridge,
+            as_source(source, source_attention_mask),
+            target,
+            target_ids,
+            target_mask=target_attention_mask,
+            alignment=alignment,
+            head=native_head,
+            tail=native_tail,
+            key_norm=key_norm,
+            windows=[getattr(layer, "sliding_window", None) for layer in layers],
+        )
         super().__init__()
         self.layers = layers
+        for i, layer in enumerate(self.layers):
+            layer._bind(translator, i)
         self.layer_class_to_replicate = None
         self.translator = translator
 
@@ -228,7 +236,18 @@ class _Translator:
     target's rope tables and native head KV. Produces one target layer's tensors on request."""
 
     def __init__(
-        self, bridge, source: SourceKV, target, target_ids, target_mask, alignment, head, tail, key_norm=True
+        self,
+        bridge,
+        source: SourceKV,
+        target,
+        target_ids,
+        *,
+        target_mask,
+        alignment,
+        head,
+        tail,
+        key_norm,
+        windows,
     ):
         spec = bridge.source
         source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
@@ -236,12 +255,7 @@ class _Translator:
         self.bridge = bridge
         self.source = source
         self.batch_size = source.batch_size
-        config = target.config.get_text_config()
-        self.target_layer_types = list(
-            getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
-        )
-        self.target_layer_types = self.target_layer_types[: bridge.target.num_layers]
-        self.sliding_window = getattr(config, "sliding_window", None)
+        self.windows = windows  # per target layer: None (keeps every row) or its sliding window
         self.home_device = target.get_input_embeddings().weight.device
         self.home_dtype = target.get_input_embeddings().weight.dtype
 
@@ -290,8 +304,8 @@ class _Translator:
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
         start = 0
-        if self.target_layer_types[idx] == "sliding_attention":
-            start = max(0, self.prefix_length - (self.sliding_window - 1))  # what the window keeps
+        if self.windows[idx] is not None:
+            start = max(0, self.prefix_length - (self.windows[idx] - 1))  # what the window keeps
         parts_k, parts_v = [], []
         if start < self.head:
             parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
@@ -332,11 +346,27 @@ class _Translator:
 
     def _target_cos_sin(self, idx: int, begin: int, device: torch.device):
         """Target cos/sin [batch, rows, dim] from `begin` on; shared by layers of one rope type."""
-        key = (self.target_layer_types[idx], begin, device)
+        key = (self.target_rope.layer_types[idx], begin, device)
         if key not in self._target_tables:
             cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
             self._target_tables[key] = (cos.to(device), sin.to(device))
         return self._target_tables[key]
+
+
+def _bridged_layers(config) -> list[_LazyLayerMixin]:
+    """One bridged layer per target layer, of the type transformers' `DynamicCache(config=...)`
+    dispatches for `config` (full or sliding window); any other layer type raises ValueError."""
+    layers = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        bridged = _BRIDGED_LAYER_TYPES.get(type(layer))
+        if bridged is None:
+            raise ValueError(
+                f"target layer {i} is a {type(layer).__name__} cache layer; BridgedCache supports "
+                f"{sorted(t.__name__ for t in _BRIDGED_LAYER_TYPES)}"
+            )
+        kwargs = {"sliding_window": layer.sliding_window} if bridged is BridgedSlidingLayer else {}
+        layers.append(bridged(**kwargs))
+    return layers
 
 
 @lru_cache(maxsize=16)
