@@ -148,8 +148,8 @@ class BridgedSlidingLayer(_LazyLayerMixin, DynamicSlidingWindowLayer):
         self.cumulative_length = translator.prefix_length
 
 
-# transformers' layer class -> the bridged subclass that replaces it (exact types: a subclass
-# upstream adds, e.g. a chunked or offloaded layer, is refused rather than silently mistreated).
+# transformers' layer class -> the bridged subclass that replaces it. Exact types: any other
+# layer upstream dispatches (linear attention, indexed, shared-KV dummies) is refused by name.
 _BRIDGED_LAYER_TYPES = {DynamicLayer: BridgedLayer, DynamicSlidingWindowLayer: BridgedSlidingLayer}
 
 
@@ -459,9 +459,18 @@ def _leading_native(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
 
 # Native head KV depend only on the head tokens themselves (nothing precedes them), so they are
 # computed once per (target model, head tokens) and reused by every later cache: a BOS or a fixed
-# system prompt then costs nothing. Bounded, and dropped with the model.
-_NATIVE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# system prompt then costs nothing. Bounded, dropped with the model, and forgotten when any
+# weight is replaced or edited in place (see `_weights_version`), as keynorm.py does.
+_NATIVE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, memo)
 _NATIVE_HEADS_PER_MODEL = 32
+
+
+def _weights_version(model) -> tuple:
+    """Identity, storage and autograd version of every parameter and buffer: changes when one is
+    replaced or written in place through autograd-visible ops (optimizer steps, load_state_dict,
+    merges under no_grad). Writes through `.data` bypass the version counter and are not seen."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
 def _native_head(target, target_ids, target_mask, head: int):
@@ -469,7 +478,11 @@ def _native_head(target, target_ids, target_mask, head: int):
     if head == 0:
         return None, None
     key = (tuple(target_ids[:, :head].flatten().tolist()), tuple(target_mask[:, :head].flatten().tolist()))
-    memo = _NATIVE_HEADS.setdefault(target, OrderedDict())
+    weights = _weights_version(target)
+    known_weights, memo = _NATIVE_HEADS.get(target, (None, None))
+    if known_weights != weights:  # first use, or the weights changed (training step, LoRA merge, load)
+        memo = OrderedDict()
+        _NATIVE_HEADS[target] = (weights, memo)
     if key not in memo:
         memo[key] = _run_native_head(target, target_ids, target_mask, head)
         if len(memo) > _NATIVE_HEADS_PER_MODEL:

@@ -58,3 +58,20 @@ def test_a_target_layer_type_the_cache_cannot_bridge_is_refused_by_name():
         ValueError, match="target layer 1 is a LinearAttentionLayer cache layer; BridgedCache supports"
     ):
         BridgedCache(Bridge.identity(model), captured, model, ids)
+
+
+def test_native_head_is_recomputed_after_the_target_weights_change_in_place():
+    model = tiny_model("qwen2")
+    bridge = Bridge.identity(model)
+    ids = torch.randint(3, 300, (1, 12))
+    BridgedCache(bridge, capture_kv(model, ids), model, ids)  # memoises the native head of ids[:, :1]
+    with torch.no_grad():  # a fine-tuning step or a LoRA merge: same tensors, new values
+        for p in model.parameters():
+            p.mul_(1.5)
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids)
+    bridged, native = _generate(model, ids, cache), _generate(model, ids)
+    assert torch.equal(bridged.sequences, native.sequences)
+    assert _max_logit_diff(bridged, native) < 1e-5
+    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids)
+    assert _max_logit_diff(_generate(model, ids, cache), _generate(model, ids)) < 1e-5
