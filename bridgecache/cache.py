@@ -130,6 +130,15 @@ class _LazyLayerMixin:
             return super().batch_select_indices(indices)
         self._compose_batch(indices)
 
+    def reset(self) -> None:
+        """Empty the layer, translated or not (the same on every transformers version)."""
+        self._translator = None  # a reset layer never translates
+        self._batch_index = None
+        self._keys = self._values = None
+        self.is_initialized = False  # the next update() starts from empty tensors
+        if hasattr(self, "cumulative_length"):
+            self.cumulative_length = 0
+
     def crop(self, tokens_to_remove: int) -> None:
         if not self.is_materialized:
             self._materialize()

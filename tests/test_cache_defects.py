@@ -75,3 +75,17 @@ def test_native_head_is_recomputed_after_the_target_weights_change_in_place():
     model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
     cache = BridgedCache(bridge, capture_kv(model, ids), model, ids)
     assert _max_logit_diff(_generate(model, ids, cache), _generate(model, ids)) < 1e-5
+
+
+def test_reset_empties_every_layer_translated_or_not():
+    model = tiny_model("gemma3")  # sliding and full layers
+    ids = torch.randint(3, 300, (1, 14))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    cache.layers[0]._materialize()  # translate one layer only
+    assert cache.materialized_layers == [0]
+    cache.reset()
+    assert [layer.get_seq_length() for layer in cache.layers] == [0, 0, 0, 0]
+    assert cache.get_seq_length() == 0
+    # Reused from empty, it is an ordinary cache: generation matches the target's own.
+    assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+    assert cache.layers[2].get_seq_length() == 14 + 4  # the full-attention layer holds every token
