@@ -10,11 +10,13 @@ the compute of layer i. Layers are transformers' own `DynamicLayer` / `DynamicSl
 with a lazy hook, so masks, beam search, crop and every other cache operation behave as usual.
 
 Prefix layout (target context of T tokens, in columns of `target_ids`):
-    [0, head)        computed natively by the target (attention sink / BOS; exact: one short forward)
-    [head, prefix)   translated from the source through the bridge
+    [0, native_prefix)       computed natively by the target (attention sink / BOS; exact: one
+                             short forward); `native_head=` asks for it
+    [native_prefix, prefix)  translated from the source through the bridge
     [prefix, T)      not in the cache: generate() feeds them (native_tail tokens + the held-back
                      last token), so generation starts from the target's own logits.
-Sliding-window target layers translate only the rows their window keeps.
+Sliding-window target layers translate only the rows their window keeps. A context of 0 or 1
+target tokens has nothing to translate: the cache starts empty and the target computes it all.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from bridgecache.align import gather_rows
-from bridgecache.capture import cache_to_layers, position_ids_from_mask
+from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
-from bridgecache.rope import RopeTables, unrotate
-from bridgecache.source import SourceKV, as_source
+from bridgecache.rope import RopeTables
+from bridgecache.rows import leading_native, plan_rows, pool_source
+from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["BridgedCache"]
@@ -200,7 +202,6 @@ class BridgedCache(DynamicCache):
         native_tail: int = 0,
         key_norm: bool = True,
     ):
-        native_head = bridge.native_head if native_head is None else native_head
         layers = _bridged_layers(target.config)
         translator = _Translator(
             bridge,
@@ -209,15 +210,16 @@ class BridgedCache(DynamicCache):
             target_ids,
             target_mask=target_attention_mask,
             alignment=alignment,
-            head=native_head,
-            tail=native_tail,
+            native_head=native_head,
+            native_tail=native_tail,
             key_norm=key_norm,
             windows=[getattr(layer, "sliding_window", None) for layer in layers],
         )
         super().__init__()
         self.layers = layers
-        for i, layer in enumerate(self.layers):
-            layer._bind(translator, i)
+        if translator.prefix_length:  # else nothing to translate: plain empty layers
+            for i, layer in enumerate(self.layers):
+                layer._bind(translator, i)
         self.layer_class_to_replicate = None
         self.translator = translator
 
@@ -225,7 +227,7 @@ class BridgedCache(DynamicCache):
     def translated_positions(self) -> range:
         """Context positions whose KV come from the source; the target computes the others
         (native head, native tail, the held-back last token) itself."""
-        return range(self.translator.head, self.translator.prefix_length)
+        return range(self.translator.native_prefix, self.translator.prefix_length)
 
     @property
     def materialized_layers(self) -> list[int]:
@@ -242,7 +244,8 @@ class BridgedCache(DynamicCache):
 
 class _Translator:
     """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
-    target's rope tables and native head KV. Produces one target layer's tensors on request."""
+    target's rope tables and the KV of the native prefix. Produces one target layer's tensors on
+    request (`layer`)."""
 
     def __init__(
         self,
@@ -253,8 +256,8 @@ class _Translator:
         *,
         target_mask,
         alignment,
-        head,
-        tail,
+        native_head,
+        native_tail,
         key_norm,
         windows,
     ):
@@ -274,11 +277,14 @@ class _Translator:
                 "(the source context's batch size)"
             )
         # Planning runs on the CPU (small integer work); tensors move to the device once.
-        target_mask = torch.ones_like(target_ids, device="cpu") if target_mask is None else target_mask.cpu()
+        if target_mask is None:
+            target_mask = torch.ones_like(target_ids, device="cpu")
+        _check_mask(target_mask, tuple(target_ids.shape), "target_attention_mask")
+        target_mask = target_mask.cpu().long()
         self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
-        if int(self.target_positions.max()) + 1 > max_positions:
+        if total and int(self.target_positions.max()) + 1 > max_positions:
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )
@@ -286,14 +292,18 @@ class _Translator:
         if policy == "mean" and alignment is not None:
             # Each target row averages several un-rotated source rows: pool them once, up front,
             # so translation then reads one (already un-rotated) row per target position.
-            source = _pool_source(source, alignment, target_mask, _rope_of(spec))
+            source = pool_source(source, alignment, target_mask, _rope_of(spec))
             self.source = source
-        rows = _plan_rows(source, target_mask, alignment, policy)
-        pad = (target_mask == 0).sum(1)
-        leading_native = _leading_native(rows, pad)
-        self.head = int((pad + torch.maximum(torch.tensor(head), leading_native)).max()) if total > 1 else 0
-        self.prefix_length = max(total - 1 - tail, self.head)
-        self.head = min(self.head, self.prefix_length)
+        rows = plan_rows(source, target_mask, alignment, policy)
+        target_pad = (target_mask == 0).sum(1)
+        self.native_prefix, self.prefix_length = _prefix_layout(
+            native_head=native_head,
+            native_tail=native_tail,
+            default_head=bridge.native_head,
+            target_pad=target_pad,
+            leading=leading_native(rows, target_pad),
+            total=total,
+        )
         self.rows = rows[:, : self.prefix_length]
         # min_source_row[c]: the lowest source token read from column c on (checked per layer
         # against what a sliding source layer keeps, without a device sync).
@@ -301,7 +311,9 @@ class _Translator:
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
         self._target_tables: dict = {}
         self._device_rows: dict = {}
-        self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
+        self.native_keys, self.native_values = _native_prefix_kv(
+            target, target_ids, target_mask, self.native_prefix
+        )
         self.target_rope = RopeTables.from_model(target)
         self.key_norm_scales = key_norm_scales(target) if key_norm else None
         self.source_rope = None
@@ -316,10 +328,10 @@ class _Translator:
         if self.windows[idx] is not None:
             start = max(0, self.prefix_length - (self.windows[idx] - 1))  # what the window keeps
         parts_k, parts_v = [], []
-        if start < self.head:
-            parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
-            parts_v.append(self.native_values[idx][:, :, start : self.head].to(device, dtype))
-        begin = max(start, self.head)
+        if start < self.native_prefix:
+            parts_k.append(self.native_keys[idx][:, :, start : self.native_prefix].to(device, dtype))
+            parts_v.append(self.native_values[idx][:, :, start : self.native_prefix].to(device, dtype))
+        begin = max(start, self.native_prefix)
         if begin < self.prefix_length:
             plan = self._plan(idx, device)
             kept = source_rows_kept(self.source, plan.used)
@@ -384,94 +396,37 @@ def _rope_of(spec) -> RopeTables:
     return RopeTables.from_spec(spec)
 
 
-def _alignments(alignment, batch: int) -> list:
-    alignments = list(alignment) if isinstance(alignment, (list, tuple)) else [alignment]
-    if len(alignments) != batch:
-        raise ValueError(f"got {len(alignments)} alignments for a batch of {batch}")
-    return alignments
+def _prefix_layout(*, native_head, native_tail, default_head, target_pad, leading, total) -> tuple[int, int]:
+    """(native_prefix, prefix_length): the cache holds columns [0, prefix_length) of the target
+    context, of which [0, native_prefix) the target computes itself; generate() feeds the rest.
 
-
-def _pool_source(source: SourceKV, alignment, target_mask, tables: RopeTables) -> SourceKV:
-    """Source KV re-indexed by TARGET column: row c = mean of the un-rotated source rows that
-    overlap target token c (policy `mean`); keys come back un-rotated, NATIVE rows zero."""
-    batch, total = target_mask.shape
-    source_pad = ((source.position_ids == 0).sum(1) - 1).tolist()
-    target_pad = (target_mask == 0).sum(1).tolist()
-    if any(source.first_token):
-        raise ValueError(
-            "policy 'mean' needs every source row: capture the source with bridgecache.capture_kv"
-        )
-    keys, values = [], []
-    for layer in range(source.num_layers):
-        cos, sin = tables.cos_sin(layer, source.position_ids)
-        unrotated = unrotate(
-            source.keys[layer].float(), cos.to(source.keys[layer].device), sin.to(source.keys[layer].device)
-        )
-        pooled_k, pooled_v = [], []
-        for b, al in enumerate(_alignments(alignment, batch)):
-            pad = (0, 0, target_pad[b], 0)  # left-pad the target columns back
-            rows_k = gather_rows(unrotated[b : b + 1, :, source_pad[b] :], al, "mean")
-            rows_v = gather_rows(source.values[layer][b : b + 1, :, source_pad[b] :].float(), al, "mean")
-            pooled_k.append(torch.nn.functional.pad(rows_k, pad))
-            pooled_v.append(torch.nn.functional.pad(rows_v, pad))
-        keys.append(torch.cat(pooled_k))
-        values.append(torch.cat(pooled_v))
-    positions = position_ids_from_mask(target_mask).to(source.position_ids.device)
-    return SourceKV(tuple(keys), tuple(values), positions, (0,) * source.num_layers)
-
-
-def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor:
-    """[batch, target tokens] int64: the source column feeding each target column (-1: native).
-
-    With an alignment, policy `last` reads the source token covering the target token's last
-    character, `first` the one covering its first; `mean` sources are already pooled per target
-    column (see `_pool_source`), so they are read one to one.
+    native_head: as asked (None: the bridge's `default_head`, clipped to short contexts);
+    target_pad, leading: [batch] left padding and leading tokens without source text per row.
+    A context of 0 or 1 real tokens has nothing to translate: the cache starts empty.
     """
-    batch, total = target_mask.shape
-    source_pad = (source.position_ids == 0).sum(1).cpu() - 1  # left padding has position 0 too
-    target_pad = (target_mask == 0).sum(1).cpu()
-    if alignment is None:
-        n_source = source.num_tokens - source_pad
-        n_target = total - target_pad
-        if not torch.equal(n_source, n_target):
-            raise ValueError(
-                f"source and target contexts have {n_source.tolist()} and {n_target.tolist()} tokens: "
-                "pass an alignment (tokenalign.align) when the tokenizations differ"
-            )
-        rows = torch.arange(total).expand(batch, total) - target_pad[:, None] + source_pad[:, None]
-        return torch.where(torch.arange(total)[None] < target_pad[:, None], -1, rows)
-    rows = torch.full((batch, total), -1, dtype=torch.long)
-    for b, al in enumerate(_alignments(alignment, batch)):
-        index = torch.as_tensor(al.source_index, dtype=torch.long)
-        if policy == "first":
-            index = torch.where(index >= 0, torch.as_tensor(al.span_start, dtype=torch.long), -1)
-        elif policy == "mean":
-            index = torch.where(index >= 0, torch.arange(len(index)), -1)  # pooled: target column order
-        if len(index) != total - int(target_pad[b]):
-            raise ValueError(
-                f"alignment of row {b} covers {len(index)} target tokens; the target context has "
-                f"{total - int(target_pad[b])}"
-            )
-        rows[b, int(target_pad[b]) :] = torch.where(index >= 0, index + source_pad[b], -1)
-    return rows
+    for name, value in (("native_head", native_head), ("native_tail", native_tail)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value}; expected a count of context tokens >= 0")
+    shortest = total - int(target_pad.max()) if total else 0
+    if shortest <= 1:
+        return 0, 0
+    if native_head is not None and native_head > shortest - 1:
+        raise ValueError(
+            f"native_head={native_head}, but the context has {shortest} target tokens (shortest row): "
+            f"expected 0 <= native_head <= {shortest - 1} (generate() always computes the last one)"
+        )
+    head = default_head if native_head is None else native_head
+    native_prefix = min(int((target_pad + torch.clamp(leading, min=head)).max()), total - 1)
+    prefix_length = max(total - 1 - native_tail, native_prefix)
+    return native_prefix, prefix_length
 
 
-def _leading_native(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """[batch] number of leading real target tokens without a source row (template markers, BOS)."""
-    counts = []
-    for b in range(rows.shape[0]):
-        real = rows[b, int(pad[b]) :]
-        mapped = (real >= 0).nonzero()
-        counts.append(int(mapped[0]) if len(mapped) else len(real))
-    return torch.tensor(counts)
-
-
-# Native head KV depend only on the head tokens themselves (nothing precedes them), so they are
-# computed once per (target model, head tokens) and reused by every later cache: a BOS or a fixed
+# Native prefix KV depend only on the prefix tokens themselves (nothing precedes them), so they
+# are computed once per (target model, prefix tokens) and reused by every later cache: a BOS or a fixed
 # system prompt then costs nothing. Bounded, dropped with the model, and forgotten when any
 # weight is replaced or edited in place (see `_weights_version`), as keynorm.py does.
-_NATIVE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, memo)
-_NATIVE_HEADS_PER_MODEL = 32
+_NATIVE_PREFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, memo)
+_NATIVE_PREFIXES_PER_MODEL = 32
 
 
 def _weights_version(model) -> tuple:
@@ -482,31 +437,34 @@ def _weights_version(model) -> tuple:
     return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
-def _native_head(target, target_ids, target_mask, head: int):
-    """Per-layer native keys/values [batch, tgt_heads, head, head_dim] of the first `head` columns."""
-    if head == 0:
+def _native_prefix_kv(target, target_ids, target_mask, length: int):
+    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length` columns."""
+    if length == 0:
         return None, None
-    key = (tuple(target_ids[:, :head].flatten().tolist()), tuple(target_mask[:, :head].flatten().tolist()))
+    key = (
+        tuple(target_ids[:, :length].flatten().tolist()),
+        tuple(target_mask[:, :length].flatten().tolist()),
+    )
     weights = _weights_version(target)
-    known_weights, memo = _NATIVE_HEADS.get(target, (None, None))
+    known_weights, memo = _NATIVE_PREFIXES.get(target, (None, None))
     if known_weights != weights:  # first use, or the weights changed (training step, LoRA merge, load)
         memo = OrderedDict()
-        _NATIVE_HEADS[target] = (weights, memo)
+        _NATIVE_PREFIXES[target] = (weights, memo)
     if key not in memo:
-        memo[key] = _run_native_head(target, target_ids, target_mask, head)
-        if len(memo) > _NATIVE_HEADS_PER_MODEL:
+        memo[key] = _run_native_prefix(target, target_ids, target_mask, length)
+        if len(memo) > _NATIVE_PREFIXES_PER_MODEL:
             memo.popitem(last=False)
     memo.move_to_end(key)
     return memo[key]
 
 
 @torch.no_grad()
-def _run_native_head(target, target_ids, target_mask, head: int):
+def _run_native_prefix(target, target_ids, target_mask, length: int):
     device = target.get_input_embeddings().weight.device
     cache = DynamicCache()  # config-less: every layer keeps every token
-    mask = target_mask[:, :head].to(device)
+    mask = target_mask[:, :length].to(device)
     target(
-        input_ids=target_ids[:, :head].to(device),
+        input_ids=target_ids[:, :length].to(device),
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
         use_cache=True,
