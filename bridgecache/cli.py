@@ -8,6 +8,8 @@ bridgecache eval --bridge DIR ...      measure a bridge with the field's protoco
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 import time
 
@@ -25,12 +27,15 @@ DEMO_PROMPT = "Question: Which ship lost its mast, and who towed it in?\nAnswer:
 
 
 def bridge_for(source_name: str, target_name: str, method: str, source=None, target=None, **fit_kwargs):
-    """A cached bridge for two built-in/hub models, fitted (and cached) on first use."""
+    """A cached bridge for two built-in/hub models, fitted (and cached) on first use.
+
+    fit_kwargs (see `bridgecache.fitting.fit_bridge`) are part of the cache key: a bridge fitted
+    with other settings is never returned for these.
+    """
     from bridgecache.bridge import Bridge
     from bridgecache.zoo import cache_root, load_model
 
-    safe = lambda name: name.replace("/", "--")  # noqa: E731
-    directory = cache_root() / "bridges" / f"{safe(source_name)}-to-{safe(target_name)}-{method}"
+    directory = cache_root() / "bridges" / _bridge_dir_name(source_name, target_name, method, fit_kwargs)
     if (directory / "bridge.json").exists():
         return Bridge.from_pretrained(directory)
     source, source_tok = (source, None) if source is not None else load_model(source_name)
@@ -48,9 +53,42 @@ def bridge_for(source_name: str, target_name: str, method: str, source=None, tar
     return bridge
 
 
+def _bridge_dir_name(source_name: str, target_name: str, method: str, fit_kwargs: dict) -> str:
+    """`A-to-B-method`, plus a hash of the fit settings that change the bridge (none: the defaults)."""
+    safe = lambda name: name.replace("/", "--")  # noqa: E731
+    name = f"{safe(source_name)}-to-{safe(target_name)}-{method}"
+    settings = {k: v for k, v in fit_kwargs.items() if k != "progress"}  # progress bars change nothing
+    if settings:
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+        name += f"-{digest[:12]}"
+    return name
+
+
+_WARM_UP_TEXT = "Warm-up: a short text that both paths read once before anything is timed."
+
+
+def _warm_up(source, target, bridge, source_tok, target_tok) -> None:
+    """Run each timed path once on a short unrelated text (first forwards allocate and initialise;
+    the first token differs from the demo's, so no native prefix is memoised for it)."""
+    from bridgecache.handoff import handoff, pad_token_id
+
+    ids = target_tok(_WARM_UP_TEXT, return_tensors="pt")["input_ids"]
+    target.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=pad_token_id(target_tok))
+    handoff(
+        source,
+        target,
+        bridge,
+        _WARM_UP_TEXT,
+        source_tokenizer=source_tok,
+        target_tokenizer=target_tok,
+        max_new_tokens=2,
+        do_sample=False,
+    )
+
+
 def _demo(args) -> int:
     from bridgecache.capture import capture_kv
-    from bridgecache.handoff import align_context, handoff
+    from bridgecache.handoff import align_context, handoff, pad_token_id
     from bridgecache.zoo import load_model
 
     torch.manual_seed(0)
@@ -65,9 +103,11 @@ def _demo(args) -> int:
     context, prompt = args.context or DEMO_CONTEXT, args.prompt or DEMO_PROMPT
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
+    _warm_up(source, target, bridge, source_tok, target_tok)
+
     # Native: the target reads the whole context itself.
     ids = target_tok(context + prompt, return_tensors="pt")["input_ids"]
-    pad = target_tok.pad_token_id or target_tok.eos_token_id
+    pad = pad_token_id(target_tok)
     start = time.perf_counter()
     target.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=pad)
     native_ttft = time.perf_counter() - start
