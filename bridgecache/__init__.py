@@ -7,6 +7,7 @@ out = target.generate(target_ids, past_key_values=cache)
 from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import CapturedKV, capture_kv
+from bridgecache.fitting import fit_bridge
 from bridgecache.handoff import HandoffResult, align_context, handoff
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
 from bridgecache.source import SourceKV, as_source, load_kv, save_kv
@@ -26,6 +27,7 @@ __all__ = [
     "align_context",
     "as_source",
     "capture_kv",
+    "fit_bridge",
     "handoff",
     "load_kv",
     "load_model",

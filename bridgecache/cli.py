@@ -33,6 +33,7 @@ def bridge_for(source_name: str, target_name: str, method: str, source=None, tar
     with other settings is never returned for these.
     """
     from bridgecache.bridge import Bridge
+    from bridgecache.fitting import fit_bridge
     from bridgecache.zoo import cache_root, load_model
 
     directory = cache_root() / "bridges" / _bridge_dir_name(source_name, target_name, method, fit_kwargs)
@@ -48,7 +49,7 @@ def bridge_for(source_name: str, target_name: str, method: str, source=None, tar
         f"fitting a {method} bridge {source_name} -> {target_name} (once; cached in {directory})",
         file=sys.stderr,
     )
-    bridge = Bridge.fit(source, target, source_tok, target_tok, method=method, **fit_kwargs)
+    bridge = fit_bridge(source, target, source_tok, target_tok, method=method, **fit_kwargs)
     bridge.save_pretrained(directory)
     return bridge
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, capture_kv, load_model
+from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
 from bridgecache.handoff import align_context
 
 CONTEXT = (
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         bridge = Bridge.from_pretrained(args.bridge)
         bridge.check(source, target)  # raises, naming each field, if it was fitted for other models
     else:
-        bridge = Bridge.fit(
+        bridge = fit_bridge(
             source, target, source_tok, target_tok, num_sequences=args.calib_seqs, seq_len=args.seq_len,
             source_name=args.source, target_name=args.target,
         )  # fmt: skip

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, capture_kv, load_model
+from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
 from bridgecache.handoff import align_context
 
 ADJECTIVES = ["Silver", "Red", "Little", "Northern", "Swift", "Old", "Golden", "Quiet"]
@@ -48,7 +48,7 @@ def load_or_fit(directory: Path, reader, agent, args) -> Bridge:
     if (path / "bridge.json").exists():
         return Bridge.from_pretrained(path)
     print(f"fitting a bridge {reader_name} -> {agent_name} (saved to {path})")
-    bridge = Bridge.fit(
+    bridge = fit_bridge(
         reader_model, agent_model, reader_tok, agent_tok, num_sequences=args.calib_seqs,
         seq_len=args.seq_len, source_name=reader_name, target_name=agent_name, progress=False,
     )  # fmt: skip

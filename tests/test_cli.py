@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache import cli, zoo
+from bridgecache import cli, fitting, zoo
 from bridgecache.bridge import Bridge
 
 
@@ -64,7 +64,7 @@ def test_bridge_for_keys_its_cache_on_the_fit_settings(monkeypatch, tmp_path):
         fits.append(kwargs)
         return Bridge.identity(target, target_tok, native_head=kwargs.get("native_head", 1))
 
-    monkeypatch.setattr(Bridge, "fit", staticmethod(fit))
+    monkeypatch.setattr(fitting, "fit_bridge", fit)
     monkeypatch.setattr(zoo, "load_tokenizer", lambda name: tok)
     first = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2)
     again = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2, progress=False)

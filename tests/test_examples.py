@@ -21,7 +21,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from bridgecache import Bridge, SpecMismatchError, load_model
+from bridgecache import SpecMismatchError, fit_bridge, load_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SOURCE, AGENTS = "smollm2-135m", ("qwen2.5-coder-0.5b", "gemma3-270m")
@@ -59,7 +59,7 @@ def bridges(tmp_path_factory, smollm2):
     source, source_tok = smollm2
     for name in AGENTS:
         target, target_tok = load_model(name)
-        bridge = Bridge.fit(source, target, source_tok, target_tok, source_name=SOURCE, target_name=name,
+        bridge = fit_bridge(source, target, source_tok, target_tok, source_name=SOURCE, target_name=name,
                             **TINY_FIT)  # fmt: skip
         bridge.save_pretrained(root / f"{SOURCE}-to-{name}")
     return root

@@ -56,14 +56,14 @@ def run_fit(args) -> int:
     """Load both models, fit, save, print the report. Returns the exit status."""
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.fitting import fit_bridge
     from bridgecache.zoo import load_model
 
     torch.manual_seed(args.seed)
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)
     start = time.perf_counter()
-    bridge = Bridge.fit(
+    bridge = fit_bridge(
         source, target, source_tok, target_tok, method=args.method,
         num_sequences=args.calib_seqs, seq_len=args.seq_len, domain=args.domain, layers_k=args.layers_k,
         layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,
