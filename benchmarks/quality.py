@@ -11,7 +11,7 @@ all variants, so the source prefill, the target's native prefills and the contro
 once. Each (tag, pair, task) writes one JSON under --raw ($BRIDGECACHE_HOME/quality by default):
 the `bridgecache eval --json` summary of every variant, the fit options and the bridges' per-layer
 R^2, and the `bridgecache eval` command that reproduces each variant alone.
-Bridges are fitted once per (pair, method, fit options) with `Bridge.fit` on the CALIBRATION split
+Bridges are fitted once per (pair, method, fit options) with `fit_bridge` on the CALIBRATION split
 and cached under $BRIDGECACHE_HOME/bridges/quality/; the identity pair uses `Bridge.identity`.
 `--threads 1` by default: on a shared 2-core machine two threads spin-wait and run 3-10x slower.
 
@@ -46,7 +46,7 @@ def _default_raw() -> Path:
 
 
 def _parse_fit(options: list[str]) -> dict:
-    """key=value fit options -> kwargs of Bridge.fit (ints and floats parsed)."""
+    """key=value fit options -> kwargs of fit_bridge (ints and floats parsed)."""
     out = {}
     for option in options:
         key, _, value = option.partition("=")
@@ -70,6 +70,7 @@ def _bridge_dir(pair: str, method: str, fit: dict) -> Path:
 def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     """(bridge, directory): the given directory, the cached fit, or a fresh fit (then cached)."""
     from bridgecache.bridge import Bridge
+    from bridgecache.fitting import fit_bridge
 
     source, source_tok, target, target_tok = models
     source_name, target_name = PAIRS[pair]
@@ -84,7 +85,7 @@ def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     else:
         print(f"fitting {method} {pair} with {fit or 'default options'} -> {directory}", flush=True)
         start = time.perf_counter()
-        bridge = Bridge.fit(source, target, source_tok, target_tok, method=method, **fit)
+        bridge = fit_bridge(source, target, source_tok, target_tok, method=method, **fit)
         bridge.calibration["fit_seconds"] = round(time.perf_counter() - start, 1)
     bridge.save_pretrained(directory)
     return bridge, directory
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--limit", type=int, default=16)
     r.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     r.add_argument("--anchors", nargs="+", default=["1:0", "1:32"], help="native_head:native_tail options")
-    r.add_argument("--fit", nargs="*", default=[], help="Bridge.fit options, key=value (e.g. domain=mixed)")
+    r.add_argument("--fit", nargs="*", default=[], help="fit_bridge options, key=value (e.g. domain=mixed)")
     r.add_argument("--bridge", nargs="*", default=[], help="METHOD=DIR: use this bridge instead of fitting")
     r.add_argument("--no-key-norm", action="store_true", help="BridgedCache(key_norm=False) in every variant")
     r.add_argument("--tag", default="default", help="name of this configuration (for before/after)")

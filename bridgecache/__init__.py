@@ -7,9 +7,10 @@ out = target.generate(target_ids, past_key_values=cache)
 from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import CapturedKV, capture_kv
-from bridgecache.handoff import HandoffResult, handoff
+from bridgecache.fitting import fit_bridge
+from bridgecache.handoff import HandoffResult, align_context, handoff
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
-from bridgecache.source import load_kv, save_kv
+from bridgecache.source import SourceKV, as_source, load_kv, save_kv
 from bridgecache.zoo import load_model, load_tokenizer
 
 __version__ = "0.1.0"
@@ -21,8 +22,12 @@ __all__ = [
     "HandoffResult",
     "LayerMap",
     "ModelSpec",
+    "SourceKV",
     "SpecMismatchError",
+    "align_context",
+    "as_source",
     "capture_kv",
+    "fit_bridge",
     "handoff",
     "load_kv",
     "load_model",

@@ -121,23 +121,6 @@ class Bridge:
             )
         return cls(spec, spec, "identity", "identity", layers, native_head, {"description": "exact identity"})
 
-    @classmethod
-    def fit(
-        cls,
-        source_model,
-        target_model,
-        source_tokenizer,
-        target_tokenizer,
-        method: str = "cachebridge",
-        **kwargs,
-    ) -> Bridge:
-        """Fit a bridge in closed form; see `bridgecache.fitting.fit_bridge` for the options."""
-        from bridgecache.fitting import fit_bridge
-
-        return fit_bridge(
-            source_model, target_model, source_tokenizer, target_tokenizer, method=method, **kwargs
-        )
-
     # ------------------------------------------------------------------ checks and sizes
 
     def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:

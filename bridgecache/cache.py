@@ -10,11 +10,13 @@ the compute of layer i. Layers are transformers' own `DynamicLayer` / `DynamicSl
 with a lazy hook, so masks, beam search, crop and every other cache operation behave as usual.
 
 Prefix layout (target context of T tokens, in columns of `target_ids`):
-    [0, head)        computed natively by the target (attention sink / BOS; exact: one short forward)
-    [head, prefix)   translated from the source through the bridge
+    [0, native_prefix)       computed natively by the target (attention sink / BOS; exact: one
+                             short forward); `native_head=` asks for it
+    [native_prefix, prefix)  translated from the source through the bridge
     [prefix, T)      not in the cache: generate() feeds them (native_tail tokens + the held-back
                      last token), so generation starts from the target's own logits.
-Sliding-window target layers translate only the rows their window keeps.
+Sliding-window target layers translate only the rows their window keeps. A context of 0 or 1
+target tokens has nothing to translate: the cache starts empty and the target computes it all.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from bridgecache.align import gather_rows
-from bridgecache.capture import cache_to_layers, position_ids_from_mask
+from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
 from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
 from bridgecache.keynorm import key_norm_scales
@@ -40,8 +41,9 @@ from bridgecache.refresh import (
     refresh_columns,
     select_columns,
 )
-from bridgecache.rope import RopeTables, unrotate
-from bridgecache.source import SourceKV, as_source
+from bridgecache.rope import RopeTables
+from bridgecache.rows import leading_native, plan_rows, pool_source
+from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["BridgedCache"]
@@ -138,6 +140,15 @@ class _LazyLayerMixin:
             return super().batch_select_indices(indices)
         self._compose_batch(indices)
 
+    def reset(self) -> None:
+        """Empty the layer, translated or not (the same on every transformers version)."""
+        self._translator = None  # a reset layer never translates
+        self._batch_index = None
+        self._keys = self._values = None
+        self.is_initialized = False  # the next update() starts from empty tensors
+        if hasattr(self, "cumulative_length"):
+            self.cumulative_length = 0
+
     def crop(self, tokens_to_remove: int) -> None:
         if not self.is_materialized:
             self._materialize()
@@ -154,6 +165,11 @@ class BridgedSlidingLayer(_LazyLayerMixin, DynamicSlidingWindowLayer):
     def _bind(self, translator, layer_idx):
         super()._bind(translator, layer_idx)
         self.cumulative_length = translator.prefix_length
+
+
+# transformers' layer class -> the bridged subclass that replaces it. Exact types: any other
+# layer upstream dispatches (linear attention, indexed, shared-KV dummies) is refused by name.
+_BRIDGED_LAYER_TYPES = {DynamicLayer: BridgedLayer, DynamicSlidingWindowLayer: BridgedSlidingLayer}
 
 
 class BridgedCache(DynamicCache):
@@ -214,21 +230,24 @@ class BridgedCache(DynamicCache):
         check_layer: int = 1,
         min_quality=None,
     ):
-        native_head = bridge.native_head if native_head is None else native_head
+        layers = _bridged_layers(target.config)
         translator = _Translator(
-            bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
-            alignment, native_head, native_tail, key_norm,
-        )  # fmt: skip
-        layers = []
-        for i, layer_type in enumerate(translator.target_layer_types):
-            if layer_type == "sliding_attention":
-                layer = BridgedSlidingLayer(sliding_window=translator.sliding_window)
-            else:
-                layer = BridgedLayer()
-            layer._bind(translator, i)
-            layers.append(layer)
+            bridge,
+            as_source(source, source_attention_mask),
+            target,
+            target_ids,
+            target_mask=target_attention_mask,
+            alignment=alignment,
+            native_head=native_head,
+            native_tail=native_tail,
+            key_norm=key_norm,
+            windows=[getattr(layer, "sliding_window", None) for layer in layers],
+        )
         super().__init__()
         self.layers = layers
+        if translator.prefix_length:  # else nothing to translate: plain empty layers
+            for i, layer in enumerate(self.layers):
+                layer._bind(translator, i)
         self.layer_class_to_replicate = None
         self.translator = translator
         self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
@@ -240,7 +259,7 @@ class BridgedCache(DynamicCache):
         policy = min_quality if isinstance(min_quality, QualityPolicy) else QualityPolicy(min_quality)
         cached = tr.target_mask[:, : tr.prefix_length]
         translated = torch.zeros_like(cached, dtype=torch.bool)
-        translated[:, tr.head :] = cached[:, tr.head :].bool()
+        translated[:, tr.native_prefix :] = cached[:, tr.native_prefix :].bool()
         has_source = (tr.rows >= 0) & translated
         coverage = float(has_source.sum() / translated.sum().clamp(min=1))
         scores = layer_scores(tr.bridge)
@@ -256,7 +275,7 @@ class BridgedCache(DynamicCache):
             if not 0 <= check_layer < num_layers:
                 raise ValueError(f"check_layer={check_layer}; expected 0..{num_layers - 1}")
             native |= set(range(check_layer + 1))
-        if budget and "sliding_attention" in tr.target_layer_types:
+        if budget and any(window is not None for window in tr.windows):
             raise ValueError(
                 "token refresh needs full-attention target layers; this target has sliding-window layers"
             )
@@ -301,7 +320,7 @@ class BridgedCache(DynamicCache):
             target.config,
             context_tokens=real,
             prefix=tr.prefix_length - pad,
-            native_prefix=tr.head - pad,
+            native_prefix=tr.native_prefix - pad,
             native_layers=tuple(native),
             refreshed=refreshed,
             check_layer=check_layer,
@@ -309,13 +328,13 @@ class BridgedCache(DynamicCache):
         return HandoffReport(
             layers_translated=translated,
             layers_native=list(native),
-            tokens_translated=max(0, tr.prefix_length - tr.head),
-            tokens_native=tr.head - pad,
+            tokens_translated=max(0, tr.prefix_length - tr.native_prefix),
+            tokens_native=tr.native_prefix - pad,
             tokens_refreshed=refreshed,
             refresh_by=refresh_by,
             estimated_quality=quality,
             fallback=fallback,
-            native_cost_fraction=work / prefill_flops(target.config, real),
+            native_cost_fraction=work / prefill_flops(target.config, real) if real else 0.0,
         )
 
     def report(self) -> HandoffReport:
@@ -326,7 +345,7 @@ class BridgedCache(DynamicCache):
     def translated_positions(self) -> range:
         """Context positions whose KV come from the source; the target computes the others
         (native head, native tail, the held-back last token) itself."""
-        return range(self.translator.head, self.translator.prefix_length)
+        return range(self.translator.native_prefix, self.translator.prefix_length)
 
     @property
     def materialized_layers(self) -> list[int]:
@@ -343,10 +362,22 @@ class BridgedCache(DynamicCache):
 
 class _Translator:
     """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
-    target's rope tables and native head KV. Produces one target layer's tensors on request."""
+    target's rope tables and the KV of the native prefix. Produces one target layer's tensors on
+    request (`layer`)."""
 
     def __init__(
-        self, bridge, source: SourceKV, target, target_ids, target_mask, alignment, head, tail, key_norm=True
+        self,
+        bridge,
+        source: SourceKV,
+        target,
+        target_ids,
+        *,
+        target_mask,
+        alignment,
+        native_head,
+        native_tail,
+        key_norm,
+        windows,
     ):
         spec = bridge.source
         source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
@@ -354,12 +385,7 @@ class _Translator:
         self.bridge = bridge
         self.source = source
         self.batch_size = source.batch_size
-        config = target.config.get_text_config()
-        self.target_layer_types = list(
-            getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
-        )
-        self.target_layer_types = self.target_layer_types[: bridge.target.num_layers]
-        self.sliding_window = getattr(config, "sliding_window", None)
+        self.windows = windows  # per target layer: None (keeps every row) or its sliding window
         self.home_device = target.get_input_embeddings().weight.device
         self.home_dtype = target.get_input_embeddings().weight.dtype
 
@@ -369,13 +395,16 @@ class _Translator:
                 "(the source context's batch size)"
             )
         # Planning runs on the CPU (small integer work); tensors move to the device once.
-        target_mask = torch.ones_like(target_ids, device="cpu") if target_mask is None else target_mask.cpu()
+        if target_mask is None:
+            target_mask = torch.ones_like(target_ids, device="cpu")
+        _check_mask(target_mask, tuple(target_ids.shape), "target_attention_mask")
+        target_mask = target_mask.cpu().long()
         self.target_mask = target_mask
         self.native_kv: dict = {}
         self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
-        if int(self.target_positions.max()) + 1 > max_positions:
+        if total and int(self.target_positions.max()) + 1 > max_positions:
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )
@@ -383,14 +412,18 @@ class _Translator:
         if policy == "mean" and alignment is not None:
             # Each target row averages several un-rotated source rows: pool them once, up front,
             # so translation then reads one (already un-rotated) row per target position.
-            source = _pool_source(source, alignment, target_mask, _rope_of(spec))
+            source = pool_source(source, alignment, target_mask, _rope_of(spec))
             self.source = source
-        rows = _plan_rows(source, target_mask, alignment, policy)
-        pad = (target_mask == 0).sum(1)
-        leading_native = _leading_native(rows, pad)
-        self.head = int((pad + torch.maximum(torch.tensor(head), leading_native)).max()) if total > 1 else 0
-        self.prefix_length = max(total - 1 - tail, self.head)
-        self.head = min(self.head, self.prefix_length)
+        rows = plan_rows(source, target_mask, alignment, policy)
+        target_pad = (target_mask == 0).sum(1)
+        self.native_prefix, self.prefix_length = _prefix_layout(
+            native_head=native_head,
+            native_tail=native_tail,
+            default_head=bridge.native_head,
+            target_pad=target_pad,
+            leading=leading_native(rows, target_pad),
+            total=total,
+        )
         self.rows = rows[:, : self.prefix_length]
         # min_source_row[c]: the lowest source token read from column c on (checked per layer
         # against what a sliding source layer keeps, without a device sync).
@@ -398,7 +431,9 @@ class _Translator:
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
         self._target_tables: dict = {}
         self._device_rows: dict = {}
-        self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
+        self.native_keys, self.native_values = _native_prefix_kv(
+            target, target_ids, target_mask, self.native_prefix
+        )
         self.target_rope = RopeTables.from_model(target)
         self.key_norm_scales = key_norm_scales(target) if key_norm else None
         self.source_rope = None
@@ -419,8 +454,8 @@ class _Translator:
 
     def _window_start(self, idx: int) -> int:
         """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
-        if self.target_layer_types[idx] == "sliding_attention":
-            return max(0, self.prefix_length - (self.sliding_window - 1))
+        if self.windows[idx] is not None:
+            return max(0, self.prefix_length - (self.windows[idx] - 1))
         return 0
 
     def translate(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,10 +464,10 @@ class _Translator:
         dtype = dtype or self.home_dtype
         start = self._window_start(idx)
         parts_k, parts_v = [], []
-        if start < self.head:
-            parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
-            parts_v.append(self.native_values[idx][:, :, start : self.head].to(device, dtype))
-        begin = max(start, self.head)
+        if start < self.native_prefix:
+            parts_k.append(self.native_keys[idx][:, :, start : self.native_prefix].to(device, dtype))
+            parts_v.append(self.native_values[idx][:, :, start : self.native_prefix].to(device, dtype))
+        begin = max(start, self.native_prefix)
         if begin < self.prefix_length:
             plan = self._plan(idx, device)
             kept = source_rows_kept(self.source, plan.used)
@@ -468,11 +503,27 @@ class _Translator:
 
     def _target_cos_sin(self, idx: int, begin: int, device: torch.device):
         """Target cos/sin [batch, rows, dim] from `begin` on; shared by layers of one rope type."""
-        key = (self.target_layer_types[idx], begin, device)
+        key = (self.target_rope.layer_types[idx], begin, device)
         if key not in self._target_tables:
             cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
             self._target_tables[key] = (cos.to(device), sin.to(device))
         return self._target_tables[key]
+
+
+def _bridged_layers(config) -> list[_LazyLayerMixin]:
+    """One bridged layer per target layer, of the type transformers' `DynamicCache(config=...)`
+    dispatches for `config` (full or sliding window); any other layer type raises ValueError."""
+    layers = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        bridged = _BRIDGED_LAYER_TYPES.get(type(layer))
+        if bridged is None:
+            raise ValueError(
+                f"target layer {i} is a {type(layer).__name__} cache layer; BridgedCache supports "
+                f"{sorted(t.__name__ for t in _BRIDGED_LAYER_TYPES)}"
+            )
+        kwargs = {"sliding_window": layer.sliding_window} if bridged is BridgedSlidingLayer else {}
+        layers.append(bridged(**kwargs))
+    return layers
 
 
 @lru_cache(maxsize=16)
@@ -481,116 +532,75 @@ def _rope_of(spec) -> RopeTables:
     return RopeTables.from_spec(spec)
 
 
-def _alignments(alignment, batch: int) -> list:
-    alignments = list(alignment) if isinstance(alignment, (list, tuple)) else [alignment]
-    if len(alignments) != batch:
-        raise ValueError(f"got {len(alignments)} alignments for a batch of {batch}")
-    return alignments
+def _prefix_layout(*, native_head, native_tail, default_head, target_pad, leading, total) -> tuple[int, int]:
+    """(native_prefix, prefix_length): the cache holds columns [0, prefix_length) of the target
+    context, of which [0, native_prefix) the target computes itself; generate() feeds the rest.
 
-
-def _pool_source(source: SourceKV, alignment, target_mask, tables: RopeTables) -> SourceKV:
-    """Source KV re-indexed by TARGET column: row c = mean of the un-rotated source rows that
-    overlap target token c (policy `mean`); keys come back un-rotated, NATIVE rows zero."""
-    batch, total = target_mask.shape
-    source_pad = ((source.position_ids == 0).sum(1) - 1).tolist()
-    target_pad = (target_mask == 0).sum(1).tolist()
-    if any(source.first_token):
-        raise ValueError(
-            "policy 'mean' needs every source row: capture the source with bridgecache.capture_kv"
-        )
-    keys, values = [], []
-    for layer in range(source.num_layers):
-        cos, sin = tables.cos_sin(layer, source.position_ids)
-        unrotated = unrotate(
-            source.keys[layer].float(), cos.to(source.keys[layer].device), sin.to(source.keys[layer].device)
-        )
-        pooled_k, pooled_v = [], []
-        for b, al in enumerate(_alignments(alignment, batch)):
-            pad = (0, 0, target_pad[b], 0)  # left-pad the target columns back
-            rows_k = gather_rows(unrotated[b : b + 1, :, source_pad[b] :], al, "mean")
-            rows_v = gather_rows(source.values[layer][b : b + 1, :, source_pad[b] :].float(), al, "mean")
-            pooled_k.append(torch.nn.functional.pad(rows_k, pad))
-            pooled_v.append(torch.nn.functional.pad(rows_v, pad))
-        keys.append(torch.cat(pooled_k))
-        values.append(torch.cat(pooled_v))
-    positions = position_ids_from_mask(target_mask).to(source.position_ids.device)
-    return SourceKV(tuple(keys), tuple(values), positions, (0,) * source.num_layers)
-
-
-def _plan_rows(source: SourceKV, target_mask, alignment, policy) -> torch.Tensor:
-    """[batch, target tokens] int64: the source column feeding each target column (-1: native).
-
-    With an alignment, policy `last` reads the source token covering the target token's last
-    character, `first` the one covering its first; `mean` sources are already pooled per target
-    column (see `_pool_source`), so they are read one to one.
+    native_head: as asked (None: the bridge's `default_head`, clipped to short contexts);
+    target_pad, leading: [batch] left padding and leading tokens without source text per row.
+    A context of 0 or 1 real tokens has nothing to translate: the cache starts empty.
     """
-    batch, total = target_mask.shape
-    source_pad = (source.position_ids == 0).sum(1).cpu() - 1  # left padding has position 0 too
-    target_pad = (target_mask == 0).sum(1).cpu()
-    if alignment is None:
-        n_source = source.num_tokens - source_pad
-        n_target = total - target_pad
-        if not torch.equal(n_source, n_target):
-            raise ValueError(
-                f"source and target contexts have {n_source.tolist()} and {n_target.tolist()} tokens: "
-                "pass an alignment (tokenalign.align) when the tokenizations differ"
-            )
-        rows = torch.arange(total).expand(batch, total) - target_pad[:, None] + source_pad[:, None]
-        return torch.where(torch.arange(total)[None] < target_pad[:, None], -1, rows)
-    rows = torch.full((batch, total), -1, dtype=torch.long)
-    for b, al in enumerate(_alignments(alignment, batch)):
-        index = torch.as_tensor(al.source_index, dtype=torch.long)
-        if policy == "first":
-            index = torch.where(index >= 0, torch.as_tensor(al.span_start, dtype=torch.long), -1)
-        elif policy == "mean":
-            index = torch.where(index >= 0, torch.arange(len(index)), -1)  # pooled: target column order
-        if len(index) != total - int(target_pad[b]):
-            raise ValueError(
-                f"alignment of row {b} covers {len(index)} target tokens; the target context has "
-                f"{total - int(target_pad[b])}"
-            )
-        rows[b, int(target_pad[b]) :] = torch.where(index >= 0, index + source_pad[b], -1)
-    return rows
+    for name, value in (("native_head", native_head), ("native_tail", native_tail)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value}; expected a count of context tokens >= 0")
+    shortest = total - int(target_pad.max()) if total else 0
+    if shortest <= 1:
+        return 0, 0
+    if native_head is not None and native_head > shortest - 1:
+        raise ValueError(
+            f"native_head={native_head}, but the context has {shortest} target tokens (shortest row): "
+            f"expected 0 <= native_head <= {shortest - 1} (generate() always computes the last one)"
+        )
+    head = default_head if native_head is None else native_head
+    native_prefix = min(int((target_pad + torch.clamp(leading, min=head)).max()), total - 1)
+    prefix_length = max(total - 1 - native_tail, native_prefix)
+    return native_prefix, prefix_length
 
 
-def _leading_native(rows: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """[batch] number of leading real target tokens without a source row (template markers, BOS)."""
-    counts = []
-    for b in range(rows.shape[0]):
-        real = rows[b, int(pad[b]) :]
-        mapped = (real >= 0).nonzero()
-        counts.append(int(mapped[0]) if len(mapped) else len(real))
-    return torch.tensor(counts)
+# Native prefix KV depend only on the prefix tokens themselves (nothing precedes them), so they
+# are computed once per (target model, prefix tokens) and reused by every later cache: a BOS or a fixed
+# system prompt then costs nothing. Bounded, dropped with the model, and forgotten when any
+# weight is replaced or edited in place (see `_weights_version`), as keynorm.py does.
+_NATIVE_PREFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, memo)
+_NATIVE_PREFIXES_PER_MODEL = 32
 
 
-# Native head KV depend only on the head tokens themselves (nothing precedes them), so they are
-# computed once per (target model, head tokens) and reused by every later cache: a BOS or a fixed
-# system prompt then costs nothing. Bounded, and dropped with the model.
-_NATIVE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NATIVE_HEADS_PER_MODEL = 32
+def _weights_version(model) -> tuple:
+    """Identity, storage and autograd version of every parameter and buffer: changes when one is
+    replaced or written in place through autograd-visible ops (optimizer steps, load_state_dict,
+    merges under no_grad). Writes through `.data` bypass the version counter and are not seen."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
-def _native_head(target, target_ids, target_mask, head: int):
-    """Per-layer native keys/values [batch, tgt_heads, head, head_dim] of the first `head` columns."""
-    if head == 0:
+def _native_prefix_kv(target, target_ids, target_mask, length: int):
+    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length` columns."""
+    if length == 0:
         return None, None
-    key = (tuple(target_ids[:, :head].flatten().tolist()), tuple(target_mask[:, :head].flatten().tolist()))
-    memo = _NATIVE_HEADS.setdefault(target, OrderedDict())
+    key = (
+        tuple(target_ids[:, :length].flatten().tolist()),
+        tuple(target_mask[:, :length].flatten().tolist()),
+    )
+    weights = _weights_version(target)
+    known_weights, memo = _NATIVE_PREFIXES.get(target, (None, None))
+    if known_weights != weights:  # first use, or the weights changed (training step, LoRA merge, load)
+        memo = OrderedDict()
+        _NATIVE_PREFIXES[target] = (weights, memo)
     if key not in memo:
-        memo[key] = _run_native_head(target, target_ids, target_mask, head)
-        if len(memo) > _NATIVE_HEADS_PER_MODEL:
+        memo[key] = _run_native_prefix(target, target_ids, target_mask, length)
+        if len(memo) > _NATIVE_PREFIXES_PER_MODEL:
             memo.popitem(last=False)
     memo.move_to_end(key)
     return memo[key]
 
 
 @torch.no_grad()
-def _run_native_head(target, target_ids, target_mask, head: int):
+def _run_native_prefix(target, target_ids, target_mask, length: int):
     device = target.get_input_embeddings().weight.device
     cache = DynamicCache()  # config-less: every layer keeps every token
-    mask = target_mask[:, :head].to(device)
+    mask = target_mask[:, :length].to(device)
     target(
-        input_ids=target_ids[:, :head].to(device),
+        input_ids=target_ids[:, :length].to(device),
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
         use_cache=True,

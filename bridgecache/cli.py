@@ -12,31 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bridgecache.fitting.cached import bridge_for
+
 __all__ = ["main", "bridge_for"]
-
-
-def bridge_for(source_name: str, target_name: str, method: str, source=None, target=None, **fit_kwargs):
-    """A cached bridge for two built-in/hub models, fitted (and cached) on first use."""
-    from bridgecache.bridge import Bridge
-    from bridgecache.zoo import cache_root, load_model
-
-    safe = lambda name: name.replace("/", "--")  # noqa: E731
-    directory = cache_root() / "bridges" / f"{safe(source_name)}-to-{safe(target_name)}-{method}"
-    if (directory / "bridge.json").exists():
-        return Bridge.from_pretrained(directory)
-    source, source_tok = (source, None) if source is not None else load_model(source_name)
-    target, target_tok = (target, None) if target is not None else load_model(target_name)
-    from bridgecache.zoo import load_tokenizer
-
-    source_tok = source_tok or load_tokenizer(source_name)
-    target_tok = target_tok or load_tokenizer(target_name)
-    print(
-        f"fitting a {method} bridge {source_name} -> {target_name} (once; cached in {directory})",
-        file=sys.stderr,
-    )
-    bridge = Bridge.fit(source, target, source_tok, target_tok, method=method, **fit_kwargs)
-    bridge.save_pretrained(directory)
-    return bridge
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -102,7 +102,7 @@ def _bridge_and_models(args):
     source, source_tok = zoo.load_model(source_name)
     target, target_tok = zoo.load_model(target_name)
     if bridge is None:
-        from bridgecache.cli import bridge_for
+        from bridgecache.fitting.cached import bridge_for
 
         bridge = bridge_for(source_name, target_name, args.method, source, target)
     bridge.check(source, target)

@@ -18,7 +18,15 @@ from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 
-__all__ = ["HandoffResult", "handoff", "context_ids", "same_tokenization", "source_guided_scores"]
+__all__ = [
+    "HandoffResult",
+    "handoff",
+    "align_context",
+    "context_ids",
+    "pad_token_id",
+    "same_tokenization",
+    "source_guided_scores",
+]
 
 
 @dataclass
@@ -35,6 +43,11 @@ class HandoffResult:
 def context_ids(tokenizer, text: str) -> torch.Tensor:
     """[1, tokens] the context as the model would read it (with its BOS where it uses one)."""
     return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def pad_token_id(tokenizer) -> int | None:
+    """The tokenizer's pad id, else its eos id (a pad id of 0 is a real id, not a missing one)."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def same_tokenization(source_tokenizer, target_tokenizer) -> bool:
@@ -133,7 +146,9 @@ def handoff(
 
     device = target.get_input_embeddings().weight.device
     prompt_ids = target_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    input_ids = torch.cat([target_ids, prompt_ids], dim=1).to(device)
+    input_ids = torch.cat([target_ids, prompt_ids.to(target_ids.dtype)], dim=1).to(device)
+    if input_ids.shape[1] == 0:
+        raise ValueError("context and prompt are both empty (0 target tokens): nothing to continue from")
     start = time.perf_counter()
     guided = bool(refresh) and isinstance(refresh_by, str) and refresh_by == "source"
     if guided:
@@ -159,7 +174,7 @@ def handoff(
     )
     if guided:
         cache.report().refresh_by = "source attention"
-    generate_kwargs.setdefault("pad_token_id", target_tokenizer.pad_token_id or target_tokenizer.eos_token_id)
+    generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import json
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 __all__ = ["ModelSpec", "model_spec", "tokenizer_fingerprint", "SpecMismatchError"]
 
@@ -36,17 +36,15 @@ class ModelSpec:
     max_position_embeddings: int
     tokenizer: str = ""  # fingerprint of the vocabulary; "" when unknown
     bos_token_id: int | None = None
-    compared: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("compared")
         d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpec:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "compared"}
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         known["layer_types"] = tuple(known["layer_types"])
         return cls(**known)
 
@@ -79,12 +77,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
     n = config.num_hidden_layers
     heads = config.num_attention_heads
     layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n)
-    rope = getattr(config, "rope_parameters", None)
-    if rope is None:  # transformers < 5 style
-        rope = {
-            "rope_theta": getattr(config, "rope_theta", None),
-            "scaling": getattr(config, "rope_scaling", None),
-        }
+    rope = getattr(config, "rope_parameters", None)  # 5.x: no rope_theta; a dict per layer type (Gemma 3)
     bos = getattr(config, "bos_token_id", None)
     if isinstance(bos, list):
         bos = bos[0]

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-__all__ = ["RopeTables", "rope_tables", "rotate", "unrotate", "rotate_half"]
+__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -114,11 +114,6 @@ class RopeTables:
             else:
                 cos, sin = rotary(probe, positions)
         return cos.float(), sin.float()
-
-
-def rope_tables(model) -> RopeTables:
-    """The rotary tables of `model` (a transformers causal LM)."""
-    return RopeTables.from_model(model)
 
 
 def _module_name(model_type: str) -> str:

@@ -1,30 +1,32 @@
-"""SourceKV: a source model's context KV, read-only, from whatever the caller has.
+"""SourceKV: a context's per-layer KV, read-only: the one KV container of bridgecache.
 
-Accepted sources: a transformers cache after the source's forward pass (`DynamicCache`), a
-`CapturedKV`, per-layer `(keys, values)` tensors, or a file written by `save_kv` (safetensors:
-this is how a context moves between processes or machines). Nothing here ever writes into the
-caller's tensors: bridging reads them, and the source cache stays usable by the source model.
+`capture_kv` returns one; `as_source` makes one from whatever the caller has: a transformers
+cache after the source's forward pass (`DynamicCache`), per-layer `(keys, values)` tensors, or a
+file written by `save_kv` (safetensors: how a context moves between processes or machines).
+Nothing here ever writes into the caller's tensors: bridging reads them, and the source cache
+stays usable by the source model.
 
 Shapes: keys/values per layer [batch, kv_heads, tokens, head_dim] (keys post-RoPE, as cached);
-position_ids [batch, tokens]. A sliding-window source layer may hold only its last tokens:
-`first_token[l]` says which context token its row 0 is.
+attention_mask and position_ids [batch, tokens]. Padding is read from the attention mask (left
+padding only), never inferred from the positions. A sliding-window source layer may hold only its
+last tokens: `first_token[l]` says which context token its row 0 is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bridgecache.capture import CapturedKV, position_ids_from_mask
 from bridgecache.files import apply_umask
+from bridgecache.rope import RopeTables, unrotate
 
-__all__ = ["SourceKV", "as_source", "save_kv", "load_kv", "KVFileError"]
+__all__ = ["SourceKV", "as_source", "save_kv", "load_kv", "KVFileError", "position_ids_from_mask"]
 
 _KV_FORMAT = "bridgecache.kv/2"  # /2: a sha256 of all tensors in the header, verified on load
 
@@ -35,16 +37,27 @@ class KVFileError(ValueError):
 
 @dataclass(frozen=True)
 class SourceKV:
-    """Per-layer source keys/values of one context (never mutated).
+    """Per-layer keys/values of one context (never mutated).
 
-    keys[l], values[l]: [batch, kv_heads, kept_tokens_l, head_dim]; row r is context token
-    first_token[l] + r. position_ids: [batch, tokens] of the whole context.
+    keys[l], values[l]: [batch, kv_heads, kept_tokens_l, head_dim] as cached (keys post-RoPE);
+        row r is context token first_token[l] + r.
+    attention_mask: [batch, tokens] int64, 0 on left padding, 1 on the context's tokens.
+    position_ids: [batch, tokens] int64, the positions RoPE was applied at.
+    first_token: per layer, the context token of row 0 (0 unless a sliding layer dropped rows).
+    rope: the model's rotary tables (set by `capture_kv`; None for KV made elsewhere).
     """
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    attention_mask: torch.Tensor
     position_ids: torch.Tensor
     first_token: tuple[int, ...]
+    rope: RopeTables | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "values", tuple(self.values))
+        _check_mask(self.attention_mask, tuple(self.position_ids.shape), "source attention_mask")
 
     @property
     def num_layers(self) -> int:
@@ -57,6 +70,21 @@ class SourceKV:
     @property
     def num_tokens(self) -> int:
         return self.position_ids.shape[-1]
+
+    @property
+    def padding(self) -> torch.Tensor:
+        """[batch] int64 on the CPU: left padding columns of each row."""
+        return (self.attention_mask == 0).sum(1).cpu()
+
+    def unrotated_keys(self, layer: int) -> torch.Tensor:
+        """Keys of `layer` with RoPE removed: [batch, kv_heads, tokens, head_dim], float32."""
+        if self.rope is None:
+            raise ValueError("these KV carry no rope tables; capture them with bridgecache.capture_kv")
+        first = self.first_token[layer]
+        positions = self.position_ids[:, first : first + self.keys[layer].shape[-2]]
+        cos, sin = self.rope.cos_sin(layer, positions)
+        keys = self.keys[layer].float()
+        return unrotate(keys, cos.to(keys.device), sin.to(keys.device))
 
     def check(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Raise ValueError unless every layer has the shape the bridge's source spec says."""
@@ -74,27 +102,54 @@ class SourceKV:
                     )
 
 
-def as_source(source, attention_mask: torch.Tensor | None = None) -> SourceKV:
-    """A `SourceKV` view of a cache, a CapturedKV, per-layer (k, v) pairs, or a KV file path.
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, tokens] 0/1 mask (left padding) -> [batch, tokens] positions as generate() makes
+    them in transformers 5.x: 0, 1, ... over the real tokens, 0 on the padding."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)
 
-    attention_mask: [batch, tokens] 0/1 for left-padded batches (positions follow generate()).
+
+def _check_mask(mask: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """Raise ValueError unless `mask` is a [batch, tokens] 0/1 left-padding mask of `shape`."""
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {shape} ([batch, tokens])")
+    if mask.numel() == 0:
+        return
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{name} holds values other than 0 and 1")
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"{name} row {bad} is not left padding (expected 0s, then 1s)")
+
+
+def as_source(source, attention_mask: torch.Tensor | None = None) -> SourceKV:
+    """A `SourceKV` of a cache, per-layer (k, v) pairs, a KV file path, or a SourceKV itself.
+
+    attention_mask: [batch, tokens] 0/1 for left-padded batches. A SourceKV (or file) carries its
+    own mask; one given as well must agree with it.
     """
-    if isinstance(source, SourceKV):
-        return source
     if isinstance(source, (str, Path)):
-        return load_kv(source)
-    if isinstance(source, CapturedKV):
-        keys, values, positions = source.keys, source.values, source.position_ids
-        return SourceKV(tuple(keys), tuple(values), positions, (0,) * len(keys))
+        source = load_kv(source)
+    if isinstance(source, SourceKV):
+        if attention_mask is not None and not torch.equal(
+            attention_mask.long().cpu(), source.attention_mask.long().cpu()
+        ):
+            raise ValueError(
+                "source_attention_mask differs from the attention mask the source KV were captured with"
+            )
+        return source
     if hasattr(source, "layers"):  # a transformers Cache
         return _from_cache(source, attention_mask)
     if isinstance(source, (list, tuple)) and source and all(len(p) == 2 for p in source):
         keys = tuple(k for k, _ in source)
         values = tuple(v for _, v in source)
-        return SourceKV(keys, values, _positions(keys[0], attention_mask), (0,) * len(keys))
+        mask, positions = _mask_and_positions(keys[0], attention_mask)
+        return SourceKV(
+            keys, values, attention_mask=mask, position_ids=positions, first_token=(0,) * len(keys)
+        )
     raise TypeError(
         f"cannot read source KV from {type(source).__name__}: expected a transformers Cache, a "
-        "CapturedKV, a list of (keys, values) per layer, or a path written by save_kv"
+        "SourceKV (capture_kv), a list of (keys, values) per layer, or a path written by save_kv"
     )
 
 
@@ -112,21 +167,24 @@ def _from_cache(cache, attention_mask) -> SourceKV:
     if longest.shape[-2] < total_tokens and attention_mask is not None:
         raise ValueError("a left-padded source cache must hold the whole context in at least one layer")
     if longest.shape[-2] < total_tokens:  # only sliding layers: positions are simply 0..tokens-1
-        positions = torch.arange(total_tokens, device=longest.device).expand(longest.shape[0], total_tokens)
+        batch = longest.shape[0]
+        mask = torch.ones(batch, total_tokens, dtype=torch.long, device=longest.device)
+        positions = position_ids_from_mask(mask)
     else:
-        positions = _positions(longest, attention_mask)
-    return SourceKV(tuple(keys), tuple(values), positions, tuple(first))
+        mask, positions = _mask_and_positions(longest, attention_mask)
+    return SourceKV(
+        tuple(keys), tuple(values), attention_mask=mask, position_ids=positions, first_token=tuple(first)
+    )
 
 
-def _positions(keys: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _mask_and_positions(keys: torch.Tensor, attention_mask: torch.Tensor | None):
+    """(mask, positions) [batch, tokens] of keys [batch, heads, tokens, dim]: all ones without a mask."""
     batch, _, tokens, _ = keys.shape
     if attention_mask is None:
-        return torch.arange(tokens, device=keys.device).expand(batch, tokens)
-    if tuple(attention_mask.shape) != (batch, tokens):
-        raise ValueError(
-            f"source attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, tokens)}"
-        )
-    return position_ids_from_mask(attention_mask.to(keys.device))
+        attention_mask = torch.ones(batch, tokens, dtype=torch.long, device=keys.device)
+    _check_mask(attention_mask, (batch, tokens), "source attention_mask")
+    mask = attention_mask.to(device=keys.device, dtype=torch.long)
+    return mask, position_ids_from_mask(mask)
 
 
 def save_kv(path: str | Path, source, attention_mask: torch.Tensor | None = None, **metadata: str) -> Path:
@@ -137,6 +195,7 @@ def save_kv(path: str | Path, source, attention_mask: torch.Tensor | None = None
     """
     kv = as_source(source, attention_mask)
     tensors = {"position_ids": kv.position_ids.contiguous().cpu()}
+    tensors["attention_mask"] = kv.attention_mask.contiguous().cpu()
     for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
         tensors[f"keys.{layer}"] = k.contiguous().cpu()
         tensors[f"values.{layer}"] = v.contiguous().cpu()
@@ -182,7 +241,10 @@ def load_kv(path: str | Path, device: str | torch.device = "cpu") -> SourceKV:
     _check_kv_shapes(path, tensors, n, first)
     keys = tuple(tensors[f"keys.{i}"].to(device) for i in range(n))
     values = tuple(tensors[f"values.{i}"].to(device) for i in range(n))
-    return SourceKV(keys, values, tensors["position_ids"].to(device), first)
+    positions = tensors["position_ids"].to(device)
+    mask = tensors.get("attention_mask")
+    mask = torch.ones_like(positions) if mask is None else mask.to(device)
+    return SourceKV(keys, values, attention_mask=mask, position_ids=positions, first_token=first)
 
 
 def _kv_digest(tensors: dict[str, torch.Tensor]) -> str:

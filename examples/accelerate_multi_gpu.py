@@ -30,7 +30,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import Bridge, handoff, load_model, load_tokenizer
+from bridgecache import Bridge, fit_bridge, handoff, load_model, load_tokenizer
 from bridgecache.text import text_chunks
 
 PROMPT = "\n\nIn one sentence, the text above is about"
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     bridge_dir = args.bridge or args.workdir / "bridge"
     with state.main_process_first():
         if not (bridge_dir / "bridge.json").exists():
-            Bridge.fit(
+            fit_bridge(
                 source, target, source_tok, target_tok, num_sequences=args.calib_seqs,
                 seq_len=args.seq_len, progress=False,
             ).save_pretrained(bridge_dir)  # fmt: skip

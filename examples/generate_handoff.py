@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, capture_kv, load_model
+from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
 from bridgecache.handoff import align_context
 
 CONTEXT = (
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         bridge = Bridge.from_pretrained(args.bridge)
         bridge.check(source, target)  # raises, naming each field, if it was fitted for other models
     else:
-        bridge = Bridge.fit(
+        bridge = fit_bridge(
             source, target, source_tok, target_tok, num_sequences=args.calib_seqs, seq_len=args.seq_len,
             source_name=args.source, target_name=args.target,
         )  # fmt: skip
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     #    its last token, which generate() feeds together with the prompt.
     prompt_ids = target_tok(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     input_ids = torch.cat([context_ids, prompt_ids], dim=1).to(target.device)
+    pad_id = target_tok.eos_token_id if target_tok.pad_token_id is None else target_tok.pad_token_id
     start = time.perf_counter()
     output = target.generate(
         input_ids,
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         past_key_values=cache,  # `cache=cache` on transformers >= 5.24
         max_new_tokens=args.max_new_tokens,
         do_sample=False,
-        pad_token_id=target_tok.pad_token_id or target_tok.eos_token_id,
+        pad_token_id=pad_id,  # a pad id of 0 is a real id
     )
     generate_s = time.perf_counter() - start
     new_ids = output[0, input_ids.shape[1] :]

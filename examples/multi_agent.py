@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, capture_kv, load_model
+from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
 from bridgecache.handoff import align_context
 
 ADJECTIVES = ["Silver", "Red", "Little", "Northern", "Swift", "Old", "Golden", "Quiet"]
@@ -48,7 +48,7 @@ def load_or_fit(directory: Path, reader, agent, args) -> Bridge:
     if (path / "bridge.json").exists():
         return Bridge.from_pretrained(path)
     print(f"fitting a bridge {reader_name} -> {agent_name} (saved to {path})")
-    bridge = Bridge.fit(
+    bridge = fit_bridge(
         reader_model, agent_model, reader_tok, agent_tok, num_sequences=args.calib_seqs,
         seq_len=args.seq_len, source_name=reader_name, target_name=agent_name, progress=False,
     )  # fmt: skip
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         document_cache = BridgedCache(bridge, reader_kv, model, context_ids, alignment=alignment)
         document_cache.materialize()  # translate every layer now, once for all questions
         bridged_s = time.perf_counter() - start
+        pad_id = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
         for ship in ships:
             cache = copy.deepcopy(document_cache)  # generate() appends to the cache it is given
             prompt = f"Question: What did the {ship} carry?\nAnswer: The {ship} carried"
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             input_ids = torch.cat([context_ids, prompt_ids], dim=1)
             output = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id,
+                max_new_tokens=4, do_sample=False, pad_token_id=pad_id,
             )  # fmt: skip
             answer = tok.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
             right = answer.split(" ")[0].strip(".,").lower() == cargo[ship]

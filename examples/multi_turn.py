@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from bridgecache import Bridge, load_model
+from bridgecache import Bridge, fit_bridge, load_model
 from bridgecache.artifacts.builtin import builtin_names
 from bridgecache.conversation import Conversation
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         bridge = Bridge.from_pretrained(args.bridge or f"builtin:{shipped}")
     else:
         print(f"fitting a bridge {shipped} ({args.calib_seqs} x {args.seq_len} tokens)")
-        bridge = Bridge.fit(
+        bridge = fit_bridge(
             source,
             target,
             source_tok,

@@ -94,12 +94,6 @@ class SufficientStats:
         accumulate_stats(self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend)
         return self
 
-    def merge(self, other: SufficientStats) -> SufficientStats:
-        """Add another set of statistics of the same shape (another worker, another shard); returns self."""
-        for f in fields(self):
-            getattr(self, f.name).add_(getattr(other, f.name))
-        return self
-
 
 def accumulate_stats(
     stats: SufficientStats,

@@ -20,10 +20,12 @@ from transformers import PreTrainedTokenizerFast
 
 from bridgecache import Bridge, SpecMismatchError, handoff
 from bridgecache.artifacts import builtin
-from bridgecache.artifacts.recipe import RecipeError, infer_recipe, recipe_command, recipe_of, refit
+from bridgecache.artifacts.export import export_builtin
+from bridgecache.artifacts.recipe import RecipeError, infer_recipe, recipe_command, recipe_of
 from bridgecache.artifacts.summary import feed_matrix
 from bridgecache.cli import main
 from bridgecache.fitting import fit_bridge
+from bridgecache.fitting.refit import refit
 from bridgecache.zoo import BUILTIN_MODELS, load_model
 
 PAIR = "smollm2-135m->qwen2.5-coder-0.5b"  # zoo names recorded on tiny models: nothing is fetched
@@ -103,7 +105,7 @@ def test_a_bridge_fitted_before_recipes_ships_with_a_rebuilt_recipe(pair, fitted
     old = Bridge.from_pretrained(fitted[1])
     del old.calibration["recipe"]  # as bridgecache wrote bridges before recipes
     old.save_pretrained(tmp_path / "old")
-    shipped = Bridge.from_pretrained(builtin.export_builtin(tmp_path / "old", root=tmp_path / "shipped"))
+    shipped = Bridge.from_pretrained(export_builtin(tmp_path / "old", root=tmp_path / "shipped"))
     assert "recipe_rebuilt" in shipped.calibration
     _assert_same_maps(bridge, refit(recipe_of(shipped), source, target, tok, tok, progress=False))
     del old.calibration["key_scale"]
@@ -175,7 +177,7 @@ def test_export_builtin_float16_round_trip_is_small_and_loads_by_name(fitted, sh
     }
     assert loaded.calibration["recipe"] == bridge.calibration["recipe"]  # the recipe ships too
 
-    bf16 = builtin.export_builtin(directory, dtype="bfloat16", root=shipped_root.parent / "bf16")
+    bf16 = export_builtin(directory, dtype="bfloat16", root=shipped_root.parent / "bf16")
     loaded = Bridge.from_pretrained(bf16)
     err = (loaded.layers[1].value_weight - bridge.layers[1].value_weight).abs().max()
     assert 0 < err < 1e-2 * bridge.layers[1].value_weight.abs().max()
@@ -186,9 +188,9 @@ def test_export_refuses_bridges_not_between_zoo_models(pair, tmp_path):
     bridge = fit_bridge(source, target, tok, tok, source_name="my-llama", target_name="my-qwen", **FIT)
     bridge.save_pretrained(tmp_path / "b")
     with pytest.raises(ValueError, match="'my-llama' is not a zoo model"):
-        builtin.export_builtin(tmp_path / "b", root=tmp_path)
+        export_builtin(tmp_path / "b", root=tmp_path)
     with pytest.raises(ValueError, match="cannot be shipped as"):
-        builtin.export_builtin(tmp_path / "b", "a->b", root=tmp_path)
+        export_builtin(tmp_path / "b", "a->b", root=tmp_path)
 
 
 def test_export_refuses_values_float16_cannot_hold(fitted, tmp_path):
@@ -196,9 +198,9 @@ def test_export_refuses_values_float16_cannot_hold(fitted, tmp_path):
     big.layers[1].key_bias[0, 3] = 1e5  # above float16's largest finite value (65504)
     big.save_pretrained(tmp_path / "big")
     with pytest.raises(ValueError, match=r"layers.1.key_bias does not fit in float16.*--dtype bfloat16"):
-        builtin.export_builtin(tmp_path / "big", root=tmp_path / "out")
+        export_builtin(tmp_path / "big", root=tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written
-    assert builtin.export_builtin(tmp_path / "big", dtype="bfloat16", root=tmp_path / "out").exists()
+    assert export_builtin(tmp_path / "big", dtype="bfloat16", root=tmp_path / "out").exists()
 
 
 def test_builtin_names_are_checked(shipped_root):
@@ -209,7 +211,7 @@ def test_builtin_names_are_checked(shipped_root):
 
 
 def test_builtin_refuses_to_load_when_the_zoo_pins_another_file(fitted, shipped_root, monkeypatch):
-    builtin.export_builtin(fitted[1], root=shipped_root)
+    export_builtin(fitted[1], root=shipped_root)
     entry = BUILTIN_MODELS["qwen2.5-coder-0.5b"]
     monkeypatch.setitem(BUILTIN_MODELS, entry.name, type(entry)(**{**vars(entry), "sha256": "0" * 64}))
     with pytest.raises(
@@ -220,7 +222,7 @@ def test_builtin_refuses_to_load_when_the_zoo_pins_another_file(fitted, shipped_
 
 def test_builtin_refuses_other_models_and_tokenizers(pair, fitted, shipped_root, tmp_path):
     source, target, tok = pair
-    bridge = Bridge.from_pretrained(builtin.export_builtin(fitted[1], root=shipped_root))
+    bridge = Bridge.from_pretrained(export_builtin(fitted[1], root=shipped_root))
     builtin.check_models(bridge, source, target, tok, tok)  # the models it was fitted on
     other_vocab = byte_tokenizer(extra="<extra>")
     with pytest.raises(SpecMismatchError, match="tokenizer"):
@@ -367,7 +369,7 @@ def test_inspect_prints_the_summary_and_plots(fitted, tmp_path, capsys):
 
 
 def test_inspect_a_builtin_by_name(fitted, shipped_root, capsys):
-    builtin.export_builtin(fitted[1], root=shipped_root)
+    export_builtin(fitted[1], root=shipped_root)
     assert main(["inspect", f"builtin:{PAIR}"]) == 0
     printed = capsys.readouterr().out
     assert "on disk (float16 tensors)" in printed

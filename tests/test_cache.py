@@ -221,7 +221,7 @@ def test_alignment_policies_read_the_source_rows_they_name(policy):
     bridge = dataclasses.replace(Bridge.identity(model), alignment_policy=policy)
     captured = capture_kv(model, source_ids)
     cache = BridgedCache(bridge, captured, model, target_ids, alignment=alignment, native_head=0)
-    assert cache.translator.head == 1  # the leading NATIVE token is computed by the target
+    assert cache.translator.native_prefix == 1  # the leading NATIVE token is computed by the target
     keys, values = cache.translator.layer(1)
     tables = RopeTables.from_model(model)
     for t in range(1, 6):  # translated positions 1..5 (position 6 is the held-back token)

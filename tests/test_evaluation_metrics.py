@@ -7,14 +7,8 @@ import math
 
 import pytest
 
-from bridgecache.evaluation.items import (
-    ChoiceItem,
-    DataFormatError,
-    PplItem,
-    data_task,
-    load_items,
-    read_jsonl,
-)
+from bridgecache.evaluation.data import data_task, load_items
+from bridgecache.evaluation.items import ChoiceItem, DataFormatError, PplItem, read_jsonl
 from bridgecache.evaluation.metrics import (
     bootstrap_ci,
     choice_metrics,

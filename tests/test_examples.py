@@ -21,7 +21,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from bridgecache import Bridge, SpecMismatchError, load_model
+from bridgecache import SpecMismatchError, fit_bridge, load_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SOURCE, AGENTS = "smollm2-135m", ("qwen2.5-coder-0.5b", "gemma3-270m")
@@ -59,7 +59,7 @@ def bridges(tmp_path_factory, smollm2):
     source, source_tok = smollm2
     for name in AGENTS:
         target, target_tok = load_model(name)
-        bridge = Bridge.fit(source, target, source_tok, target_tok, source_name=SOURCE, target_name=name,
+        bridge = fit_bridge(source, target, source_tok, target_tok, source_name=SOURCE, target_name=name,
                             **TINY_FIT)  # fmt: skip
         bridge.save_pretrained(root / f"{SOURCE}-to-{name}")
     return root
@@ -81,7 +81,7 @@ def test_quickstart_notebook(bridges, monkeypatch):
         "target_layers": target.config.num_hidden_layers, "bridge_layers": len(bridge.layers),
         "r2_keys": r2_keys, "r2_values": r2_values,
         "lines": {line.get_label(): len(line.get_xdata()) for line in ax.lines},
-        "native_ids": native_ids.tolist(), "bridged_ids": bridged_ids.tolist(), "same": int(same),
+        "native_ids": native_ids.tolist(), "bridged_ids": bridged_ids.tolist(),
         "text": result.text, "translated": result.cache.materialized_layers,
         "native_first_s": native_first_s, "source_prefill_s": first.source_prefill_s,
         "bridged_first_s": first.generate_s, "first_tokens": first.output_ids.shape[1],
@@ -99,7 +99,6 @@ def test_quickstart_notebook(bridges, monkeypatch):
     outputs = [out for cell in notebook.cells for out in cell.get("outputs", [])]
     assert any("image/png" in out.get("data", {}) for out in outputs)
     assert 1 <= len(got["bridged_ids"]) <= 16 and 1 <= len(got["native_ids"]) <= 16
-    assert got["same"] == sum(a == b for a, b in zip(got["native_ids"], got["bridged_ids"]))
     assert got["first_tokens"] == 1
     assert got["native_first_s"] > 0 and got["source_prefill_s"] > 0 and got["bridged_first_s"] > 0
 
@@ -147,9 +146,7 @@ def test_multi_agent_script(bridges, capsys):
     assert "fitting" not in printed  # both bridges were loaded from --bridge-dir
     assert set(got["own_prefill_s"]) == set(got["bridged_s"]) == set(AGENTS)
     assert got["read_s"] > 0 and min(got["own_prefill_s"].values()) > 0 and min(got["bridged_s"].values()) > 0
-    spent = got["read_s"] + sum(got["bridged_s"].values())
-    assert got["saved_s"] == pytest.approx(sum(got["own_prefill_s"].values()) - spent)
-    assert got["answers"] == 2 and 0 <= got["correct"] <= 2
+    assert got["answers"] == 2  # one question per agent
     assert f"time saved: {got['saved_s']:.2f} s" in printed
     assert f"answers right: {got['correct']}/2" in printed
 

@@ -10,7 +10,7 @@ from tiny_models import FAMILIES, tiny_model
 
 from bridgecache.capture import capture_kv
 from bridgecache.fitting.attention import QueryRecorder, attention_modules, boundary_rows, layer_weights
-from bridgecache.rope import rope_tables
+from bridgecache.rope import RopeTables
 
 
 def test_boundary_rows_are_log_spaced_and_skip_native_head():
@@ -38,7 +38,7 @@ def test_token_weights_match_brute_force(family):
         handles.append(module.o_proj.register_forward_pre_hook(lambda m, a, i=i: o_in.__setitem__(i, a[0])))
     with torch.no_grad():
         out = model(ids, output_attentions=True)
-        tables, position_ids = rope_tables(model), torch.arange(21)[None].expand(2, -1)
+        tables, position_ids = RopeTables.from_model(model), torch.arange(21)[None].expand(2, -1)
         pos_emb = {m.layer_idx: tables.cos_sin(m.layer_idx, position_ids) for m in attention_modules(model)}
     for h in handles:
         h.remove()

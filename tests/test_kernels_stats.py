@@ -162,7 +162,7 @@ def test_stats_match_float64(hs, ht, n, ds, dt, s, t, weighted, rope, shared, dt
         )
 
 
-def test_merge_equals_one_pass():
+def test_chunks_accumulate_like_one_pass_across_backends():
     gen = torch.Generator().manual_seed(3)
     bsz, hs, s, ds, t, dt = 2, 2, 11, 32, 17, 32
     src = torch.randn(bsz, hs, s, ds, generator=gen).to(DEVICE)
@@ -170,15 +170,11 @@ def test_merge_equals_one_pass():
     heads = torch.tensor([[1], [0]], device=DEVICE)
     y = torch.randn(bsz, 2, t, dt, generator=gen).to(DEVICE)
     whole = SufficientStats.zeros(2, ds, dt, device=DEVICE).update(src, rows, heads, y, backend="torch")
-    first = SufficientStats.zeros(2, ds, dt, device=DEVICE).update(
-        src[:1], rows[:1], heads, y[:1], backend="torch"
-    )
-    second = SufficientStats.zeros(2, ds, dt, device=DEVICE).update(
-        src[1:], rows[1:], heads, y[1:], backend="triton"
-    )
-    merged = first.merge(second)
+    chunked = SufficientStats.zeros(2, ds, dt, device=DEVICE)
+    chunked.update(src[:1], rows[:1], heads, y[:1], backend="torch")
+    chunked.update(src[1:], rows[1:], heads, y[1:], backend="triton")
     for f in fields(SufficientStats):
-        assert torch.allclose(getattr(merged, f.name), getattr(whole, f.name), rtol=1e-5, atol=1e-5), f.name
+        assert torch.allclose(getattr(chunked, f.name), getattr(whole, f.name), rtol=1e-5, atol=1e-5), f.name
 
 
 def test_zeros_shapes_and_checks():

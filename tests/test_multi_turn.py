@@ -165,7 +165,7 @@ def test_drift_with_an_identity_bridge_matches_the_native_conversation():
 
 @pytest.mark.real_model
 def test_multi_turn_example_on_smollm2_reproduces_its_own_conversation(capsys):
-    # The same model on both sides: Bridge.fit returns the exact identity, so every bridged turn
+    # The same model on both sides: fit_bridge returns the exact identity, so every bridged turn
     # (SmolLM2's real chat template, three turns on one cache) must match the native one.
     args = ["--source", "smollm2-135m", "--target", "smollm2-135m", "--turns", "3", "--max-new-tokens", "8"]
     got = script("examples/multi_turn.py").main(args)

@@ -175,17 +175,18 @@ def test_an_existing_bridge_is_kept_unless_force(model_dirs, tmp_path, capsys):
 
 
 def test_a_destination_broken_during_the_fit_keeps_the_work(model_dirs, tmp_path, capsys, monkeypatch):
+    from bridgecache import fitting
     from bridgecache.fitting import cli as fit_cli
 
     out = tmp_path / "b"
-    real_fit = Bridge.fit
+    real_fit = fitting.fit_bridge
 
     def fit_then_block(*args, **kwargs):
         bridge = real_fit(*args, **kwargs)
         out.write_text("someone else's file")  # appears while the fit ran
         return bridge
 
-    monkeypatch.setattr(Bridge, "fit", fit_then_block)
+    monkeypatch.setattr(fitting, "fit_bridge", fit_then_block)
     monkeypatch.setattr(fit_cli.tempfile, "tempdir", str(tmp_path))
     argv = ["fit", "--source", model_dirs[0], "--target", model_dirs[1], "--out", str(out)]
     assert main([*argv, "--calib-seqs", "2", "--seq-len", "12", "--layers-k", "1"]) == 1

@@ -7,7 +7,8 @@ tensors are float16 (half the bytes of float32; loading upcasts) and whose `cali
 `fingerprints`: for each side, the zoo name, the zoo's pin of its GGUF file and the tokenizer's
 fingerprint. A bridge with fingerprints refuses to load when this bridgecache's zoo pins another
 file under that name, and refuses to be applied to a zoo model converted from another file or to a
-tokenizer with another vocabulary. `export_builtin` turns a fitted bridge directory into that form.
+tokenizer with another vocabulary. `bridgecache.artifacts.export.export_builtin` turns a fitted
+bridge directory into that form.
 
 Knows the zoo's pins (`bridgecache.zoo.BUILTIN_MODELS`); nothing about caches or fitting.
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import torch
 
 from bridgecache.modelinfo import SpecMismatchError, model_spec
 
@@ -30,12 +29,9 @@ __all__ = [
     "model_fingerprint",
     "check_fingerprints",
     "check_models",
-    "export_builtin",
 ]
 
 PREFIX = "builtin:"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_MAPS = ("key_weight", "key_bias", "value_weight", "value_bias")
 
 
 def builtin_root() -> Path:
@@ -133,79 +129,6 @@ def check_models(bridge, source=None, target=None, source_tokenizer=None, target
                 f"this bridge was fitted on {role} model {recorded[role]['zoo']!r} from "
                 f"{recorded[role]['gguf']}, but the {role} model given was converted from {made_from}"
             )
-
-
-def export_builtin(
-    source_dir: str | Path, name: str | None = None, dtype: str = "float16", root: str | Path | None = None
-) -> Path:
-    """Write a fitted bridge directory as a shipped bridge: `dtype` tensors + zoo fingerprints.
-
-    The bridge must be fitted between two zoo models by their zoo names (as `bridgecache fit
-    --source NAME --target NAME` records them) with their tokenizers. Returns the new directory.
-    """
-    from bridgecache.bridge import Bridge, LayerMap
-    from bridgecache.zoo import BUILTIN_MODELS
-
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
-    bridge = Bridge.from_pretrained(source_dir)
-    name = (name or f"{bridge.source.name}->{bridge.target.name}").removeprefix(PREFIX)
-    expected = f"{bridge.source.name}->{bridge.target.name}"
-    if name != expected:
-        raise ValueError(f"{source_dir}: a bridge {expected} cannot be shipped as {name!r}")
-    fingerprints = {}
-    for role, spec in (("source", bridge.source), ("target", bridge.target)):
-        if spec.name not in BUILTIN_MODELS:
-            raise ValueError(
-                f"{source_dir}: {role} model {spec.name!r} is not a zoo model ({', '.join(BUILTIN_MODELS)}); "
-                "only bridges between built-in models can be shipped"
-            )
-        if not spec.tokenizer:
-            raise ValueError(
-                f"{source_dir}: the {role} spec has no tokenizer fingerprint; fit with tokenizers"
-            )
-        fingerprints[role] = {
-            "zoo": spec.name,
-            "gguf": zoo_fingerprint(spec.name),
-            "tokenizer": spec.tokenizer,
-        }
-    layers = [
-        LayerMap(
-            source_layers=list(layer.source_layers),
-            inputs=layer.inputs,
-            **{name: _cast(getattr(layer, name), dtype, f"layers.{i}.{name}") for name in _MAPS},
-            r2_key=layer.r2_key,
-            r2_value=layer.r2_value,
-        )
-        for i, layer in enumerate(bridge.layers)
-    ]
-    calibration = {**bridge.calibration, "fingerprints": fingerprints, "stored_dtype": dtype}
-    if "recipe" not in calibration:  # fitted before recipes were recorded: rebuild it
-        from bridgecache.artifacts.recipe import infer_recipe
-
-        calibration["recipe"] = infer_recipe(bridge)
-        calibration["recipe_rebuilt"] = "from the calibration record, at export (fitted before recipes)"
-    shipped = Bridge(
-        source=bridge.source,
-        target=bridge.target,
-        method=bridge.method,
-        alignment_policy=bridge.alignment_policy,
-        layers=layers,
-        native_head=bridge.native_head,
-        calibration=calibration,
-    )
-    out = Path(root or builtin_root()) / name.replace("->", "--")
-    return shipped.save_pretrained(out)
-
-
-def _cast(t: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
-    out = t.to(_DTYPES[dtype])
-    if not torch.isfinite(out).all():  # float16 tops out at 65504: never ship an inf
-        raise ValueError(
-            f"{name} does not fit in {dtype} (largest |value| {float(t.abs().max()):.3g}); "
-            "export with --dtype bfloat16"
-        )
-    return out
 
 
 def _example() -> str:

@@ -68,7 +68,7 @@ def run_inspect(args) -> int:
 
 
 def run_export(args) -> int:
-    from bridgecache.artifacts.builtin import export_builtin
+    from bridgecache.artifacts.export import export_builtin
     from bridgecache.bridge import Bridge
 
     out = export_builtin(args.source_dir, args.name, dtype=args.dtype, root=args.root)
@@ -89,8 +89,9 @@ def run_fit_recipe(args) -> int:
     """Fit again from the recipe a bridge records (the zoo loads the models it names)."""
     import torch
 
-    from bridgecache.artifacts.recipe import RecipeError, recipe_command, refit
+    from bridgecache.artifacts.recipe import RecipeError, recipe_command
     from bridgecache.artifacts.resolve import resolve_bridge
+    from bridgecache.fitting.refit import refit
     from bridgecache.zoo import load_model
 
     if args.source or args.target:

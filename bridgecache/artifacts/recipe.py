@@ -1,8 +1,8 @@
-"""A bridge's recipe: the exact `fit_bridge` arguments it was made with, and fitting again from it.
+"""A bridge's recipe: the exact `fit_bridge` arguments it was made with.
 
 `fit_bridge` records `calibration["recipe"]` (model names, method, calibration size, domain, seed,
-every solver setting). `refit` calls `fit_bridge` with those arguments, optionally overriding some
-(e.g. fewer sequences for a quick check); `recipe_command` writes the equivalent command line.
+every solver setting). `bridgecache.fitting.refit.refit` fits again from it, optionally overriding
+some (e.g. fewer sequences for a quick check); `recipe_command` writes the equivalent command line.
 Knows fitting's arguments; nothing about files.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 
-__all__ = ["RecipeError", "recipe_of", "infer_recipe", "recipe_command", "refit"]
+__all__ = ["RecipeError", "recipe_of", "infer_recipe", "recipe_command"]
 
 # recipe key -> `bridgecache fit` option (the keys with no option keep fit_bridge's default).
 _OPTIONS = {
@@ -85,26 +85,6 @@ def recipe_command(recipe: dict, out: str = "DIR") -> str:
     words += ["--out", out]
     command = shlex.join(words)
     return command + (f"  # with fit_bridge({_kwargs(extra)})" if extra else "")
-
-
-def refit(recipe: dict, source, target, source_tokenizer, target_tokenizer, **overrides):
-    """Fit a Bridge again from `recipe` on the given models; `overrides` replace recipe entries."""
-    from bridgecache.fitting import fit_bridge
-
-    args = {**recipe, **overrides}
-    unknown = set(overrides) - set(recipe) - {"progress"}
-    if unknown:
-        raise RecipeError(f"overrides {sorted(unknown)} are not recipe entries ({sorted(recipe)})")
-    source_name, target_name = args.pop("source"), args.pop("target")
-    return fit_bridge(
-        source,
-        target,
-        source_tokenizer,
-        target_tokenizer,
-        source_name=source_name,
-        target_name=target_name,
-        **args,
-    )
 
 
 # Recipe entries that `bridgecache fit` has no option for but always passes at these values.

@@ -6,6 +6,7 @@ Modules, one job each:
     items     evaluation items and their JSONL formats (DataFormatError names line and field)
     facts     invented facts (people, towns, numbers, ships) for in-context retrieval questions
     builtin   the offline built-in tasks, from bridgecache.text's evaluation split
+    data      where items come from: a JSONL file or a built-in task
     prompts   an item's parts as token ids for each model: plain text or each model's chat template
     scoring   native / bridged prefixes (timed) and log-likelihoods after them
     runner    every condition for every item, shared work done once -> Evaluation
@@ -14,7 +15,8 @@ Modules, one job each:
     cli       the `bridgecache eval` subcommand
 """
 
-from bridgecache.evaluation.items import ChoiceItem, DataFormatError, EvaluationError, PplItem, load_items
+from bridgecache.evaluation.data import load_items
+from bridgecache.evaluation.items import ChoiceItem, DataFormatError, EvaluationError, PplItem
 from bridgecache.evaluation.report import format_table, summarise
 from bridgecache.evaluation.runner import Evaluation, Variant, evaluate
 

@@ -127,7 +127,8 @@ def _short(name: str) -> str:
 
 def run_eval(args) -> int:
     from bridgecache.bridge import Bridge, BridgeFormatError
-    from bridgecache.evaluation.items import EvaluationError, data_task, load_items
+    from bridgecache.evaluation.data import data_task, load_items
+    from bridgecache.evaluation.items import EvaluationError
     from bridgecache.evaluation.report import format_table, summarise
     from bridgecache.evaluation.runner import ControlScores, Variant, evaluate
     from bridgecache.zoo import load_model

@@ -6,10 +6,9 @@ Formats, one JSON object a line (blank lines are ignored; other keys are ignored
 `answer` indexes `choices` (0-based). Every string must be non-empty, choices at least two and
 distinct. A file that breaks any of this raises `DataFormatError` naming the line and the field.
 
-`load_items(spec, task, tokenizer)` reads a file path or a built-in task `builtin:NAME`
-(`bridgecache.evaluation.builtin`, sized in the given tokenizer's tokens).
+`bridgecache.evaluation.data.load_items` reads either a file or a built-in task.
 
-This module knows nothing about models or metrics.
+This module knows nothing about models, metrics or the built-in tasks.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ __all__ = [
     "EvaluationError",
     "DataFormatError",
     "read_jsonl",
-    "data_task",
-    "load_items",
 ]
 
 TASKS = ("ppl", "choice")
@@ -112,33 +109,3 @@ def _choice(record: dict, where: str) -> ChoiceItem:
     if not 0 <= answer < len(choices):
         raise DataFormatError(f"{where}: field 'answer' is {answer}; 'choices' has {len(choices)} entries")
     return ChoiceItem(context, question, tuple(choices), answer)
-
-
-def data_task(spec: str, task: str | None) -> str:
-    """The task of a data spec: implied by a built-in name (and checked against `task`), else `task`."""
-    if spec.startswith("builtin:"):
-        from bridgecache.evaluation.builtin import builtin_task
-
-        implied = builtin_task(spec.removeprefix("builtin:"))
-        if task is not None and task != implied:
-            raise DataFormatError(f"{spec} is a {implied!r} task, but --task {task} was given")
-        return implied
-    if task is None:
-        raise DataFormatError(f"say which task {spec} holds: --task {' or --task '.join(TASKS)}")
-    if task not in TASKS:
-        raise DataFormatError(f"unknown task {task!r}; expected one of {TASKS}")
-    return task
-
-
-def load_items(spec: str, task: str | None, tokenizer=None, limit: int | None = None):
-    """(task, items) from a JSONL path or `builtin:NAME`; built-ins are sized in `tokenizer`'s
-    tokens (the target's), so they need it; `task` may be None for a built-in."""
-    task = data_task(spec, task)
-    if spec.startswith("builtin:"):
-        from bridgecache.evaluation.builtin import builtin_items
-
-        if tokenizer is None:
-            raise ValueError("built-in tasks are sized in the target's tokens: pass its tokenizer")
-        return task, builtin_items(spec.removeprefix("builtin:"), tokenizer, limit)
-    items = read_jsonl(spec, task)
-    return task, items[:limit] if limit else items

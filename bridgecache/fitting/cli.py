@@ -129,20 +129,18 @@ def run_fit(args) -> int:
 
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.fitting import fit_bridge
     from bridgecache.zoo import load_model
 
     if args.recipe:
         from bridgecache.artifacts.cli import run_fit_recipe
 
         return run_fit_recipe(args)
-    if not (args.source and args.target):
-        raise SystemExit("bridgecache fit: give --source and --target (or --recipe BRIDGE)")
     torch.manual_seed(args.seed)
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)
     start = time.perf_counter()
-    bridge = Bridge.fit(
+    bridge = fit_bridge(
         source, target, source_tok, target_tok, method=args.method,
         num_sequences=args.calib_seqs, seq_len=args.seq_len, domain=args.domain, layers_k=args.layers_k,
         layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,

@@ -56,7 +56,7 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
         cache = BridgedCache(bridge, capture_kv(source, source_ids), target, target_ids, alignment=alignment)
         cache.materialize()
-        prefix, first = cache.get_seq_length(), cache.translator.head
+        prefix, first = cache.get_seq_length(), cache.translator.native_prefix
         if prefix - first < 2:
             continue
         rows = torch.linspace(first + 1, prefix - 1, min(rows_per_context, prefix - first - 1)).round().long()

@@ -372,7 +372,7 @@ def publish(
         raise ValueError(
             f"the BridgedCache holds a batch of {translator.batch_size}; publish one context at a time"
         )
-    sliding = [i for i, t in enumerate(translator.target_layer_types) if t != "full_attention"]
+    sliding = [i for i, window in enumerate(translator.windows) if window is not None]
     if sliding:
         raise ValueError(
             f"target layers {sliding} use sliding-window attention: engine pools keep those layers "
@@ -416,7 +416,7 @@ def publish(
         "target": spec.to_dict(),
         "source": bridge.source.to_dict(),
         "bridge": {"fingerprint": bridge_fingerprint(bridge), "method": bridge.method},
-        "positions": {"native_head": translator.head, "prefix_length": prefix, "published": n},
+        "positions": {"native_head": translator.native_prefix, "prefix_length": prefix, "published": n},
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
     directory = Path(directory)

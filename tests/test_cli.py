@@ -1,0 +1,96 @@
+"""The `bridgecache` command on tiny models: demo warm-up and short contexts, bridge cache keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from bridgecache import cli, fitting, zoo
+from bridgecache.bridge import Bridge
+
+
+def _byte_tokenizer():
+    """A byte-level fast tokenizer (one token per byte, no BOS; pad id 0), built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i + 1 for i, c in enumerate(alphabet)} | {"<pad>": 0, "<s>": 257, "</s>": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture
+def tiny_zoo(monkeypatch):
+    """load_model(name) -> one tiny Qwen2 and a byte tokenizer; records each target forward's length."""
+    model, tok = tiny_model("qwen2"), _byte_tokenizer()
+    lengths = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append((kwargs.get("input_ids") if not args else args[0]).shape[1]),
+        with_kwargs=True,
+    )
+    monkeypatch.setattr(zoo, "load_model", lambda name: (model, tok))
+    return model, tok, lengths
+
+
+def test_demo_runs_both_paths_once_before_timing_them(tiny_zoo, tmp_path, capsys):
+    model, tok, lengths = tiny_zoo
+    Bridge.identity(model, tok).save_pretrained(tmp_path / "bridge")
+    context, question = "The ship lost its mast near the rocks. ", "What did the ship lose?"
+    argv = ["demo", "--bridge", str(tmp_path / "bridge"), "--source", "x", "--target", "x"]
+    assert cli.main([*argv, "--context", context, "--question", question, "--max-new-tokens", "3"]) == 0
+    document = tok(context + f"\nQuestion: {question}\nAnswer:", return_tensors="pt")["input_ids"].shape[1]
+    # the native prefill of the whole document runs untimed first, then timed, then for the answer
+    assert lengths.count(document) == 3
+    out = capsys.readouterr().out
+    assert "first calls (one-off costs)" in out and "time-to-first-token ratio" in out
+
+
+def test_demo_runs_on_a_one_token_context(tiny_zoo, tmp_path, capsys):
+    model, tok, _ = tiny_zoo
+    Bridge.identity(model, tok).save_pretrained(tmp_path / "bridge")
+    argv = ["demo", "--bridge", str(tmp_path / "bridge"), "--source", "x", "--target", "x"]
+    assert cli.main([*argv, "--context", "H", "--question", "Q?", "--max-new-tokens", "2"]) == 0
+    assert "context tokens: 0 translated" in capsys.readouterr().out
+
+
+def test_bridge_for_keys_its_cache_on_the_fit_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("BRIDGECACHE_HOME", str(tmp_path))
+    model, tok = tiny_model("llama"), _byte_tokenizer()
+    fits = []
+
+    def fit(source, target, source_tok, target_tok, method, **kwargs):
+        fits.append(kwargs)
+        return Bridge.identity(target, target_tok, native_head=kwargs.get("native_head", 1))
+
+    monkeypatch.setattr(fitting, "fit_bridge", fit)
+    monkeypatch.setattr(zoo, "load_tokenizer", lambda name: tok)
+    first = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2)
+    again = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2, progress=False)
+    other = cli.bridge_for("a", "b", "fullhead", model, model, native_head=3)
+    assert len(fits) == 2  # the second call was served from the cache, the third was not
+    assert (first.native_head, again.native_head, other.native_head) == (2, 2, 3)
+
+
+def test_handoff_keeps_a_pad_id_of_0(monkeypatch):
+    from bridgecache.handoff import handoff
+
+    model, tok = tiny_model("qwen2"), _byte_tokenizer()
+    assert tok.pad_token_id == 0
+    seen = {}
+    original = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: seen.update(kw) or original(**kw))
+    handoff(
+        model,
+        model,
+        Bridge.identity(model),
+        "Hello",
+        source_tokenizer=tok,
+        target_tokenizer=tok,
+        max_new_tokens=1,
+    )
+    assert seen["pad_token_id"] == 0
+    assert torch.is_tensor(seen["input_ids"])
