@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.align import gather_rows
 from bridgecache.capture import cache_to_layers, position_ids_from_mask
 from bridgecache.compat import cache_kwargs
+from bridgecache.grouped import LayerGroups, groups_apply
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
 from bridgecache.rope import RopeTables, unrotate
@@ -170,6 +171,9 @@ class BridgedCache(DynamicCache):
         key_norm: for a target that normalises its keys (Gemma 3, Qwen3: a `k_norm` per
             attention), rescale each mapped key onto what that norm produces (default True; see
             bridgecache.keynorm). No effect on other targets.
+        one_launch: translate layers in groups, one kernel launch per group for keys and one for
+            values, on the first read of a group's layer (bridgecache.grouped); None (default): on
+            CUDA targets. Layers still materialise lazily, one by one.
     """
 
     def __init__(
@@ -185,12 +189,15 @@ class BridgedCache(DynamicCache):
         native_head: int | None = None,
         native_tail: int = 0,
         key_norm: bool = True,
+        one_launch: bool | None = None,
     ):
         native_head = bridge.native_head if native_head is None else native_head
         translator = _Translator(
             bridge, as_source(source, source_attention_mask), target, target_ids, target_attention_mask,
             alignment, native_head, native_tail, key_norm,
         )  # fmt: skip
+        if groups_apply(translator, target, one_launch):
+            translator.groups = LayerGroups(translator)
         layers = []
         for i, layer_type in enumerate(translator.target_layer_types):
             if layer_type == "sliding_attention":
@@ -281,6 +288,7 @@ class _Translator:
         self.native_keys, self.native_values = _native_head(target, target_ids, target_mask, self.head)
         self.target_rope = RopeTables.from_model(target)
         self.key_norm_scales = key_norm_scales(target) if key_norm else None
+        self.groups = None  # LayerGroups when layers are translated in groups (set by BridgedCache)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
             self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
@@ -289,9 +297,13 @@ class _Translator:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
-        start = 0
-        if self.target_layer_types[idx] == "sliding_attention":
-            start = max(0, self.prefix_length - (self.sliding_window - 1))  # what the window keeps
+        if (
+            self.groups is not None
+            and self.groups.covers(idx)
+            and (device, dtype) == (self.home_device, self.home_dtype)
+        ):
+            return self.groups.layer(idx)
+        start = self.window_start(idx)
         parts_k, parts_v = [], []
         if start < self.head:
             parts_k.append(self.native_keys[idx][:, :, start : self.head].to(device, dtype))
@@ -316,6 +328,12 @@ class _Translator:
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def window_start(self, idx: int) -> int:
+        """First context column target layer `idx` keeps (what a sliding window keeps; else 0)."""
+        if self.target_layer_types[idx] == "sliding_attention":
+            return max(0, self.prefix_length - (self.sliding_window - 1))
+        return 0
 
     def _plan(self, idx: int, device: torch.device) -> LayerPlan:
         # Kept on the LayerMap itself, per device: every cache a bridge serves reuses it.
