@@ -281,7 +281,7 @@ class _Translator:
         self.rows = rows[:, : self.prefix_length]
         # min_source_row[c]: the lowest source token read from column c on (checked per layer
         # against what a sliding source layer keeps, without a device sync).
-        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).amin(dim=0)
+        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
         self._target_tables: dict = {}
         self._device_rows: dict = {}

@@ -63,11 +63,17 @@ def test_identity_bridge_is_exact_in_one_launch(family):
     assert len(cache.translator.groups._done) == expected
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
-def test_one_launch_equals_the_per_layer_path_for_a_random_bridge(family):
-    model = tiny_model(family)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
+
+
+@pytest.mark.parametrize(
+    "family, device",
+    [("qwen2", "cpu"), ("gemma3", "cpu"), pytest.param("gemma3", "cuda", marks=CUDA)],  # gemma3: head dim 32
+)
+def test_one_launch_equals_the_per_layer_path_for_a_random_bridge(family, device):
+    model = tiny_model(family).to(device)
     bridge = _random_bridge(model)
-    ids = torch.randint(3, 300, (1, 21))
+    ids = torch.randint(3, 300, (2, 21), device=device)
     source = capture_kv(model, ids)
     grouped = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=True).materialize()
     per_layer = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=False).materialize()
