@@ -4,6 +4,7 @@ cache = BridgedCache(bridge, source_cache, target, target_ids)
 out = target.generate(target_ids, past_key_values=cache)
 """
 
+from bridgecache.batch import BatchHandoffResult, handoff_batch
 from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import CapturedKV, capture_kv
@@ -15,6 +16,7 @@ from bridgecache.zoo import load_model, load_tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchHandoffResult",
     "Bridge",
     "BridgedCache",
     "CapturedKV",
@@ -24,6 +26,7 @@ __all__ = [
     "SpecMismatchError",
     "capture_kv",
     "handoff",
+    "handoff_batch",
     "load_kv",
     "load_model",
     "load_tokenizer",

@@ -259,10 +259,11 @@ class _Translator:
             )
         # Planning runs on the CPU (small integer work); tensors move to the device once.
         target_mask = torch.ones_like(target_ids, device="cpu") if target_mask is None else target_mask.cpu()
-        self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
+        positions = position_ids_from_mask(target_mask)
+        self.target_positions = positions.to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
-        if int(self.target_positions.max()) + 1 > max_positions:
+        if int(positions.max()) + 1 > max_positions:  # on the CPU copy: no device sync
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )

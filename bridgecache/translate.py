@@ -13,6 +13,7 @@ Knows nothing about tokenizers or transformers caches.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class SourceRope:
     """
 
     def __init__(self, tables: RopeTables, source: SourceKV, device: torch.device):
-        self.tables = tables
+        self.tables = _tables_on(tables, device)
         self.positions = source.position_ids.to(device)
         self._by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -49,6 +50,22 @@ class SourceRope:
             cos, sin = self.tables.cos_sin(layer, self.positions)
             self._by_type[layer_type] = (cos.to(self.positions.device), sin.to(self.positions.device))
         return self._by_type[layer_type]
+
+
+def _tables_on(tables: RopeTables, device: torch.device) -> RopeTables:
+    """`tables` with its rotary modules on `device` (a copy, kept on `tables` per device), so a
+    context's cos/sin are computed there rather than on the CPU and copied (ms per 10K tokens)."""
+    if next(tables.rotary.buffers(), torch.empty(0, device=device)).device == device:
+        return tables
+    copies = vars(tables).setdefault("_on_device", {})
+    if device not in copies:
+        local = tables.rotary_local
+        copies[device] = RopeTables(
+            tables.config,
+            copy.deepcopy(tables.rotary).to(device),
+            None if local is None else copy.deepcopy(local).to(device),
+        )
+    return copies[device]
 
 
 @dataclass(frozen=True)
