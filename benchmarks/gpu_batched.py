@@ -10,7 +10,8 @@ reads the context (its prefill is counted), a BridgedCache translates it, the ta
 --new-tokens tokens (exactly: min_new_tokens). Rows per batch size, measured side by side:
 - handoff: capture_kv over the left-padded batch + BridgedCache + generate(), per batch;
 - native: the target reads the contexts itself and generates the same tokens (no source);
-Throughput = requests / wall time of the whole pass, after one warm-up batch; CUDA-synchronised.
+Throughput = requests / wall time of the whole pass, after a warm-up pass over the same batches
+(kernel compilation and autotuning per length bucket are one-time costs); CUDA-synchronised.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def native_pass(target, batches, new_tokens: int) -> None:
 
 
 def timed_pass(fn, batches, device) -> float:
-    fn(batches[:1])  # warm-up: compilation, autotuning, allocator
+    fn(batches)  # warm-up pass: compilation and autotuning of every length bucket, allocator
     sync(device)
     start = time.perf_counter()
     fn(batches)

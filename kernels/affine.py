@@ -258,8 +258,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 _KERNEL = LazyKernel(
-    _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune
-)
+    _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune,
+    # token counts (and the rows' batch stride, = T) vary per context: one compiled variant for all
+    do_not_specialize=["T", "r_b"],
+)  # fmt: skip
 
 # Interpreter blocks: small, so odd token counts span several blocks and head dims several chunks.
 _INTERPRET_CONFIG = {"BLOCK_T": 16, "BLOCK_S": 16}
