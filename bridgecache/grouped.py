@@ -64,6 +64,8 @@ class LayerGroups:
             for idx in layers:
                 self._group_of[idx] = (key[0], tuple(layers))
         self._done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._waiting: dict[tuple, set[int]] = {}  # layers of a translated group not yet handed out
+        self.translations = 0  # groups translated so far (each launch pair counts once)
 
     def covers(self, idx: int) -> bool:
         return idx in self._group_of
@@ -73,7 +75,12 @@ class LayerGroups:
         start, layers = self._group_of[idx]
         if layers not in self._done:
             self._done[layers] = self._translate(start, layers)
+            self._waiting[layers] = set(layers)
+            self.translations += 1
         keys, values = self._done[layers]
+        self._waiting[layers].discard(idx)
+        if not self._waiting[layers]:  # every layer holds its view: drop the group's reference
+            del self._done[layers], self._waiting[layers]
         pos = layers.index(idx)
         return keys[pos], values[pos]
 
