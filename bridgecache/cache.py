@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
 from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
+from bridgecache.grouped import LayerGroups, groups_apply
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
 from bridgecache.native import native_layer_kv, resolve_native_layers
@@ -209,6 +210,9 @@ class BridgedCache(DynamicCache):
             are computed natively; too many such layers, or a context whose target tokens align
             poorly to source tokens, fall back to the target's own prefill. `report()` says
             what was done. Or a `QualityPolicy` for the other thresholds.
+        one_launch: translate layers in groups, one kernel launch per group for keys and one for
+            values, on the first read of a group's layer (bridgecache.grouped); None (default): on
+            CUDA targets. Layers still materialise lazily, one by one.
     """
 
     def __init__(
@@ -229,6 +233,7 @@ class BridgedCache(DynamicCache):
         refresh_by="deviation",
         check_layer: int = 1,
         min_quality=None,
+        one_launch: bool | None = None,
     ):
         layers = _bridged_layers(target.config)
         translator = _Translator(
@@ -251,6 +256,8 @@ class BridgedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.translator = translator
         self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
+        if groups_apply(translator, target, one_launch):  # after the native work: it skips native layers
+            translator.groups = LayerGroups(translator)
 
     def _native_work(self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality):
         """Gate, native layers and token refresh: the target's own compute over the context."""
@@ -280,6 +287,7 @@ class BridgedCache(DynamicCache):
                 "token refresh needs full-attention target layers; this target has sliding-window layers"
             )
         ids = target_ids[:, : tr.prefix_length]
+        tr.native_layers = native
         tr.native_kv = native_layer_kv(target, ids, cached, native)
         columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
         if budget:
@@ -400,11 +408,13 @@ class _Translator:
         _check_mask(target_mask, tuple(target_ids.shape), "target_attention_mask")
         target_mask = target_mask.cpu().long()
         self.target_mask = target_mask
-        self.native_kv: dict = {}
-        self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
+        self.native_kv: dict = {}  # layer -> the target's own (keys, values), until the layer reads them
+        self.native_layers: set[int] = set()
+        positions = position_ids_from_mask(target_mask)
+        self.target_positions = positions.to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
-        if total and int(self.target_positions.max()) + 1 > max_positions:
+        if total and int(positions.max()) + 1 > max_positions:  # on the CPU copy: no device sync
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )
@@ -427,7 +437,7 @@ class _Translator:
         self.rows = rows[:, : self.prefix_length]
         # min_source_row[c]: the lowest source token read from column c on (checked per layer
         # against what a sliding source layer keeps, without a device sync).
-        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).amin(dim=0)
+        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
         self._target_tables: dict = {}
         self._device_rows: dict = {}
@@ -436,6 +446,7 @@ class _Translator:
         )
         self.target_rope = RopeTables.from_model(target)
         self.key_norm_scales = key_norm_scales(target) if key_norm else None
+        self.groups = None  # LayerGroups when layers are translated in groups (set by BridgedCache)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
             self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
@@ -446,13 +457,13 @@ class _Translator:
         if idx in self.native_kv:
             device = torch.device(device or self.home_device)
             keys, values = self.native_kv.pop(idx)  # read once: the cache layer then owns them
-            start = self._window_start(idx)
+            start = self.window_start(idx)
             return keys[:, :, start:].to(device, dtype or keys.dtype), values[:, :, start:].to(
                 device, dtype or values.dtype
             )
         return self.translate(idx, device, dtype)
 
-    def _window_start(self, idx: int) -> int:
+    def window_start(self, idx: int) -> int:
         """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
         if self.windows[idx] is not None:
             return max(0, self.prefix_length - (self.windows[idx] - 1))
@@ -462,7 +473,13 @@ class _Translator:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`, translated."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
-        start = self._window_start(idx)
+        if (
+            self.groups is not None
+            and self.groups.covers(idx)
+            and (device, dtype) == (self.home_device, self.home_dtype)
+        ):
+            return self.groups.layer(idx)
+        start = self.window_start(idx)
         parts_k, parts_v = [], []
         if start < self.native_prefix:
             parts_k.append(self.native_keys[idx][:, :, start : self.native_prefix].to(device, dtype))
