@@ -21,7 +21,7 @@ import torch
 __all__ = ["add_demo_command", "run_demo"]
 
 DEFAULT_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
-DEFAULT_REFRESH = 0.1
+DEFAULT_REFRESH = 0.2  # handoff()'s default, chosen in docs/results.md
 SPEEDUP_GOAL = 3.0
 
 
