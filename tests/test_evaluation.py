@@ -326,3 +326,45 @@ def test_the_eval_command_is_registered(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "--native-tail" in capsys.readouterr().out
+
+
+def test_control_scores_are_remembered_per_target_and_ids(tmp_path):
+    import os
+
+    from tiny_models import tiny_model
+
+    from bridgecache.evaluation.controls import ControlScores
+
+    model, other = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
+    path = tmp_path / "controls.json"
+    controls = ControlScores(path)
+    key = controls.key(model, torch.tensor([[1, 2, 3]]), [[4, 5]])
+    assert controls.get(key) is None
+    controls.put(key, {"native": [[-1.5, 2]], "native_prefill_s": 0.1})
+    again = ControlScores(path)  # a later run reads the file
+    assert again.get(again.key(model, torch.tensor([[1, 2, 3]]), [[4, 5]]))["native"] == [[-1.5, 2]]
+    assert again.get(again.key(other, torch.tensor([[1, 2, 3]]), [[4, 5]])) is None  # other weights
+    assert again.get(again.key(model, torch.tensor([[1, 2, 4]]), [[4, 5]])) is None  # other ids
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
+    path.write_text("{not json")
+    assert ControlScores(path).get(key) is None  # a damaged file costs a recomputation, not an error
+
+
+def test_a_second_run_reads_the_controls_and_scores_the_same(llama, tok, tmp_path):
+    from bridgecache.evaluation.runner import ControlScores, Variant
+
+    bridge = Bridge.identity(llama)
+    items = _choice_items(llama, tok)
+    variants = [Variant(bridge), Variant(bridge, refresh=0.5, refresh_by="source")]
+    path = tmp_path / "controls.json"
+    first = evaluate(
+        llama, tok, llama, tok, items, "choice", variants, progress=False, controls=ControlScores(path)
+    )
+    stored = ControlScores(path)
+    again = evaluate(llama, tok, llama, tok, items, "choice", variants, progress=False, controls=stored)
+    assert len(stored.entries) == len(items)
+    for a, b in zip(first.items, again.items):
+        assert a.scores == b.scores  # controls read back; bridged scores recomputed alike
+        assert a.native_cost[variants[1].name] > a.native_cost[variants[0].name]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from bridgecache.files import apply_umask
+
 __all__ = ["ControlScores"]
 
 
@@ -71,4 +73,5 @@ class ControlScores:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(self.entries, f)
+        apply_umask(Path(tmp))  # mkstemp makes 0600; a shared cache needs the user's usual mode
         os.replace(tmp, self.path)
