@@ -164,7 +164,8 @@ def measure(target, bridge, kv, ids, device, repeats) -> dict[str, float]:
     times = dict(native=timed(native, device, repeats), ceiling=timed(ceiling, device, repeats))
     times["construct"] = timed(construct, device, repeats)
     # per-layer first: it runs the autotuner, whose choice "old" then finds (tuning from inside
-    # the custom op failed on the H200 with "ValueError: vector::reserve", 2026-11-30)
+    # the custom op, inside generate(), failed once on the H200 with "ValueError: vector::reserve",
+    # 2026-11-30 17:50 UTC; op calls that tune, eager and compiled, ran in a separate check)
     for label, one_launch, direct in (
         ("per-layer", False, True),
         ("old", False, False),

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import (
     LazyKernel,
@@ -468,8 +469,9 @@ def gathered_affine(
         choice = "torch"
     if choice == "triton" and weight.stride(-2) != 1:  # the kernel reads W input-axis-contiguous
         weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
-    # The custom op is what torch.compile / export trace; eager calls skip its dispatch.
-    run = _gathered_affine_op if torch.compiler.is_compiling() or not DIRECT_LAUNCH else _run_affine
+    # The custom op is what torch.compile / export (and fake tensors) trace; eager calls skip its dispatch.
+    traced = torch.compiler.is_compiling() or is_fake(out)
+    run = _gathered_affine_op if traced or not DIRECT_LAUNCH else _run_affine
     run(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
     return out
 

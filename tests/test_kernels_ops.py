@@ -123,3 +123,33 @@ def test_empty_contexts():
     assert none.shape == (1, 3, 0, 64)
     native = map_heads(src[:, :, :0], torch.full((1, 4), -1), heads, weight, bias)
     assert native.shape == (1, 3, 4, 64) and not native.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
+def test_compiled_map_heads_matches_eager_on_cuda():
+    """torch.compile traces the custom op (eager calls launch Triton directly): same output, also
+    for a shape whose launch configuration is first tuned inside the compiled graph."""
+    gen = torch.Generator().manual_seed(3)
+
+    def inputs(t):
+        src = [torch.randn(1, 2, t + 1, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+        angle = torch.rand(1, t + 1, 64, generator=gen) * 6
+        target_angle = torch.rand(1, t, 64, generator=gen) * 6
+        tables = [
+            torch.cat([f(a)] * 2, -1).cuda() for a in (angle, target_angle) for f in (torch.cos, torch.sin)
+        ]
+        rows = torch.arange(t)[None].cuda()
+        heads = torch.tensor([[0], [2]]).cuda()
+        weight, bias = (
+            torch.randn(2, 128, 128, generator=gen).cuda(),
+            torch.randn(2, 128, generator=gen).cuda(),
+        )
+        return src, rows, heads, weight, bias, *tables
+
+    def mapped(src, rows, heads, weight, bias, sc, ss, tc, ts):
+        return map_heads(src, rows, heads, weight, bias, src_cos=sc, src_sin=ss, tgt_cos=tc, tgt_sin=ts) * 2
+
+    compiled = torch.compile(mapped)
+    for t in (300, 3000):
+        args = inputs(t)
+        assert torch.equal(compiled(*args), mapped(*args))
