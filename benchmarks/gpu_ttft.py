@@ -8,11 +8,17 @@ the source's shape (its prefill is excluded from handoff time, as the field repo
 the bridge is a head-local (CacheBridge-shaped) map with random coefficients: only time is
 measured here. Rows, per context length, all measured side by side in one run:
 - native: target.generate(ids, max_new_tokens=1), i.e. prefill of the whole context;
-- bridged: BridgedCache construction (plan + 1-token native head) + generate(max_new_tokens=1),
-  i.e. translation of every layer + the held-back token's forward;
 - ceiling: generate(max_new_tokens=1) over an already-filled native cache of the same prefix
   (what bridged would cost if translation were free);
-- translate: BridgedCache(...).materialize() alone.
+- bridged: BridgedCache construction (plan + 1-token native head) + generate(max_new_tokens=1),
+  i.e. translation of every layer + the held-back token's forward, by three paths:
+  old = per layer through the torch custom op and Triton's autotuner on every call (the code
+  before issue 14: `one_launch=False` with `bridgecache.kernels.affine.DIRECT_LAUNCH = False`);
+  per-layer = per layer, direct launches (`one_launch=False`); one-launch = the default on CUDA,
+  one launch per group of layers for keys and one for values (bridgecache.grouped);
+- translate: BridgedCache(...).materialize() alone (old and one-launch), CUDA-synchronised;
+- host: the same call's CPU time before it returns (no synchronisation; the GPU runs behind),
+  per target layer: what the lazy path adds to each layer's forward.
 Median of --repeats after warm-up, CUDA-synchronised wall time.
 """
 
@@ -23,6 +29,7 @@ import statistics
 import time
 
 import torch
+from bridgecache.kernels import affine
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 from bridgecache.bridge import Bridge, LayerMap
@@ -102,8 +109,10 @@ def run_pair(source_name, target_name, lengths, device, dtype, repeats, smoke):
             for _ in range(source_config.num_hidden_layers)
         ]
         times = measure(target, bridge, kv, ids, device, repeats)
-        rows.append((f"{source_name} -> {target_name}", n, *times))
-        print(_format(rows[-1]), flush=True)
+        rows.append(times)
+        print(
+            _format(f"{source_name} -> {target_name}", n, target_config.num_hidden_layers, times), flush=True
+        )
         del kv
     del target
     if device.type == "cuda":
@@ -111,8 +120,23 @@ def run_pair(source_name, target_name, lengths, device, dtype, repeats, smoke):
     return rows
 
 
-def measure(target, bridge, kv, ids, device, repeats) -> tuple[float, float, float, float]:
-    """(native, bridged, ceiling, translate) seconds for one context."""
+def host_timed(fn, device, repeats: int) -> float:
+    """Median CPU time of fn() until it returns, the GPU idle at the start of each call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def measure(target, bridge, kv, ids, device, repeats) -> dict[str, float]:
+    """Seconds of each row of the module docstring for one context."""
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
     prefix = DynamicCache()
     target(ids[:, :-1], **cache_kwargs(target, prefix))
@@ -121,8 +145,8 @@ def measure(target, bridge, kv, ids, device, repeats) -> tuple[float, float, flo
     def native():
         target.generate(ids, **gen)
 
-    def bridged():
-        cache = BridgedCache(bridge, kv, target, ids)
+    def bridged(one_launch):
+        cache = BridgedCache(bridge, kv, target, ids, one_launch=one_launch)
         target.generate(ids, **gen, **cache_kwargs(target, cache))
 
     def ceiling():  # the held-back token over a ready cache: translation for free
@@ -131,17 +155,45 @@ def measure(target, bridge, kv, ids, device, repeats) -> tuple[float, float, flo
             cache.update(k.clone(), v.clone(), i)
         target.generate(ids, **gen, **cache_kwargs(target, cache))
 
-    def translate():
-        BridgedCache(bridge, kv, target, ids).materialize()
+    def translate(one_launch):
+        BridgedCache(bridge, kv, target, ids, one_launch=one_launch).materialize()
 
-    return tuple(timed(fn, device, repeats) for fn in (native, bridged, ceiling, translate))
+    def construct():
+        BridgedCache(bridge, kv, target, ids)
+
+    times = dict(native=timed(native, device, repeats), ceiling=timed(ceiling, device, repeats))
+    times["construct"] = timed(construct, device, repeats)
+    # per-layer first: it runs the autotuner, whose choice "old" then finds (tuning from inside
+    # the custom op failed on the H200 with "ValueError: vector::reserve", 2026-11-30)
+    for label, one_launch, direct in (
+        ("per-layer", False, True),
+        ("old", False, False),
+        ("one-launch", None, True),
+    ):
+        affine.DIRECT_LAUNCH = direct
+        try:
+            times[f"bridged {label}"] = timed(lambda: bridged(one_launch), device, repeats)  # noqa: B023
+            if label != "per-layer":
+                times[f"translate {label}"] = timed(lambda: translate(one_launch), device, repeats)  # noqa: B023
+                times[f"host {label}"] = host_timed(lambda: translate(one_launch), device, repeats)  # noqa: B023
+        finally:
+            affine.DIRECT_LAUNCH = True
+    return times
 
 
-def _format(row) -> str:
-    pair, n, native, bridged, ceiling, translate = row
-    return (f"| {pair} | {n} | {native * 1e3:.1f} | {bridged * 1e3:.1f} | {ceiling * 1e3:.1f} | "
-            f"{translate * 1e3:.2f} | {native / bridged:.2f}x | {native / ceiling:.2f}x | "
-            f"{bridged / ceiling:.2f} |")  # fmt: skip
+COLUMNS = ["native", "ceiling", "bridged old", "bridged per-layer", "bridged one-launch", "construct",
+           "translate old", "translate one-launch"]  # fmt: skip
+
+
+def _format(pair, n, layers, t) -> str:
+    ms = " | ".join(f"{t[c] * 1e3:.2f}" for c in COLUMNS)
+    host = " | ".join(
+        f"{(t[f'host {c}'] - t['construct']) / layers * 1e6:.0f}" for c in ("old", "one-launch")
+    )
+    best = t["bridged one-launch"]
+    old = t["bridged old"] / t["ceiling"]
+    return (f"| {pair} | {n} | {ms} | {host} | {t['native'] / best:.2f}x | {old:.2f} | "
+            f"{best / t['ceiling']:.2f} | {t['native'] / t['translate one-launch']:.0f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -155,9 +207,11 @@ def main() -> None:
     lengths = [32, 64] if args.smoke else args.lengths
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, {dtype}, median of {args.repeats}")
-    print("| pair | context tokens | native TTFT ms | bridged TTFT ms | ceiling ms | translate ms | "
-          "native/bridged | native/ceiling (max gain) | bridged/ceiling |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| pair | context tokens | native TTFT ms | ceiling ms | bridged old ms | bridged per-layer ms | "
+          "bridged one-launch ms | construct ms | translate old ms | translate one-launch ms | "
+          "host us/layer old | host us/layer one-launch | native / bridged | old / ceiling | "
+          "one-launch / ceiling | native / translate |")  # fmt: skip
+    print("|---" * 16 + "|")
     for source_name, target_name in PAIRS:
         run_pair(
             source_name, target_name, lengths, device, dtype, 2 if args.smoke else args.repeats, args.smoke

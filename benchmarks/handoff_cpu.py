@@ -9,7 +9,7 @@ Per context length (evaluation-split prose, in the target's tokens), interleaved
   head token, the held-back last token, first token;
 - translate: BridgedCache(...).materialize() alone;
 - source prefill of the same context (what a handoff does NOT repeat; reported apart).
-The bridge comes from the cache (`bridgecache.cli.bridge_for`), fitted on first use.
+The bridge comes from the cache (`bridgecache.fitting.cached.bridge_for`), fitted on first use.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
-from bridgecache.cli import bridge_for
 from bridgecache.compat import cache_kwargs
+from bridgecache.fitting.cached import bridge_for
 from bridgecache.handoff import align_context
 from bridgecache.text import text_chunks
 from bridgecache.zoo import load_model

@@ -4,6 +4,7 @@ cache = BridgedCache(bridge, source_cache, target, target_ids)
 out = target.generate(target_ids, past_key_values=cache)
 """
 
+from bridgecache.batch import BatchHandoffResult, handoff_batch
 from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import CapturedKV, capture_kv
@@ -16,6 +17,7 @@ from bridgecache.zoo import load_model, load_tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchHandoffResult",
     "Bridge",
     "BridgedCache",
     "CapturedKV",
@@ -29,6 +31,7 @@ __all__ = [
     "capture_kv",
     "fit_bridge",
     "handoff",
+    "handoff_batch",
     "load_kv",
     "load_model",
     "load_tokenizer",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,18 +23,20 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from bridgecache.bridgeformat import METHODS, BridgeFormatError, check_bridge_json
+from bridgecache.files import staged_directory
+from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
 
-__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "FORMAT_VERSION", "METHODS"]
+__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
 
 FORMAT_VERSION = 1
-METHODS = ("fullhead", "cachebridge", "identity")
 _JSON, _TENSORS = "bridge.json", "bridge.safetensors"
 _FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
 
 
-class BridgeFormatError(ValueError):
-    """A bridge directory is missing, truncated, corrupted or inconsistent with its metadata."""
+class WeightMismatchWarning(UserWarning):
+    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Bridge:
     native_head: positions [0, native_head) the target computes itself (excluded from fitting).
     layers: one LayerMap per target layer.
     calibration: JSON-able description of the calibration data and fit settings.
+    fingerprints: {"source": ..., "target": ...} weight fingerprints at fit time
+        (`bridgecache.fingerprint`); empty for the identity and for older bridge files.
     """
 
     source: ModelSpec
@@ -83,6 +88,7 @@ class Bridge:
     layers: list[LayerMap]
     native_head: int = 1
     calibration: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -117,10 +123,17 @@ class Bridge:
 
     # ------------------------------------------------------------------ checks and sizes
 
-    def check(self, source_model_or_spec, target_model_or_spec) -> None:
-        """Raise SpecMismatchError naming each field where the given models differ from the bridge's."""
+    def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:
+        """Raise SpecMismatchError naming each field where the given models differ from the bridge's.
+
+        Given models (not specs), their weights are compared with the fingerprints recorded at
+        fit time: a mismatch (e.g. a fine-tuned copy) warns (WeightMismatchWarning), or raises
+        SpecMismatchError under `strict=True`.
+        """
         self.source.check(_as_spec(source_model_or_spec), "source")
         self.target.check(_as_spec(target_model_or_spec), "target")
+        for role, model in (("source", source_model_or_spec), ("target", target_model_or_spec)):
+            _check_fingerprint(self.fingerprints.get(role), model, role, strict)
 
     def num_parameters(self) -> int:
         """Coefficients of all maps (weights and biases, keys and values)."""
@@ -155,10 +168,16 @@ class Bridge:
 
     # ------------------------------------------------------------------ files
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write bridge.safetensors + bridge.json into `directory` (created if needed)."""
+    def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
+        """Write bridge.safetensors + bridge.json into `directory` (created if needed).
+
+        The files are staged in a hidden folder and renamed into place (a reader or a crash
+        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
+        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        if not overwrite and (directory / _JSON).exists():
+            raise FileExistsError(f"{directory} already holds a bridge; refusing to overwrite it")
         tensors, described = {}, {}
         for i, layer in enumerate(self.layers):
             for name in _FIELDS:
@@ -189,14 +208,45 @@ class Bridge:
             ],
             "tensors": described,
         }
-        save_file(tensors, str(directory / _TENSORS))
-        (directory / _JSON).write_text(json.dumps(meta, indent=1))
+        if self.fingerprints:
+            meta["fingerprints"] = dict(self.fingerprints)
+        from bridgecache.artifacts.card import write_card
+
+        with staged_directory(directory) as staging:
+            save_file(tensors, str(staging / _TENSORS))
+            (staging / _JSON).write_text(json.dumps(meta, indent=1))
+            write_card(self, staging)  # README.md: the bridge card
         return directory
 
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload this bridge (files + card) to a Hub repo; see `bridgecache.artifacts.hub.push_to_hub`."""
+        from bridgecache.artifacts.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
+    def __repr__(self) -> str:
+        from bridgecache.artifacts.summary import short_summary
+
+        return short_summary(self)
+
+    def _repr_markdown_(self) -> str:
+        from bridgecache.artifacts.summary import markdown_summary
+
+        return markdown_summary(self)
+
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> Bridge:
-        """Load and validate a bridge directory; any inconsistency raises BridgeFormatError."""
-        directory = Path(directory)
+    def from_pretrained(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", **hub_kwargs
+    ) -> Bridge:
+        """Load and validate a bridge; any inconsistency raises BridgeFormatError.
+
+        name_or_path: a bridge directory, "builtin:SOURCE->TARGET" (shipped with bridgecache) or a
+            Hub repo id "org/name" (hub_kwargs: revision, cache_dir, token, local_files_only).
+        Stored float16/bfloat16 maps are upcast to float32.
+        """
+        from bridgecache.artifacts.resolve import check_fingerprints, resolve_bridge
+
+        directory = resolve_bridge(name_or_path, **hub_kwargs)
         meta = _read_json(directory / _JSON)
         tensors = _read_tensors(directory / _TENSORS)
         _check_tensors(meta, tensors, directory)
@@ -209,7 +259,7 @@ class Bridge:
         layers = []
         for i, entry in enumerate(meta["layers"]):
             where = f"{directory / _JSON}: layers[{i}]"
-            t = {name: tensors[f"layers.{i}.{name}"].to(device) for name in _FIELDS}
+            t = {name: _as_fp32(tensors[f"layers.{i}.{name}"]).to(device) for name in _FIELDS}
             if t["inputs"].tolist() != _get(entry, "inputs", where):
                 raise BridgeFormatError(
                     f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
@@ -228,10 +278,12 @@ class Bridge:
             method=meta["method"],
             alignment_policy=meta["alignment_policy"],
             layers=layers,
-            native_head=int(meta["native_head"]),
+            native_head=meta["native_head"],
             calibration=meta["calibration"],
+            fingerprints=meta.get("fingerprints", {}),
         )
         _check_layer_shapes(bridge, directory)
+        check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
         return bridge
 
 
@@ -252,21 +304,7 @@ def _read_json(path: Path) -> dict:
             f"{path}: field 'format_version' is {meta.get('format_version')!r}; "
             f"this bridgecache reads {FORMAT_VERSION}"
         )
-    required = (
-        "source",
-        "target",
-        "method",
-        "alignment_policy",
-        "native_head",
-        "calibration",
-        "layers",
-        "tensors",
-    )
-    for key in required:
-        if key not in meta:
-            raise BridgeFormatError(f"{path}: field {key!r} is missing")
-    if meta["method"] not in METHODS:
-        raise BridgeFormatError(f"{path}: field 'method' is {meta['method']!r}; expected one of {METHODS}")
+    check_bridge_json(meta, path)
     return meta
 
 
@@ -344,6 +382,11 @@ def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
             raise BridgeFormatError(f"{directory}: layers.{i}.source_layers disagrees with layers.{i}.inputs")
 
 
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    # Shipped bridges store their maps in float16/bfloat16; the maps are applied in float32.
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _get(entry, key: str, where: str):
     if not isinstance(entry, dict) or key not in entry:
         raise BridgeFormatError(f"{where}: field {key!r} is missing")
@@ -358,6 +401,21 @@ def _as_spec(model_or_spec) -> ModelSpec:
     raise SpecMismatchError(
         f"expected a transformers model or a ModelSpec, got {type(model_or_spec).__name__}"
     )
+
+
+def _check_fingerprint(recorded: str | None, model_or_spec, role: str, strict: bool) -> None:
+    if recorded is None or isinstance(model_or_spec, ModelSpec):
+        return
+    got = weight_fingerprint(model_or_spec)
+    if got == recorded:
+        return
+    message = (
+        f"the {role} model's weights (fingerprint {got}) are not the ones this bridge was fitted on "
+        f"(expected {recorded}): same architecture, other checkpoint (a fine-tune?); the maps may not fit it"
+    )
+    if strict:
+        raise SpecMismatchError(message)
+    warnings.warn(message, WeightMismatchWarning, stacklevel=3)
 
 
 def _tensor_sha(t: torch.Tensor) -> str:

@@ -31,8 +31,17 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
+from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
+from bridgecache.grouped import LayerGroups, groups_apply
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
+from bridgecache.native import native_layer_kv, resolve_native_layers
+from bridgecache.refresh import (
+    deviation_scores,
+    refresh_budget,
+    refresh_columns,
+    select_columns,
+)
 from bridgecache.rope import RopeTables
 from bridgecache.rows import leading_native, plan_rows, pool_source
 from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
@@ -186,6 +195,24 @@ class BridgedCache(DynamicCache):
         key_norm: for a target that normalises its keys (Gemma 3, Qwen3: a `k_norm` per
             attention), rescale each mapped key onto what that norm produces (default True; see
             bridgecache.keynorm). No effect on other targets.
+        native_layers: target layers the target computes itself over the whole cached context
+            (exact; a forward stopped after the deepest one): an int n (the first n layers), a
+            list of layer indices, or "all" (the target's own prefill). Default: none.
+        refresh: context tokens recomputed through every target layer over the bridged cache
+            and written over their translated rows (bridgecache.refresh): a fraction in [0, 1]
+            of the translated tokens or a token count. Default: none.
+        refresh_by: how refreshed tokens are chosen: "deviation" (translated vs native keys at
+            `check_layer`; layers 0..check_layer then come out native too, at no extra cost) or
+            a [batch, target tokens] tensor of scores (higher first), e.g. from
+            `bridgecache.handoff.source_guided_scores` (the source's attention from the prompt).
+        check_layer: the deviation check's layer (default 1, as CacheBlend).
+        min_quality: quality gate (bridgecache.gate): layers whose held-out score is below it
+            are computed natively; too many such layers, or a context whose target tokens align
+            poorly to source tokens, fall back to the target's own prefill. `report()` says
+            what was done. Or a `QualityPolicy` for the other thresholds.
+        one_launch: translate layers in groups, one kernel launch per group for keys and one for
+            values, on the first read of a group's layer (bridgecache.grouped); None (default): on
+            CUDA targets. Layers still materialise lazily, one by one.
     """
 
     def __init__(
@@ -201,6 +228,12 @@ class BridgedCache(DynamicCache):
         native_head: int | None = None,
         native_tail: int = 0,
         key_norm: bool = True,
+        native_layers=None,
+        refresh=None,
+        refresh_by="deviation",
+        check_layer: int = 1,
+        min_quality=None,
+        one_launch: bool | None = None,
     ):
         layers = _bridged_layers(target.config)
         translator = _Translator(
@@ -222,6 +255,99 @@ class BridgedCache(DynamicCache):
                 layer._bind(translator, i)
         self.layer_class_to_replicate = None
         self.translator = translator
+        self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
+        if groups_apply(translator, target, one_launch):  # after the native work: it skips native layers
+            translator.groups = LayerGroups(translator)
+
+    def _native_work(self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality):
+        """Gate, native layers and token refresh: the target's own compute over the context."""
+        tr = self.translator
+        num_layers = len(self.layers)
+        policy = min_quality if isinstance(min_quality, QualityPolicy) else QualityPolicy(min_quality)
+        cached = tr.target_mask[:, : tr.prefix_length]
+        translated = torch.zeros_like(cached, dtype=torch.bool)
+        translated[:, tr.native_prefix :] = cached[:, tr.native_prefix :].bool()
+        has_source = (tr.rows >= 0) & translated
+        coverage = float(has_source.sum() / translated.sum().clamp(min=1))
+        scores = layer_scores(tr.bridge)
+        decision = policy.decide(scores, coverage)
+        native = set(resolve_native_layers(native_layers, num_layers)) | set(decision.native_layers)
+        if decision.fallback:
+            native = set(range(num_layers))
+        budget = 0 if len(native) == num_layers else refresh_budget(refresh, int(translated.sum(1).min()))
+        by_deviation = budget > 0 and isinstance(refresh_by, str)
+        if by_deviation:
+            if refresh_by != "deviation":
+                raise ValueError(f"refresh_by={refresh_by!r}; expected 'deviation' or a tensor of scores")
+            if not 0 <= check_layer < num_layers:
+                raise ValueError(f"check_layer={check_layer}; expected 0..{num_layers - 1}")
+            native |= set(range(check_layer + 1))
+        if budget and any(window is not None for window in tr.windows):
+            raise ValueError(
+                "token refresh needs full-attention target layers; this target has sliding-window layers"
+            )
+        ids = target_ids[:, : tr.prefix_length]
+        tr.native_layers = native
+        tr.native_kv = native_layer_kv(target, ids, cached, native)
+        columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
+        if budget:
+            if by_deviation:
+                translated_keys, _ = tr.translate(check_layer)  # [batch, heads, prefix, dim]
+                column_scores = deviation_scores(translated_keys, tr.native_kv[check_layer][0])
+            else:
+                column_scores = torch.as_tensor(refresh_by)[:, : tr.prefix_length]
+                if column_scores.shape != cached.shape:
+                    raise ValueError(
+                        f"refresh_by scores have shape {tuple(torch.as_tensor(refresh_by).shape)}; expected "
+                        f"[batch={cached.shape[0]}, target tokens >= {tr.prefix_length}]"
+                    )
+            columns = select_columns(column_scores.cpu(), translated, budget)
+            refresh_columns(target, self.layers, ids, cached, columns)
+        self.refreshed_columns = columns
+        self._report = self._build_report(
+            target,
+            native=sorted(native),
+            scores=scores,
+            fallback=decision.fallback,
+            refreshed=budget,
+            refresh_by=None if not budget else ("deviation" if by_deviation else "given scores"),
+            check_layer=check_layer if by_deviation else None,
+        )
+
+    def _build_report(self, target, *, native, scores, fallback, refreshed, refresh_by, check_layer):
+        tr = self.translator
+        translated = [i for i in range(len(self.layers)) if i not in native]
+        quality = None
+        if scores is not None:
+            kept = [scores[i] for i in translated]
+            quality = sum(kept) / len(kept) if kept else 1.0
+        context = tr.target_mask.shape[1]
+        real = int(tr.target_mask[0].sum())
+        pad = context - real
+        work = handoff_flops(
+            target.config,
+            context_tokens=real,
+            prefix=tr.prefix_length - pad,
+            native_prefix=tr.native_prefix - pad,
+            native_layers=tuple(native),
+            refreshed=refreshed,
+            check_layer=check_layer,
+        )
+        return HandoffReport(
+            layers_translated=translated,
+            layers_native=list(native),
+            tokens_translated=max(0, tr.prefix_length - tr.native_prefix),
+            tokens_native=tr.native_prefix - pad,
+            tokens_refreshed=refreshed,
+            refresh_by=refresh_by,
+            estimated_quality=quality,
+            fallback=fallback,
+            native_cost_fraction=work / prefill_flops(target.config, real) if real else 0.0,
+        )
+
+    def report(self) -> HandoffReport:
+        """What this cache computed natively, what it translated, and why (row 0 of a batch)."""
+        return self._report
 
     @property
     def translated_positions(self) -> range:
@@ -281,10 +407,14 @@ class _Translator:
             target_mask = torch.ones_like(target_ids, device="cpu")
         _check_mask(target_mask, tuple(target_ids.shape), "target_attention_mask")
         target_mask = target_mask.cpu().long()
-        self.target_positions = position_ids_from_mask(target_mask).to(self.home_device)
+        self.target_mask = target_mask
+        self.native_kv: dict = {}  # layer -> the target's own (keys, values), until the layer reads them
+        self.native_layers: set[int] = set()
+        positions = position_ids_from_mask(target_mask)
+        self.target_positions = positions.to(self.home_device)
         total = target_ids.shape[1]
         max_positions = bridge.target.max_position_embeddings
-        if total and int(self.target_positions.max()) + 1 > max_positions:
+        if total and int(positions.max()) + 1 > max_positions:  # on the CPU copy: no device sync
             raise ValueError(
                 f"the context has {total} target tokens; the target model allows {max_positions}"
             )
@@ -307,7 +437,7 @@ class _Translator:
         self.rows = rows[:, : self.prefix_length]
         # min_source_row[c]: the lowest source token read from column c on (checked per layer
         # against what a sliding source layer keeps, without a device sync).
-        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).amin(dim=0)
+        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
         self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
         self._target_tables: dict = {}
         self._device_rows: dict = {}
@@ -316,17 +446,40 @@ class _Translator:
         )
         self.target_rope = RopeTables.from_model(target)
         self.key_norm_scales = key_norm_scales(target) if key_norm else None
+        self.groups = None  # LayerGroups when layers are translated in groups (set by BridgedCache)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
             self.source_rope = SourceRope(_rope_of(spec), source, self.home_device)
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`."""
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`:
+        the target's own where the layer is native, else translated."""
+        if idx in self.native_kv:
+            device = torch.device(device or self.home_device)
+            keys, values = self.native_kv.pop(idx)  # read once: the cache layer then owns them
+            start = self.window_start(idx)
+            return keys[:, :, start:].to(device, dtype or keys.dtype), values[:, :, start:].to(
+                device, dtype or values.dtype
+            )
+        return self.translate(idx, device, dtype)
+
+    def window_start(self, idx: int) -> int:
+        """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
+        if self.windows[idx] is not None:
+            return max(0, self.prefix_length - (self.windows[idx] - 1))
+        return 0
+
+    def translate(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`, translated."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
-        start = 0
-        if self.windows[idx] is not None:
-            start = max(0, self.prefix_length - (self.windows[idx] - 1))  # what the window keeps
+        if (
+            self.groups is not None
+            and self.groups.covers(idx)
+            and (device, dtype) == (self.home_device, self.home_dtype)
+        ):
+            return self.groups.layer(idx)
+        start = self.window_start(idx)
         parts_k, parts_v = [], []
         if start < self.native_prefix:
             parts_k.append(self.native_keys[idx][:, :, start : self.native_prefix].to(device, dtype))

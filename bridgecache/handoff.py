@@ -18,7 +18,15 @@ from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 
-__all__ = ["HandoffResult", "handoff", "align_context", "context_ids", "pad_token_id", "same_tokenization"]
+__all__ = [
+    "HandoffResult",
+    "handoff",
+    "align_context",
+    "context_ids",
+    "pad_token_id",
+    "same_tokenization",
+    "source_guided_scores",
+]
 
 
 @dataclass
@@ -60,6 +68,36 @@ def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     return alignment, as_batch(source_ids), as_batch(target_ids)
 
 
+def source_rows(alignment, target_tokens: int) -> torch.Tensor:
+    """[1, target tokens] the source token each target token reads (-1: none); identity without
+    an alignment (both sides share a tokenizer)."""
+    if alignment is None:
+        return torch.arange(target_tokens)[None]
+    return torch.as_tensor(alignment.source_index, dtype=torch.long)[None]
+
+
+@torch.no_grad()
+def source_guided_scores(
+    source, source_cache, alignment, target_ids, source_ids, query_ids=None, spread=0, last_queries=None
+):
+    """Per target column, how much the source's attention from `query_ids` (the prompt in the
+    source's tokens; None: the context's last tokens) falls on it: `BridgedCache(refresh_by=...)`.
+
+    target_ids [1, T], source_ids [1, S]: the context in each model's tokens (batch 1)."""
+    from bridgecache.refresh import source_guided_scores as scores_from_source
+    from bridgecache.source import as_source
+
+    return scores_from_source(
+        source,
+        as_source(source_cache),
+        source_rows(alignment, target_ids.shape[1]),
+        query_ids=query_ids,
+        context_ids=source_ids,
+        spread=spread,
+        last_queries=last_queries,
+    )
+
+
 @torch.no_grad()
 def handoff(
     source,
@@ -74,6 +112,10 @@ def handoff(
     native_head: int | None = None,
     native_tail: int = 0,
     key_norm: bool = True,
+    native_layers=None,
+    refresh=None,
+    refresh_by="source",
+    min_quality=None,
     **generate_kwargs,
 ) -> HandoffResult:
     """Let `target` continue `context + prompt` from the KV that `source` computed for `context`.
@@ -84,9 +126,15 @@ def handoff(
         context: the text the source has read; prompt: text the target reads after it natively.
         source_cache: the source's KV of `context` if already computed (a cache, CapturedKV,
             per-layer tensors or a save_kv path); else the source prefills it here.
-        native_head, native_tail, key_norm: see BridgedCache.
+        native_head, native_tail, key_norm, native_layers, refresh, min_quality: see BridgedCache.
+        refresh_by: "source" (default: the source reads the prompt over its own cache and the
+            context tokens its attention picks out are refreshed; without a prompt, the context's
+            last tokens read it), "deviation", or a tensor of scores (see BridgedCache).
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
+    from bridgecache.artifacts.builtin import check_models
+
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)  # built-in bridges only
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
     source_prefill_s = 0.0
     if source_cache is None:
@@ -102,10 +150,30 @@ def handoff(
     if input_ids.shape[1] == 0:
         raise ValueError("context and prompt are both empty (0 target tokens): nothing to continue from")
     start = time.perf_counter()
+    guided = bool(refresh) and isinstance(refresh_by, str) and refresh_by == "source"
+    if guided:
+        if source is None:
+            raise ValueError(
+                "refresh_by='source' needs the source model (pass source=, or refresh_by='deviation')"
+            )
+        query = source_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        refresh_by = source_guided_scores(source, source_cache, alignment, target_ids, source_ids, query)
     cache = BridgedCache(
-        bridge, source_cache, target, target_ids,
-        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
-    )  # fmt: skip
+        bridge,
+        source_cache,
+        target,
+        target_ids,
+        alignment=alignment,
+        native_head=native_head,
+        native_tail=native_tail,
+        key_norm=key_norm,
+        native_layers=native_layers,
+        refresh=refresh,
+        refresh_by=refresh_by,
+        min_quality=min_quality,
+    )
+    if guided:
+        cache.report().refresh_by = "source attention"
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(
         input_ids=input_ids,

@@ -14,6 +14,7 @@ last tokens: `first_token[l]` says which context token its row 0 is.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from bridgecache.files import apply_umask
 from bridgecache.rope import RopeTables, unrotate
 
 __all__ = ["SourceKV", "as_source", "save_kv", "load_kv", "KVFileError", "position_ids_from_mask"]
 
-_KV_FORMAT = "bridgecache.kv/1"
+_KV_FORMAT = "bridgecache.kv/2"  # /2: a sha256 of all tensors in the header, verified on load
 
 
 class KVFileError(ValueError):
@@ -186,26 +188,35 @@ def _mask_and_positions(keys: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 def save_kv(path: str | Path, source, attention_mask: torch.Tensor | None = None, **metadata: str) -> Path:
-    """Write a context's source KV to one safetensors file (metadata: format, layers, anything given)."""
+    """Write a context's source KV to one safetensors file.
+
+    The header holds the format, the layer count, each layer's first token, a sha256 of every
+    tensor (verified by `load_kv`) and any `metadata` given. The file gets the umask's mode.
+    """
     kv = as_source(source, attention_mask)
     tensors = {"position_ids": kv.position_ids.contiguous().cpu()}
     tensors["attention_mask"] = kv.attention_mask.contiguous().cpu()
     for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
         tensors[f"keys.{layer}"] = k.contiguous().cpu()
         tensors[f"values.{layer}"] = v.contiguous().cpu()
-    header = {
+    reserved = {"format", "num_layers", "first_token", "sha256"} & set(metadata)
+    if reserved:
+        raise ValueError(f"metadata keys {sorted(reserved)} are reserved by the KV file format")
+    header = {k: str(v) for k, v in metadata.items()}
+    header |= {
         "format": _KV_FORMAT,
         "num_layers": str(kv.num_layers),
         "first_token": json.dumps(kv.first_token),
+        "sha256": _kv_digest(tensors),
     }
-    header |= {k: str(v) for k, v in metadata.items()}
     path = Path(path)
     save_file(tensors, str(path), metadata=header)
+    apply_umask(path)  # safetensors writes 0600; a shared cache needs the user's usual mode
     return path
 
 
 def load_kv(path: str | Path, device: str | torch.device = "cpu") -> SourceKV:
-    """Read a file written by `save_kv`; corrupted or foreign files raise KVFileError."""
+    """Read a file written by `save_kv`; corrupted, malformed or foreign files raise KVFileError."""
     path = Path(path)
     if not path.exists():
         raise KVFileError(f"no KV file at {path}")
@@ -214,27 +225,81 @@ def load_kv(path: str | Path, device: str | torch.device = "cpu") -> SourceKV:
 
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-        tensors = load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, ValueError) as err:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise KVFileError(
             f"{path} is not a readable safetensors file (truncated or corrupted?): {err}"
         ) from err
-    if header.get("format") != _KV_FORMAT:
-        raise KVFileError(
-            f"{path} is not a bridgecache KV file (format {header.get('format')!r}, expected {_KV_FORMAT})"
-        )
-    n = int(header["num_layers"])
+    n, first = _check_kv_header(path, header)
     missing = [f"{kind}.{i}" for i in range(n) for kind in ("keys", "values") if f"{kind}.{i}" not in tensors]
     if missing or "position_ids" not in tensors:
         raise KVFileError(f"{path} lacks tensors {missing or ['position_ids']} for its {n} layers")
-    keys = tuple(tensors[f"keys.{i}"] for i in range(n))
-    values = tuple(tensors[f"values.{i}"] for i in range(n))
-    positions = tensors["position_ids"]
+    if _kv_digest(tensors) != header["sha256"]:
+        raise KVFileError(
+            f"{path}: checksum mismatch (sha256 in the header differs from the tensors'): corrupted"
+        )
+    _check_kv_shapes(path, tensors, n, first)
+    keys = tuple(tensors[f"keys.{i}"].to(device) for i in range(n))
+    values = tuple(tensors[f"values.{i}"].to(device) for i in range(n))
+    positions = tensors["position_ids"].to(device)
     mask = tensors.get("attention_mask")
-    if mask is None and positions.numel() == 0:
-        mask = torch.ones_like(positions)
-    if mask is None:  # files written before the mask was stored: left pads are the zeros before the last one
-        pads = (positions == 0).long().cumsum(-1).argmax(-1, keepdim=True)
-        mask = (torch.arange(positions.shape[-1]) >= pads).long()
-    first = tuple(json.loads(header["first_token"]))
+    mask = torch.ones_like(positions) if mask is None else mask.to(device)
     return SourceKV(keys, values, attention_mask=mask, position_ids=positions, first_token=first)
+
+
+def _kv_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        hasher.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def _check_kv_header(path: Path, header: dict) -> tuple[int, tuple[int, ...]]:
+    """(num_layers, first_token) from a KV file's header, or KVFileError naming the bad field."""
+    fmt = header.get("format")
+    if fmt == "bridgecache.kv/1":
+        raise KVFileError(f"{path} was written by an older bridgecache without a checksum; save it again")
+    if fmt != _KV_FORMAT:
+        raise KVFileError(f"{path} is not a bridgecache KV file (format {fmt!r}, expected {_KV_FORMAT!r})")
+    raw = header.get("num_layers")
+    if raw is None or not raw.isdigit() or int(raw) < 1:
+        raise KVFileError(f"{path}: header field 'num_layers' is {raw!r}; expected a positive integer")
+    n = int(raw)
+    try:
+        first = json.loads(header.get("first_token", ""))
+    except json.JSONDecodeError:
+        first = header.get("first_token")
+    if not isinstance(first, list) or len(first) != n or not all(type(x) is int and x >= 0 for x in first):
+        raise KVFileError(
+            f"{path}: header field 'first_token' is {header.get('first_token')!r}; "
+            f"expected a JSON list of {n} integers >= 0"
+        )
+    sha = header.get("sha256")
+    if not isinstance(sha, str) or len(sha) != 64:
+        raise KVFileError(f"{path}: header field 'sha256' is {sha!r}; expected 64 hex digits")
+    return n, tuple(first)
+
+
+def _check_kv_shapes(path: Path, tensors: dict, n: int, first: tuple[int, ...]) -> None:
+    """Keys and values agree per layer, are [batch, heads, rows, dim], and fit in the context."""
+    positions = tensors["position_ids"]
+    if positions.dim() != 2:
+        raise KVFileError(
+            f"{path}: position_ids has shape {tuple(positions.shape)}; expected [batch, tokens]"
+        )
+    batch, tokens = positions.shape
+    for i in range(n):
+        k, v = tensors[f"keys.{i}"], tensors[f"values.{i}"]
+        if k.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:
+            raise KVFileError(
+                f"{path}: layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)}; expected "
+                f"[batch={batch}, kv_heads, rows, head_dim] each, with the same rows"
+            )
+        if first[i] + k.shape[2] > tokens:
+            raise KVFileError(
+                f"{path}: layer {i} holds rows {first[i]}..{first[i] + k.shape[2] - 1} "
+                f"of a {tokens}-token context"
+            )

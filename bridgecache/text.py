@@ -3,6 +3,9 @@
 Two domains:
 - "prose": the topic pages of `pydoc_data.topics` (the language reference behind `help()`).
 - "code": the standard library's own `.py` sources.
+And one for independent evaluation only (never calibration, never tuning):
+- "manual": Vim's help files (Debian's vim-runtime, /usr/share/vim/vim*/doc/*.txt): prose of
+  another domain and style than the calibration text. Every document is in the "eval" split.
 
 The split is by document, fixed and documented so calibration and evaluation never share text:
 a document belongs to "eval" when the first byte of sha256(its name) is < 77 (about 30%), and to
@@ -26,13 +29,17 @@ import torch
 __all__ = ["DOMAINS", "SPLITS", "documents", "split_of", "text_chunks", "token_sequences"]
 
 DOMAINS = ("prose", "code")
+EVAL_ONLY_DOMAINS = ("manual",)
+_MANUAL_GLOB = "/usr/share/vim/vim*/doc/*.txt"
 SPLITS = ("calib", "eval")
 _EVAL_BYTE_BELOW = 77  # ~30% of documents go to evaluation
 _MIN_DOC_CHARS = 400
 
 
-def split_of(name: str) -> str:
+def split_of(name: str, domain: str | None = None) -> str:
     """'eval' or 'calib': the fixed split a document of this name belongs to."""
+    if domain in EVAL_ONLY_DOMAINS:
+        return "eval"
     return "eval" if hashlib.sha256(name.encode()).digest()[0] < _EVAL_BYTE_BELOW else "calib"
 
 
@@ -40,7 +47,11 @@ def documents(domain: str, split: str) -> list[tuple[str, str]]:
     """(name, text) of every document of a domain and split, sorted by name."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    return [(n, t) for n, t in _all_documents(domain) if split_of(n) == split]
+    if domain in EVAL_ONLY_DOMAINS and split != "eval":
+        raise ValueError(
+            f"the {domain!r} text is reserved for independent evaluation: it has no {split!r} split"
+        )
+    return [(n, t) for n, t in _all_documents(domain) if split_of(n, domain) == split]
 
 
 @cache
@@ -59,8 +70,18 @@ def _all_documents(domain: str) -> tuple[tuple[str, str], ...]:
                 docs.append((str(path.relative_to(root)), path.read_text(encoding="utf-8")))
             except (UnicodeDecodeError, OSError):
                 continue
+    elif domain == "manual":
+        import glob
+
+        paths = sorted(glob.glob(_MANUAL_GLOB))
+        if not paths:
+            raise ValueError(
+                f"the 'manual' evaluation text is Vim's help ({_MANUAL_GLOB}); none found: "
+                "install Debian's vim-runtime (apt-get install vim-runtime)"
+            )
+        docs = [(Path(path).name, Path(path).read_text(encoding="utf-8", errors="replace")) for path in paths]
     else:
-        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS + EVAL_ONLY_DOMAINS}")
     return tuple(sorted((n, t) for n, t in docs if len(t) >= _MIN_DOC_CHARS))
 
 

@@ -4,23 +4,33 @@ Per target head: gather the source rows named by `rows`, un-rotate source keys a
 positions, apply the affine map, re-rotate at target positions, cast. The arithmetic is one call
 of `bridgecache.kernels.map_heads` (fused Triton kernel on CUDA, PyTorch reference elsewhere);
 this module only prepares its inputs: it stacks the source layers a target layer reads along the
-head axis (as a list: no copy) and builds the rope tables.
+head axis (as a list: no copy) and builds the rope tables. `translate_layers` does several target
+layers in one launch per keys / values (`map_layers`): one kernel launch for a whole cache, so the
+host cost of a handoff no longer grows with the number of layers.
 
 Knows nothing about tokenizers or transformers caches.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
-from bridgecache.kernels import map_heads
+from bridgecache.kernels import map_heads, map_layers
 from bridgecache.keynorm import project_to_key_norm
 from bridgecache.rope import RopeTables, rotate
 from bridgecache.source import SourceKV
 
-__all__ = ["LayerPlan", "SourceRope", "source_rows_kept", "translate_layer"]
+__all__ = [
+    "LayerPlan",
+    "SourceRope",
+    "StackedPlan",
+    "source_rows_kept",
+    "translate_layer",
+    "translate_layers",
+]
 
 
 class SourceRope:
@@ -30,7 +40,7 @@ class SourceRope:
     """
 
     def __init__(self, tables: RopeTables, source: SourceKV, device: torch.device):
-        self.tables = tables
+        self.tables = _tables_on(tables, device)
         self.positions = source.position_ids.to(device)
         self._by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -40,6 +50,22 @@ class SourceRope:
             cos, sin = self.tables.cos_sin(layer, self.positions)
             self._by_type[layer_type] = (cos.to(self.positions.device), sin.to(self.positions.device))
         return self._by_type[layer_type]
+
+
+def _tables_on(tables: RopeTables, device: torch.device) -> RopeTables:
+    """`tables` with its rotary modules on `device` (a copy, kept on `tables` per device), so a
+    context's cos/sin are computed there rather than on the CPU and copied (ms per 10K tokens)."""
+    if next(tables.rotary.buffers(), torch.empty(0, device=device)).device == device:
+        return tables
+    copies = vars(tables).setdefault("_on_device", {})
+    if device not in copies:
+        local = tables.rotary_local
+        copies[device] = RopeTables(
+            tables.config,
+            copy.deepcopy(tables.rotary).to(device),
+            None if local is None else copy.deepcopy(local).to(device),
+        )
+    return copies[device]
 
 
 @dataclass(frozen=True)
@@ -173,3 +199,97 @@ def _source_tables(source_rope: SourceRope, used, heads_per_layer, offset, token
     cos = torch.cat([per_head(c) for c, _ in tables], dim=1)
     sin = torch.cat([per_head(s) for _, s in tables], dim=1)
     return cos, sin
+
+
+@dataclass(frozen=True)
+class StackedPlan:
+    """The LayerMaps of several target layers made ready for one `map_layers` launch on a device.
+
+    layers: the target layers, in order. heads: [layers, tgt_heads, n_in] int64 virtual source
+    heads (source layer * src_kv_heads + head) over EVERY source layer; stride 0 over tgt_heads when
+    every head of every layer reads the same inputs (full-head maps: the kernel shares the gathered
+    rows). Weights [layers, tgt_heads, n_in * src_dim, tgt_dim] input-axis-contiguous; biases
+    [layers, tgt_heads, tgt_dim]; all float32.
+    """
+
+    layers: tuple[int, ...]
+    heads: torch.Tensor
+    key_weight: torch.Tensor
+    key_bias: torch.Tensor
+    value_weight: torch.Tensor
+    value_bias: torch.Tensor
+
+    @classmethod
+    def build(cls, layer_maps, layers, heads_per_layer: int, device: torch.device) -> StackedPlan:
+        maps = [layer_maps[i] for i in layers]
+        if len({m.inputs.shape for m in maps}) != 1:
+            raise ValueError(f"target layers {list(layers)} read different numbers of source heads")
+        inputs = torch.stack([m.inputs.cpu() for m in maps])  # [L, Ht, n, 2]
+        heads = inputs[..., 0] * heads_per_layer + inputs[..., 1]
+        if bool((heads == heads[:, :1]).all()):  # shared inputs: stride 0 lets the kernel tile heads
+            heads = heads[:, :1].expand_as(heads)
+        stack = lambda name: torch.stack([getattr(m, name) for m in maps]).to(device, torch.float32)  # noqa: E731
+        weight = lambda name: stack(name).transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731
+        return cls(
+            layers=tuple(layers), heads=heads.to(device),
+            key_weight=weight("key_weight"), key_bias=stack("key_bias").contiguous(),
+            value_weight=weight("value_weight"), value_bias=stack("value_bias").contiguous(),
+        )  # fmt: skip
+
+
+def translate_layers(
+    plan: StackedPlan,
+    source: SourceKV,
+    source_rope: SourceRope | None,
+    rows: torch.Tensor,
+    target_cos: torch.Tensor,
+    target_sin: torch.Tensor,
+    out_keys: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """Translate the target layers of `plan` at once: one kernel launch for keys, one for values.
+
+    Args:
+        plan: the stacked maps, on the output device.
+        source: the source context's KV (read only); every source layer keeps the same rows.
+        source_rope: as in `translate_layer` (None: keys already un-rotated).
+        rows: [batch, tgt_tokens] int64 on the device, as in `translate_layer`.
+        target_cos, target_sin: [batch, tgt_tokens, tgt_head_dim] float32, shared by the layers.
+        out_keys, out_values: [layers, batch, tgt_heads, tgt_tokens, tgt_head_dim] written in
+            place (keys post-RoPE); any strides with the last axis contiguous, e.g. a slice of a
+            larger buffer that also holds native rows.
+    """
+    device = out_keys.device
+    every = range(source.num_layers)
+    offset = source_rows_kept(source, every)
+    if offset:
+        rows = torch.where(rows >= 0, rows - offset, rows)
+    src_k = [source.keys[layer].to(device) for layer in every]
+    src_v = [source.values[layer].to(device) for layer in every]
+    src_cos = src_sin = None
+    if source_rope is not None:
+        src_cos, src_sin = _all_source_tables(
+            source_rope, src_k[0].shape[1], offset, src_k[0].shape[2], device
+        )
+    map_layers(
+        src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
+        src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out=out_keys,
+    )  # fmt: skip
+    map_layers(src_v, rows, plan.heads, plan.value_weight, plan.value_bias, out=out_values)
+
+
+def _all_source_tables(source_rope: SourceRope, heads_per_layer, offset, tokens, device):
+    """cos/sin of every source layer's kept rows: [batch, tokens, dim] when all share one rope,
+    else [batch, layers, heads, tokens, dim] (stride 0 over heads)."""
+    types = source_rope.tables.layer_types
+    layers = range(len(types))
+    if len(set(types)) == 1:
+        cos, sin = source_rope.cos_sin(0)
+        return cos[:, offset : offset + tokens].to(device), sin[:, offset : offset + tokens].to(device)
+    tables = [source_rope.cos_sin(layer) for layer in layers]
+    stack = lambda i: torch.stack([t[i][:, offset : offset + tokens] for t in tables], dim=1).to(device)  # noqa: E731
+    cos, sin = stack(0), stack(1)  # [batch, layers, tokens, dim]
+    b, ls, s, d = cos.shape
+    return cos[:, :, None].expand(b, ls, heads_per_layer, s, d), sin[:, :, None].expand(
+        b, ls, heads_per_layer, s, d
+    )

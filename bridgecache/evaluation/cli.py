@@ -2,7 +2,9 @@
 
     bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
                      [--json OUT] [--source NAME --target NAME] [--native-head N] [--native-tail N]
-                     [--no-key-norm] [--chat] [--no-progress]
+                     [--no-key-norm] [--chat] [--no-progress] [--native-layers N|L+L+..|all]
+                     [--refresh FRACTION|TOKENS] [--refresh-by deviation|source] [--min-quality Q]
+                     [--controls FILE]
 
 Models come from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
@@ -52,9 +54,59 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--chat", action="store_true", help="read contexts and questions through each model's chat template"
     )
+    parser.add_argument(
+        "--native-layers",
+        type=_native_layers,
+        help="target layers computed natively over the whole context: N (the first N), 0+1+17, or all",
+    )
+    parser.add_argument(
+        "--refresh",
+        type=_refresh,
+        help="context tokens recomputed through every layer: a fraction (0.15) or a token count (64)",
+    )
+    parser.add_argument(
+        "--refresh-by",
+        choices=["deviation", "source"],
+        default="source",
+        help="source (default): the tokens the source's attention from the question picks out; "
+        "deviation: translated vs native keys at layer 1 (CacheBlend)",
+    )
+    parser.add_argument(
+        "--min-quality",
+        type=float,
+        help="quality gate: layers whose held-out score is below it run natively; too many fall back",
+    )
+    parser.add_argument(
+        "--controls",
+        type=Path,
+        help="JSON file remembering native/no-context/unrelated scores (later runs repeat only bridged work)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_eval)
     return parser
+
+
+def _native_layers(text: str):
+    """N, L+L+..., or all -> BridgedCache's native_layers."""
+    if text == "all":
+        return text
+    try:
+        return tuple(int(x) for x in text.split("+")) if "+" in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N, a set like 0+1+17, or all") from None
+
+
+def _refresh(text: str):
+    """A fraction in [0, 1] (has a point) or a token count."""
+    try:
+        value = float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a fraction like 0.15 or a token count"
+        ) from None
+    if value < 0 or (isinstance(value, float) and value > 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction lies in [0, 1]; a count is >= 0")
+    return value
 
 
 def _json_safe(value):
@@ -78,7 +130,7 @@ def run_eval(args) -> int:
     from bridgecache.evaluation.data import data_task, load_items
     from bridgecache.evaluation.items import EvaluationError
     from bridgecache.evaluation.report import format_table, summarise
-    from bridgecache.evaluation.runner import Variant, evaluate
+    from bridgecache.evaluation.runner import ControlScores, Variant, evaluate
     from bridgecache.zoo import load_model
 
     def fail(err: Exception) -> int:
@@ -98,13 +150,22 @@ def run_eval(args) -> int:
     source, source_tok = (target, target_tok) if source_name == target_name else load_model(source_name)
     bridge.check(source, target)
     head = bridge.native_head if args.native_head is None else args.native_head
-    variant = Variant(bridge, head, args.native_tail, key_norm=not args.no_key_norm)
+    variant = Variant(
+        bridge,
+        native_head=head,
+        native_tail=args.native_tail,
+        key_norm=not args.no_key_norm,
+        native_layers=args.native_layers,
+        refresh=args.refresh,
+        refresh_by=args.refresh_by,
+        min_quality=args.min_quality,
+    )
     try:
         if builtin:
             items = load_items(args.data, task, target_tok, args.limit)[1]
         evaluation = evaluate(
             source, source_tok, target, target_tok, items, task, [variant],
-            chat=args.chat, progress=not args.no_progress,
+            chat=args.chat, progress=not args.no_progress, controls=ControlScores(args.controls),
         )  # fmt: skip
     except EvaluationError as err:
         return fail(err)

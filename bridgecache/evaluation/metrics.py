@@ -143,4 +143,9 @@ def choice_metrics(picks: dict[str, Sequence[int]], answers: Sequence[int], n_ch
         return ratio(sub("bridged"), sub("native"))
 
     out["retention_ci"] = list(bootstrap_ci(len(answers), retention))
+    out["acc_bridged_ci"] = list(
+        bootstrap_ci(
+            len(answers), lambda ix: accuracy([picks["bridged"][i] for i in ix], [answers[i] for i in ix])
+        )
+    )
     return out

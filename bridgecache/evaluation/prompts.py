@@ -88,6 +88,14 @@ class Prompts:
             )
         return self._ids(full[len(head) :])
 
+    def source_prompt(self, item: PplItem | ChoiceItem) -> list[int]:
+        """The prompt in the SOURCE's tokens (plain text; chat: the question alone): what the source
+        reads over its own cache to pick the context tokens a source-guided refresh recomputes."""
+        text = _chat_message(item) if self.chat else _plain_prompt(item)
+        if isinstance(item, PplItem):
+            return []
+        return self.source_tok(text, add_special_tokens=False)["input_ids"]
+
     def scored(self, item: PplItem | ChoiceItem) -> list[list[int]]:
         """Target ids of each scored string: [continuation] or one per choice."""
         if isinstance(item, PplItem):

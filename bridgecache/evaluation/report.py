@@ -58,6 +58,11 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
         "native_head": variant.native_head,
         "native_tail": variant.native_tail,
         "key_norm": variant.key_norm,
+        "native_layers": variant.native_layers,
+        "refresh": variant.refresh,
+        "refresh_by": variant.refresh_by if variant.refresh else None,
+        "min_quality": variant.min_quality,
+        "variant": variant.name,
         "alignment_policy": bridge.alignment_policy,
         **meta,
         "context_tokens_mean": sum(r.context_tokens for r in items) / len(items),
@@ -76,6 +81,9 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
     out["source_prefill_s"] = sum(r.source_prefill_s for r in items)
     out["align_s"] = sum(r.align_s[variant.name] for r in items)
     out["speedup"] = out["native_prefill_s"] / out["handoff_s"] if out["handoff_s"] > 0 else math.nan
+    costs = [r.native_cost[variant.name] for r in items if variant.name in r.native_cost]
+    out["native_cost_fraction"] = sum(costs) / len(costs) if costs else math.nan
+    out["fallbacks"] = sum(1 for r in items if r.fallback.get(variant.name))
     out["note"] = HANDOFF_NOTE
     out["items"] = [_item_record(r, keys, evaluation.task, variant) for r in items]
     return out
@@ -90,6 +98,8 @@ def _item_record(result, keys: dict[str, str], task: str, variant: Variant) -> d
         "native_prefill_s": result.native_prefill_s,
         "handoff_s": result.handoff_s[variant.name],
         "source_prefill_s": result.source_prefill_s,
+        "native_cost_fraction": result.native_cost.get(variant.name),
+        "fallback": result.fallback.get(variant.name),
     }
     if task == "ppl":
         record["tokens"] = result.scores["native"][0][1]
@@ -114,6 +124,10 @@ def format_table(s: dict) -> str:
     lines = [
         f"bridgecache eval: {s.get('source', '?')} -> {s.get('target', '?')}  ({s['method']} bridge, "
         f"native_head={s['native_head']}, native_tail={s['native_tail']}, alignment={s['alignment_policy']})",
+        f"native compute: layers={s.get('native_layers')}, "
+        f"refresh={s.get('refresh')} by {s.get('refresh_by')}, "
+        f"min_quality={s.get('min_quality')}; native FLOPs {_pct(s.get('native_cost_fraction', math.nan))} "
+        f"of the target's prefill; {s.get('fallbacks', 0)} fallbacks",
         f"task {s['task']} on {s.get('data', '?')}: {s['n']} items, {s['skipped']} skipped"
         f"{' (longer than a window)' if s['skipped'] else ''}; "
         f"context {s['context_tokens_mean']:.0f} target tokens on average",
@@ -145,7 +159,7 @@ def format_table(s: dict) -> str:
         "",
         f"  time, summed over {n} items",
         f"    target native prefill of the context               {s['native_prefill_s']:9.3f} s",
-        f"    handoff (translate + native anchors + held-back)   {s['handoff_s']:9.3f} s"
+        f"    handoff (translate + native work + held-back)      {s['handoff_s']:9.3f} s"
         f"   ({s['speedup']:.1f}x faster)",
         f"    source prefill of the context                      {s['source_prefill_s']:9.3f} s",
         f"    tokenization alignment                             {s['align_s']:9.3f} s",

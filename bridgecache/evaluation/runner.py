@@ -31,26 +31,64 @@ import torch
 from tqdm.auto import tqdm
 
 from bridgecache.capture import capture_kv
+from bridgecache.evaluation.controls import ControlScores
 from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
+from bridgecache.handoff import source_guided_scores
 
-__all__ = ["Variant", "ItemResult", "Evaluation", "evaluate"]
+__all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A bridge applied with given native anchors (see BridgedCache)."""
+    """A bridge applied with given native compute (see BridgedCache).
+
+    native_layers: int, tuple of layers, "all" or None; refresh: fraction or token count;
+    refresh_by: "deviation" or "source" (the source reads the item's prompt over its own cache; ppl
+    items have none, so the context's last tokens read it); min_quality: the quality gate.
+    """
 
     bridge: object
     native_head: int = 1
     native_tail: int = 0
     key_norm: bool = True
+    native_layers: object = None
+    refresh: float | int | None = None
+    refresh_by: str = "deviation"
+    min_quality: float | None = None
+    refresh_spread: int = 0  # source-guided: scores reach this many neighbours (spans)
+    refresh_last: int | None = None  # source-guided: only the prompt's last this many tokens look
+    label: str | None = None  # told apart from other bridges of the same method (e.g. a tag)
 
     @property
     def name(self) -> str:
         name = f"{self.bridge.method} head={self.native_head} tail={self.native_tail}"
+        if self.label:
+            name = f"{self.label}: {name}"
+        if self.native_layers is not None:
+            name += f" layers={self.native_layers}"
+        if self.refresh:
+            name += f" refresh={self.refresh}:{self.refresh_by}"
+            name += f" spread={self.refresh_spread}" if self.refresh_spread else ""
+            name += f" last={self.refresh_last}" if self.refresh_last else ""
+        if self.min_quality is not None:
+            name += f" min_quality={self.min_quality}"
         return name if self.key_norm else name + " key_norm=off"
+
+    def cache_options(self) -> dict:
+        """BridgedCache keywords of this variant (refresh_by "source" is resolved per item)."""
+        options = dict(
+            native_head=self.native_head,
+            native_tail=self.native_tail,
+            key_norm=self.key_norm,
+            native_layers=self.native_layers,
+            refresh=self.refresh,
+            min_quality=self.min_quality,
+        )
+        if self.refresh_by != "source":
+            options["refresh_by"] = self.refresh_by
+        return options
 
 
 @dataclass
@@ -72,6 +110,8 @@ class ItemResult:
     source_prefill_s: float = 0.0
     handoff_s: dict[str, float] = field(default_factory=dict)
     align_s: dict[str, float] = field(default_factory=dict)
+    native_cost: dict[str, float] = field(default_factory=dict)  # handoff FLOPs / native prefill FLOPs
+    fallback: dict[str, str | None] = field(default_factory=dict)  # the quality gate's reason, if any
 
 
 @dataclass
@@ -167,25 +207,29 @@ def evaluate(
     chat: bool = False,
     progress: bool = True,
     log=None,
+    controls: ControlScores | None = None,
 ) -> Evaluation:
     """Score `items` under every condition; see the module docstring.
 
     source, target: transformers causal LMs (the bridges' source and target).
     items: PplItem (task "ppl") or ChoiceItem (task "choice") objects.
     log: where skip messages go (default: stderr).
+    controls: a `ControlScores` file that remembers the native, no-context and unrelated-context
+        scores of (target, item) across runs, so that comparing variants repeats only bridged work.
     """
     log = log or (lambda message: print(message, file=sys.stderr))
     if not variants:
         raise ValueError("give at least one variant (a bridge and its native anchors)")
     prompts = Prompts(source_tokenizer, target_tokenizer, chat)
     prepared, skipped = _prepare(items, prompts, variants[0].bridge, source, target, log)
+    controls = controls if controls is not None else ControlScores(None)
     if len(prepared) < 2:
         raise EvaluationError(
             f"{len(prepared)} of {len(items)} items fit the models' windows; the evaluation needs at least "
             "2 (the unrelated-context control reads another item's context)"
         )
     _warm_up(source, target)
-    run = _ItemRun(task, variants, prompts, _Prefixes(source, target), target)
+    run = _ItemRun(task, variants, prompts, _Prefixes(source, target), target, controls)
     order = sorted(prepared)
     results = []
     for position, i in enumerate(tqdm(order, desc="eval", disable=not progress)):
@@ -203,6 +247,7 @@ class _ItemRun:
     prompts: Prompts
     prefixes: _Prefixes
     target: object
+    controls: ControlScores
 
     def __call__(self, i: int, item, own: _Prepared, j: int, other_item) -> ItemResult:
         prompts, target = self.prompts, self.target
@@ -213,39 +258,73 @@ class _ItemRun:
             source_tokens=own.context.source_ids.shape[1],
             answer=None if isinstance(item, PplItem) else item.answer,
         )
-        native, result.native_prefill_s = self.prefixes.native(own.context.target_ids)
         source_kv, result.source_prefill_s = self.prefixes.source_kv(own.context.source_ids)
-        result.scores["native"] = score(target, native, own.rows(), len(own.prompt))
-        bare = native_prefix(target, torch.tensor([prompts.bare(item)]))
-        result.scores["no_context"] = score(target, bare, own.scored)
-
         # The unrelated context: the other item's, cut to this one's length in target tokens.
         other_text = prompts.cut(other_item.context, prompts.content_length(item.context))
         other_prompt = prompts.prompt(item, other_text)
         other = prompts.context(other_text, self.variants[0].bridge)
-        other_native, _ = self.prefixes.native(other.target_ids)
-        result.scores["other_native"] = score(target, other_native, own.rows(other_prompt), len(other_prompt))
+        key = self.controls.key(
+            target, own.context.target_ids, own.rows(), other.target_ids, prompts.bare(item)
+        )
+        known = self.controls.get(key)
+        if known is not None:
+            result.native_prefill_s = known.pop("native_prefill_s")
+            result.scores |= {name: [tuple(x) for x in rows] for name, rows in known.items()}
+        else:
+            native, result.native_prefill_s = self.prefixes.native(own.context.target_ids)
+            result.scores["native"] = score(target, native, own.rows(), len(own.prompt))
+            bare = native_prefix(target, torch.tensor([prompts.bare(item)]))
+            result.scores["no_context"] = score(target, bare, own.scored)
+            other_native, _ = self.prefixes.native(other.target_ids)
+            result.scores["other_native"] = score(
+                target, other_native, own.rows(other_prompt), len(other_prompt)
+            )
+            self.controls.put(key, {**result.scores, "native_prefill_s": result.native_prefill_s})
 
         for variant in self.variants:
             start = time.perf_counter()
             context = prompts.context(item.context, variant.bridge)
             result.align_s[variant.name] = time.perf_counter() - start
-            prefix = self._bridged(variant, context)
+            prefix = self._bridged(variant, context, item)
             result.handoff_s[variant.name] = prefix.seconds
+            report = prefix.cache.report()
+            result.native_cost[variant.name] = report.native_cost_fraction
+            result.fallback[variant.name] = report.fallback
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
             if self.task == "ppl":
-                prefix = self._bridged(variant, prompts.context(other_text, variant.bridge))
+                prefix = self._bridged(variant, prompts.context(other_text, variant.bridge), item)
                 result.scores[f"other_bridged[{variant.name}]"] = score(
                     target, prefix, own.rows(other_prompt), len(other_prompt)
                 )
         return result
 
-    def _bridged(self, variant: Variant, context: Context) -> Prefix:
+    def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
+        guide = None
+        if variant.refresh and variant.refresh_by == "source":
+            query = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
+
+            def guide():
+                return source_guided_scores(
+                    source=self.prefixes.source,
+                    source_cache=source_kv,
+                    alignment=context.alignment,
+                    target_ids=context.target_ids,
+                    source_ids=context.source_ids,
+                    query_ids=query,
+                    spread=variant.refresh_spread,
+                    last_queries=variant.refresh_last,
+                )
+
         return bridged_prefix(
-            variant.bridge, source_kv, self.target, context.target_ids, context.alignment,
-            variant.native_head, variant.native_tail, variant.key_norm,
-        )  # fmt: skip
+            variant.bridge,
+            source_kv,
+            self.target,
+            context.target_ids,
+            context.alignment,
+            guide=guide,
+            **variant.cache_options(),
+        )
 
 
 def _warm_up(*models) -> None:

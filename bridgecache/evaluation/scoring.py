@@ -61,21 +61,22 @@ def native_prefix(target, ids: torch.Tensor) -> Prefix:
 
 @torch.no_grad()
 def bridged_prefix(
-    bridge, source_kv, target, ids: torch.Tensor, alignment=None, native_head: int = 1, native_tail: int = 0,
-    key_norm: bool = True,
-) -> Prefix:  # fmt: skip
+    bridge, source_kv, target, ids: torch.Tensor, alignment=None, *, guide=None, **cache_options
+) -> Prefix:
     """The target continues from `source_kv` translated through `bridge`.
 
-    ids: [1, T] the context in the target's tokenization. Timed: translation of every layer, the
-    native head, and the forward over columns [P, T) (native tail + held-back token) that yields
-    the logits after the context.
+    ids: [1, T] the context in the target's tokenization. cache_options: BridgedCache's keywords
+    (native_head, native_tail, key_norm, native_layers, refresh, refresh_by, min_quality).
+    guide: a callable returning refresh scores [1, T] (the source reading the prompt), timed as
+    part of the handoff. Timed: scores, translation of every layer, the native work, and the
+    forward over columns [P, T) (native tail + held-back token) that yields the logits after the
+    context.
     """
     ids = ids.to(_device(target))
     start = time.perf_counter()
-    cache = BridgedCache(
-        bridge, source_kv, target, ids, alignment=alignment, native_head=native_head,
-        native_tail=native_tail, key_norm=key_norm,
-    )  # fmt: skip
+    if guide is not None:
+        cache_options["refresh_by"] = guide()
+    cache = BridgedCache(bridge, source_kv, target, ids, alignment=alignment, **cache_options)
     first = cache.get_seq_length()
     out = target(input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
     logits = out.logits[:, -1].float()

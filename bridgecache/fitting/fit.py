@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bridgecache.bridge import Bridge, LayerMap
+from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
+from bridgecache.fitting.options import check_fit_options
 from bridgecache.fitting.ridge import DEFAULT_LAM
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
@@ -158,6 +160,7 @@ def fit_bridge(
     seed: int = 0,
     source_name: str | None = None,
     target_name: str | None = None,
+    score_heldout: bool = True,
 ) -> Bridge:
     """Fit a Bridge from `source_model` to `target_model` on calibration text.
 
@@ -177,9 +180,23 @@ def fit_bridge(
             if none is among them): the probe pass costs a forward of both models per sequence.
             None: all.
         identity_if_same: the same model on both sides gives the exact identity bridge.
+        score_heldout: measure attention-output cosine per target layer on the held-out
+            sequences (bridgecache.fitting.heldout; what the quality gate reads).
     """
     source_spec = model_spec(source_model, source_tokenizer, name=source_name)
     target_spec = model_spec(target_model, target_tokenizer, name=target_name)
+    check_fit_options(
+        method=method,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        domain=domain,
+        layers_k=layers_k,
+        lam=lam,
+        alignment_policy=alignment_policy,
+        native_head=native_head,
+        heldout_every=heldout_every,
+        source_layers=source_spec.num_layers,
+    )
     tokenizers_match = same_tokenizer(source_tokenizer, target_tokenizer)
     if identity_if_same and tokenizers_match and _same_weights(source_model, target_model):
         bridge = Bridge.identity(target_spec, native_head=native_head)
@@ -223,8 +240,35 @@ def fit_bridge(
         "boundaries": boundaries if info["weighting"] == "attention" else None,
         "probe_sequences": len(probe_seqs) if "layer_scores" in info else 0,
         **info,
+        # Exactly what this call was given: `bridgecache fit --recipe` regenerates the maps from it.
+        "recipe": {
+            "source": source_spec.name,
+            "target": target_spec.name,
+            "method": method,
+            "num_sequences": num_sequences,
+            "seq_len": seq_len,
+            "domain": domain,
+            "layers_k": layers_k,
+            "layer_support": layer_support,
+            "lam": lam,
+            "weighting": weighting,
+            "alignment_policy": alignment_policy,
+            "key_scale": key_scale,
+            "native_head": native_head,
+            "heldout_every": heldout_every,
+            "boundaries": boundaries,
+            "probe_subset": probe_subset,
+            "identity_if_same": identity_if_same,
+            "seed": seed,
+        },
     }
-    return Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration)
+    fingerprints = {"source": weight_fingerprint(source_model), "target": weight_fingerprint(target_model)}
+    bridge = Bridge(source_spec, target_spec, method, policy, layers, native_head, calibration, fingerprints)
+    if score_heldout:
+        from bridgecache.fitting.heldout import score_bridge
+
+        score_bridge(bridge, source_model, target_model, source_tokenizer, target_tokenizer, progress)
+    return bridge
 
 
 def _same_weights(a, b) -> bool:

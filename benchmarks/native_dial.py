@@ -1,0 +1,265 @@
+"""The native-compute dial: quality against handoff cost, one curve per strategy (docs/results.md).
+
+    python benchmarks/native_dial.py run --pair qwen1.5b-to-0.5b --bridge DIR \\
+        --tasks facts-choice-512 prose-ppl --limit 48 \\
+        --variants plain layers=1 layers=4 refresh=0.1,by=source refresh=0.2,by=deviation ...
+    python benchmarks/native_dial.py report [--plots docs/results]
+
+A variant is `plain` or comma-separated key=value pairs: head (native head, default 1), tail
+(native tail, default 0), layers (native layers: an int n, or 0+1+17 for a set, or all), refresh
+(fraction or token count), by (deviation | source), minq (quality gate threshold).
+`run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
+(`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
+remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
+new variants repeats only the bridged work. One JSON per (tag, pair, task) under --raw.
+`report` prints one table per (pair, task): accuracy or content-gain with 95% intervals, the
+handoff's native FLOPs as a share of the target's own prefill, and measured handoff time over
+native prefill time; with --plots DIR it writes dial_<pair>.png (quality vs cost per strategy,
+native and no-context levels drawn in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+PAIRS = {
+    "qwen1.5b-to-0.5b": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
+    "smollm2-to-qwen0.5b": ("smollm2-135m", "qwen2.5-coder-0.5b"),
+    "qwen0.5b-to-gemma": ("qwen2.5-coder-0.5b", "gemma3-270m"),
+}
+_KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
+_KEYS |= {"by": "refresh_by", "minq": "min_quality", "spread": "refresh_spread", "last": "refresh_last"}
+
+
+def parse_variant(spec: str) -> dict:
+    """`plain` or `key=value,...` -> Variant keywords (see the module docstring)."""
+    if spec == "plain":
+        return {}
+    options = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key not in _KEYS or not value:
+            raise SystemExit(f"bad variant {spec!r}: {part!r}; keys are {', '.join(_KEYS)}")
+        if key == "layers":
+            options["native_layers"] = (
+                "all"
+                if value == "all"
+                else tuple(int(x) for x in value.split("+"))
+                if "+" in value
+                else int(value)
+            )
+        elif key == "by":
+            options["refresh_by"] = value
+        elif key in ("refresh", "minq"):
+            number = float(value)
+            options[_KEYS[key]] = int(number) if key == "refresh" and number >= 1 else number
+        else:
+            options[_KEYS[key]] = int(value)
+    return options
+
+
+def strategy(summary: dict) -> str:
+    """The curve a variant belongs to in the plot."""
+    layers = summary.get("native_layers") not in (None, 0)
+    refresh = summary.get("refresh")
+    if summary.get("min_quality") is not None:
+        return "quality gate"
+    if layers and refresh:
+        return f"native layers + refresh ({summary['refresh_by']})"
+    if refresh:
+        return f"refresh ({summary['refresh_by']})"
+    if layers:
+        return "native layers"
+    return "translated only"
+
+
+def run(args) -> None:
+    import torch
+
+    from bridgecache.bridge import Bridge
+    from bridgecache.evaluation import evaluate, load_items, summarise
+    from bridgecache.evaluation.cli import _json_safe
+    from bridgecache.evaluation.runner import ControlScores, Variant
+    from bridgecache.zoo import cache_root, load_model
+
+    torch.set_num_threads(args.threads)
+    source_name, target_name = PAIRS[args.pair]
+    bridge = Bridge.from_pretrained(args.bridge)
+    target, target_tok = load_model(target_name)
+    source, source_tok = load_model(source_name)
+    variants = [Variant(bridge, **parse_variant(spec)) for spec in args.variants]
+    controls = ControlScores(args.controls or cache_root() / "quality" / "controls.json")
+    for task_name in args.tasks:
+        data = f"builtin:{task_name}"
+        out = args.raw / args.tag / args.pair / f"{task_name}.json"
+        task, items = load_items(data, None, target_tok, args.limit)
+        print(f"{args.pair} {data}: {len(items)} items x {len(variants)} variants", flush=True)
+        start = time.perf_counter()
+        evaluation = evaluate(
+            source, source_tok, target, target_tok, items, task, variants, controls=controls
+        )
+        summaries = [
+            summarise(evaluation, v, source=source_name, target=target_name, data=data) | {"spec": spec}
+            for v, spec in zip(variants, args.variants)
+        ]
+        record = {
+            "pair": args.pair,
+            "tag": args.tag,
+            "task": task_name,
+            "bridge": str(args.bridge),
+            "threads": args.threads,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv),
+            "wall_s": time.perf_counter() - start,
+            "variants": summaries,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():  # keep earlier variants of the same tag: merge by variant name
+            old = {s["variant"]: s for s in json.loads(out.read_text())["variants"]}
+            record["variants"] = list((old | {s["variant"]: s for s in summaries}).values())
+        out.write_text(json.dumps(_json_safe(record), indent=1))
+        print(f"wrote {out} ({record['wall_s']:.0f} s)", flush=True)
+        for s in summaries:
+            print("  " + _one_line(s), flush=True)
+
+
+def _quality(s: dict) -> tuple[float, tuple]:
+    if s["task"] == "ppl":
+        return s["content_gain_recovered"], tuple(s.get("content_gain_recovered_ci") or (None, None))
+    return s["acc_bridged"], tuple(s.get("acc_bridged_ci") or (None, None))
+
+
+def _one_line(s: dict) -> str:
+    value, _ = _quality(s)
+    kind = "content-gain" if s["task"] == "ppl" else "accuracy"
+    ratio = s["handoff_s"] / s["native_prefill_s"] if s["native_prefill_s"] else math.nan
+    return (
+        f"{s['spec']:<28} {kind} {_pct(value)}  cost {_pct(s['native_cost_fraction'])} FLOPs, "
+        f"{_pct(ratio)} time of native prefill"
+    )
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def _ci(lo_hi) -> str:
+    lo, hi = lo_hi
+    return "" if lo is None else f" [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def report(args) -> None:
+    records = [json.loads(p.read_text()) for p in sorted(args.raw.glob("*/*/*.json"))]
+    records = [r for r in records if args.tags is None or r["tag"] in args.tags]
+    for r in records:
+        s0 = r["variants"][0]
+        n = s0["n"]
+        tail = "| native FLOPs share | handoff time / native prefill |"
+        if s0["task"] == "ppl":
+            head = "| variant | n | content-gain | context-gain " + tail
+        else:
+            head = (
+                "| variant | n | accuracy | retention | native FLOPs share | handoff time / native prefill |"
+            )
+        print(f"\n#### {r['pair']}, {r['task']} (tag {r['tag']}, {r['date']}, {n} items)\n")
+        if s0["task"] == "ppl":
+            print(f"native: NLL {s0['nll_native']:.3f}; no context {s0['nll_no_context']:.3f}; "
+                  f"unrelated context {s0['nll_other_native']:.3f}\n")  # fmt: skip
+        else:
+            print(f"native accuracy {_pct(s0['acc_native'])}; no context {_pct(s0['acc_no_context'])}; "
+                  f"unrelated context {_pct(s0['acc_other_native'])}\n")  # fmt: skip
+        print(head)
+        print("|---|---|---|---|---|---|")
+        for s in sorted(r["variants"], key=lambda s: s["native_cost_fraction"]):
+            value, ci = _quality(s)
+            ratio = s["handoff_s"] / s["native_prefill_s"] if s["native_prefill_s"] else math.nan
+            key = "context_gain_recovered" if s["task"] == "ppl" else "retention"
+            second = f"{_pct(s[key])}{_ci(tuple(s.get(key + '_ci') or (None, None)))}"
+            print(
+                f"| {s['spec']} | {s['n']} | {_pct(value)}{_ci(ci)} | {second} "
+                f"| {_pct(s['native_cost_fraction'])} | {_pct(ratio)} |"
+            )
+    if args.plots:
+        _plots(records, args.plots)
+
+
+def _plots(records: list[dict], directory: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    by_pair: dict[str, list[dict]] = {}
+    for r in records:
+        by_pair.setdefault(r["pair"], []).append(r)
+    for pair, rs in by_pair.items():
+        fig, axes = plt.subplots(1, len(rs), figsize=(5.2 * len(rs), 4.2), squeeze=False)
+        for ax, r in zip(axes[0], rs):
+            s0 = r["variants"][0]
+            ppl = s0["task"] == "ppl"
+            curves: dict[str, list[tuple[float, float, tuple]]] = {}
+            for s in r["variants"]:
+                value, ci = _quality(s)
+                curves.setdefault(strategy(s), []).append((s["native_cost_fraction"], value, ci))
+            for name, points in sorted(curves.items()):
+                points.sort()
+                xs = [100 * p[0] for p in points]
+                ys = [100 * p[1] for p in points]
+                err = [
+                    [100 * (p[1] - p[2][0]) if p[2][0] is not None else 0 for p in points],
+                    [100 * (p[2][1] - p[1]) if p[2][1] is not None else 0 for p in points],
+                ]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+            if ppl:
+                ax.axhline(100, color="k", linestyle="--", label="native prefill")
+                ax.axhline(0, color="grey", linestyle=":", label="unrelated context")
+                ax.set_ylabel("content-gain recovered (%)")
+            else:
+                ax.axhline(100 * s0["acc_native"], color="k", linestyle="--", label="native prefill")
+                ax.axhline(100 * s0["acc_no_context"], color="grey", linestyle=":", label="no context")
+                ax.set_ylabel("accuracy (%)")
+            ax.axvline(25, color="red", alpha=0.3, label="25% cost goal")
+            ax.set_xlabel("handoff native work (% of target prefill FLOPs)")
+            ax.set_title(f"{r['task']} (n={s0['n']})")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="lower right")
+        fig.suptitle(f"{pair}: quality vs native compute ({rs[0]['date']})")
+        fig.tight_layout()
+        fig.savefig(directory / f"dial_{pair}.png", dpi=110)
+        plt.close(fig)
+        print(f"wrote {directory / f'dial_{pair}.png'}")
+
+
+def main() -> None:
+    from bridgecache.zoo import cache_root
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--pair", required=True, choices=list(PAIRS))
+    r.add_argument("--bridge", required=True, type=Path)
+    r.add_argument("--tasks", nargs="+", default=["facts-choice-512"])
+    r.add_argument("--limit", type=int, default=48)
+    r.add_argument("--variants", nargs="+", default=["plain"])
+    r.add_argument("--tag", default="dial")
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--controls", type=Path)
+    r.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")
+    r.set_defaults(func=run)
+    p = sub.add_parser("report")
+    p.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")
+    p.add_argument("--tags", nargs="*")
+    p.add_argument("--plots", type=Path)
+    p.set_defaults(func=report)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

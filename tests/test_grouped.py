@@ -1,0 +1,111 @@
+"""Grouped translation (one launch per group of target layers): exact through an identity bridge,
+equal to the per-layer path for a random bridge, still lazy per layer, off where it cannot apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+from bridgecache.bridge import Bridge, LayerMap
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import capture_kv
+from bridgecache.compat import cache_kwargs
+from bridgecache.modelinfo import model_spec
+
+
+def _generate(model, ids, cache=None, **kwargs):
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True) | kwargs
+    if cache is not None:
+        kwargs |= cache_kwargs(model, cache)
+    return model.generate(ids, return_dict_in_generate=True, **kwargs)
+
+
+def _random_bridge(model, inputs_per_head: int = 2, seed: int = 0) -> Bridge:
+    """Each target head reads `inputs_per_head` random source heads of random layers."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = model_spec(model)
+    heads, dim, n = spec.num_kv_heads, spec.head_dim, inputs_per_head
+    layers = []
+    for _ in range(spec.num_layers):
+        inputs = torch.stack(
+            [
+                torch.randint(0, spec.num_layers, (heads, n), generator=gen),
+                torch.randint(0, heads, (heads, n), generator=gen),
+            ],
+            dim=-1,
+        )
+        w = lambda: torch.randn(heads, n * dim, dim, generator=gen) / (n * dim) ** 0.5  # noqa: E731
+        b = lambda: torch.randn(heads, dim, generator=gen)  # noqa: E731
+        used = sorted({int(x) for x in inputs[..., 0].unique()})
+        layers.append(LayerMap(used, inputs, w(), b(), w(), b()))
+    return Bridge(spec, spec, "cachebridge", "identity", layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_identity_bridge_is_exact_in_one_launch(family):
+    model = tiny_model(family)
+    ids = torch.randint(3, 300, (2, 25))  # longer than gemma3's sliding window of 8
+    mask = torch.ones_like(ids)
+    mask[1, :5], ids[1, :5] = 0, 0  # a left-padded row
+    cache = BridgedCache(
+        Bridge.identity(model), capture_kv(model, ids, attention_mask=mask), model, ids,
+        target_attention_mask=mask, source_attention_mask=mask, key_norm=False, one_launch=True,
+    )  # fmt: skip
+    assert cache.translator.groups is not None
+    bridged = _generate(model, ids, cache, attention_mask=mask)
+    native = _generate(model, ids, attention_mask=mask)
+    assert torch.equal(bridged.sequences, native.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(bridged.logits, native.logits)) < 1e-5
+    # gemma3: sliding layers and the full layer are two groups, each translated once
+    assert cache.translator.groups.translations == (2 if family == "gemma3" else 1)
+    assert cache.translator.groups._done == {}  # buffers released once every layer took its view
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
+
+
+@pytest.mark.parametrize(
+    "family, device",
+    [("qwen2", "cpu"), ("gemma3", "cpu"), pytest.param("gemma3", "cuda", marks=CUDA)],  # gemma3: head dim 32
+)
+def test_one_launch_equals_the_per_layer_path_for_a_random_bridge(family, device):
+    model = tiny_model(family).to(device)
+    bridge = _random_bridge(model)
+    ids = torch.randint(3, 300, (2, 21), device=device)
+    source = capture_kv(model, ids)
+    grouped = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=True).materialize()
+    per_layer = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=False).materialize()
+    assert grouped.translator.groups is not None and per_layer.translator.groups is None
+    for a, b in zip(grouped.layers, per_layer.layers):
+        assert a.keys.shape == b.keys.shape
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_still_materialise_one_by_one():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 12))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids, one_launch=True)
+    seen_at_layer = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(
+            lambda *_, i=i: seen_at_layer.append((i, list(cache.materialized_layers)))
+        )
+    assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+    assert seen_at_layer[:3] == [(0, []), (1, [0]), (2, [0, 1])]
+
+
+def test_one_launch_is_off_where_it_cannot_apply():
+    model = tiny_model("gemma3")  # a k_norm target: keys are rescaled per layer
+    ids = torch.randint(3, 300, (1, 12))
+    source = capture_kv(model, ids)
+    assert BridgedCache(Bridge.identity(model), source, model, ids, one_launch=True).translator.groups is None
+    # on CPU the default is per layer
+    assert BridgedCache(Bridge.identity(model), source, model, ids, key_norm=False).translator.groups is None
+    # a sliding-window source cache (layers keep different rows) goes per layer
+    window_source = DynamicCache(config=model.config)
+    model(ids, **cache_kwargs(model, window_source))
+    cache = BridgedCache(Bridge.identity(model), window_source, model, ids, key_norm=False, one_launch=True)
+    assert cache.translator.groups is None

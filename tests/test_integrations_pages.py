@@ -1,0 +1,143 @@
+"""The engine-neutral page store: keys, namespaces, publishing rules, verified reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from bridgecache.bridge import Bridge
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import capture_kv
+from bridgecache.integrations.pages import (
+    EngineMismatchError,
+    PageFormatError,
+    PageStore,
+    bridge_salt,
+    head_range,
+    namespace_seed,
+    page_keys,
+    publish,
+)
+
+
+@pytest.fixture(scope="module")
+def handoff():
+    source, target = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=0)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 300, (1, 25))
+    return source, target, Bridge.identity(target), ids
+
+
+def _cache(handoff, ids=None, **kwargs):
+    source, target, bridge, default = handoff
+    ids = default if ids is None else ids
+    return BridgedCache(bridge, capture_kv(source, ids), target, ids, **kwargs)
+
+
+def test_page_keys_chain_full_pages_from_the_seed():
+    seed = namespace_seed(None, "s")
+    keys = page_keys([1, 2, 3, 4, 5], page_size=2, seed=seed)
+    first = hashlib.sha256(bytes.fromhex(seed) + struct.pack("<2I", 1, 2)).digest()
+    second = hashlib.sha256(first + struct.pack("<2I", 3, 4)).digest()
+    assert keys == [first.hex(), second.hex()]  # the partial page [5] gets no key
+    assert page_keys([1, 2, 3, 4], 2)[0] != keys[0]  # unseeded chains differ
+    wide = page_keys([2**40, 1], 2)[0]
+    assert wide == hashlib.sha256(b"\xff" + struct.pack("<2Q", 2**40, 1)).hexdigest()
+    with pytest.raises(ValueError, match=">= 0"):
+        page_keys([1, -1], 2)
+
+
+def test_namespace_seed_separates_absent_empty_and_joined_parts():
+    seeds = {
+        namespace_seed(None, None),
+        namespace_seed("", None),
+        namespace_seed(None, ""),
+        namespace_seed("a", "b"),
+    }
+    seeds |= {namespace_seed("ab", None), namespace_seed(None, "ab")}
+    assert len(seeds) == 6 and None in seeds
+
+
+def test_the_salt_names_the_bridge_and_the_user_salt(handoff):
+    _, target, bridge, _ = handoff
+    other = Bridge.identity(target)
+    other.layers[1].key_bias[0, 0] = 0.5  # one number of one map differs
+    salts = {bridge_salt(bridge), bridge_salt(bridge, "tenant-a"), bridge_salt(other)}
+    assert len(salts) == 3 and all(s.startswith("bridgecache-") for s in salts)
+    assert bridge_salt(bridge) == bridge_salt(Bridge.identity(target))  # deterministic
+
+
+def test_head_range_splits_or_replicates_heads():
+    assert [head_range(4, r, 2) for r in range(2)] == [range(0, 2), range(2, 4)]
+    assert [head_range(2, r, 4) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    with pytest.raises(EngineMismatchError, match="tp_size=3"):
+        head_range(2, 0, 3)
+
+
+def test_publish_writes_only_full_pages_before_the_prefix(handoff, tmp_path):
+    cache = _cache(handoff, native_tail=5)  # prefix_length 19: four pages of 4, three positions left over
+    pub = publish(cache, handoff[3], tmp_path, page_size=4, dtype=torch.bfloat16)
+    assert pub.num_tokens == 16 and len(pub.page_keys) == 4
+    store = PageStore(tmp_path)
+    keys, values = store.page(pub.page_keys[3])
+    assert keys.dtype == torch.bfloat16 and tuple(keys.shape) == (3, 2, 4, 16)
+    assert torch.equal(keys[1], cache.layers[1].keys[0, :, 12:16].to(torch.bfloat16))
+    assert torch.equal(values[2], cache.layers[2].values[0, :, 12:16].to(torch.bfloat16))
+    manifest = json.loads(pub.manifest_path.read_text())
+    assert manifest["positions"] == {"native_head": 1, "prefix_length": 19, "published": 16}
+
+
+def test_the_quality_gate_can_refuse_and_then_nothing_is_written(handoff, tmp_path):
+    seen = []
+    assert (
+        publish(_cache(handoff), handoff[3], tmp_path, page_size=4, accept=lambda c: seen.append(c) or False)
+        is None
+    )
+    assert len(seen) == 1 and seen[0].materialized_layers == [0, 1, 2]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_refuses_what_it_cannot_serve(handoff, tmp_path):
+    with pytest.raises(ValueError, match="fewer than one page"):
+        publish(_cache(handoff), handoff[3], tmp_path, page_size=32)
+    ids = handoff[3].repeat(2, 1)
+    with pytest.raises(ValueError, match="one context"):
+        publish(_cache(handoff, ids), ids, tmp_path, page_size=4)
+    gemma = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (1, 20))
+    cache = BridgedCache(Bridge.identity(gemma), capture_kv(gemma, ids), gemma, ids)
+    with pytest.raises(ValueError, match="sliding-window"):
+        publish(cache, ids, tmp_path, page_size=4)
+
+
+def test_a_corrupted_or_foreign_context_is_never_loaded(handoff, tmp_path):
+    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4)
+    tensors = pub.manifest_path.with_suffix(".safetensors")
+    good = tensors.read_bytes()
+    tensors.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(PageFormatError, match="sha256"):
+        PageStore(tmp_path).page(pub.page_keys[0])
+    tensors.write_bytes(good[: len(good) // 2])
+    with pytest.raises(PageFormatError, match="sha256"):
+        PageStore(tmp_path).page(pub.page_keys[0])
+    tensors.write_bytes(good)
+    assert PageStore(tmp_path).page(pub.page_keys[0])[0].shape == (3, 2, 4, 16)
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(PageFormatError, match="other.json.*something-else"):
+        PageStore(tmp_path)
+    (tmp_path / "other.json").write_text("{not json")
+    with pytest.raises(PageFormatError, match="other.json"):
+        PageStore(tmp_path)
+
+
+def test_the_source_cache_is_not_mutated_by_publishing(handoff, tmp_path):
+    source, target, bridge, ids = handoff
+    kv = capture_kv(source, ids)
+    before = [k.clone() for k in kv.keys]
+    publish(BridgedCache(bridge, kv, target, ids), ids, tmp_path, page_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))

@@ -1,0 +1,288 @@
+"""SGLang HiCache adapter against sglang 0.5.23's own code (installed --no-deps; see .ci/run).
+
+The engine side of these tests is SGLang's: its StorageBackendFactory builds our backend, its
+get_hash_str computes the page keys a request looks up, its HiCacheFile reads exported files, and
+its host pool's own set_from_flat_data_page / get_dummy_flat_data_page (read from the installed
+pool_host/mha.py: importing that module needs SGLang's GPU stack) place each page."""
+
+from __future__ import annotations
+
+import ast
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+from bridgecache.bridge import Bridge
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import capture_kv
+from bridgecache.compat import cache_kwargs
+from bridgecache.integrations.pages import EngineMismatchError, publish
+
+sglang = pytest.importorskip("sglang", reason="SGLang's storage code is needed (.ci/run installs it)")
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed  # noqa: E402
+
+from bridgecache.integrations.sglang import LAYOUTS, BridgedHiCacheStorage, export_hicache_file  # noqa: E402
+
+PAGE = 4
+TOKENS = 25  # prefix_length 24 = 6 full pages; the held-back last token is the engine's
+
+
+def _engine_pool_methods():
+    """MHATokenToKVPoolHost's page methods, compiled from the installed sglang source."""
+    path = Path(sglang.__file__).parent / "srt/mem_cache/pool_host/mha.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MHATokenToKVPoolHost")
+    wanted = {"set_from_flat_data_page", "get_dummy_flat_data_page", "get_data_page"}
+    funcs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {f.name for f in funcs} == wanted, "sglang's host pool lost a page method"
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=funcs, type_ignores=[]), str(path), "exec"), namespace)
+    return {name: namespace[name] for name in wanted}
+
+
+class HostPool:
+    """SGLang's MHA host pool geometry (init_kv_buffer dims of 0.5.23) with its page methods."""
+
+    def __init__(self, layout, layers, heads, head_dim, dtype, pages=16):
+        self.layout, self.layer_num, self.head_num, self.head_dim = layout, layers, heads, head_dim
+        self.dtype, self.page_size, self.device, self.pin_memory = dtype, PAGE, "cpu", False
+        self.page_num, self.size = pages, pages * PAGE
+        dims = {
+            "layer_first": (2, layers, self.size, heads, head_dim),
+            "page_first": (2, self.size, layers, heads, head_dim),
+            "page_first_direct": (2, pages, layers, PAGE, heads, head_dim),
+            "page_head": (2, pages, heads, PAGE, layers, head_dim),
+        }[layout]
+        self.kv_buffer = torch.full(dims, float("nan"), dtype=dtype)
+        for name, fn in _engine_pool_methods().items():
+            setattr(self, name, types.MethodType(fn, self))
+
+    def read(self, slots: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [heads, len(slots), head_dim] of one layer at host token slots."""
+        kv = []
+        for b in self.kv_buffer:  # keys, then values
+            rows = []
+            for s in slots:
+                page, off = divmod(s, PAGE)
+                if self.layout == "layer_first":
+                    rows.append(b[layer, s])
+                elif self.layout == "page_first":
+                    rows.append(b[s, layer])
+                elif self.layout == "page_first_direct":
+                    rows.append(b[page, layer, off])
+                else:  # page_head
+                    rows.append(b[page, :, off, layer])
+            kv.append(torch.stack(rows, dim=1))  # [heads, tokens, dim]
+        return kv[0], kv[1]
+
+
+def _config(store=None, tp_rank=0, tp_size=1, model_name="tiny-qwen2", **extra):
+    extra_config = {"page_store": str(store)} | extra if store is not None else extra
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name=model_name, extra_config=extra_config,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def handoff():
+    """A context read by one tiny qwen2 and translated into another's cache space."""
+    source, target = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=0)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 300, (1, TOKENS))
+    bridge = Bridge.identity(target)
+    return source, target, bridge, ids
+
+
+def _cache(handoff):
+    source, target, bridge, ids = handoff
+    return BridgedCache(bridge, capture_kv(source, ids), target, ids)
+
+
+@pytest.fixture
+def published(handoff, tmp_path):
+    cache = _cache(handoff).materialize()
+    return cache, publish(cache, handoff[3], tmp_path / "store", page_size=PAGE, model_name="tiny-qwen2")
+
+
+def _engine_keys(ids, cache_salt):
+    """The page keys SGLang's controller computes for a request (utils.get_storage_hash_str)."""
+    return get_hash_str(ids[0].tolist(), storage_namespace_seed(None, cache_salt), page_size=PAGE)
+
+
+def _backend(store, pool, **config):
+    backend = StorageBackendFactory.create_backend(
+        "dynamic",
+        _config(
+            store, backend_name="bridgecache", module_path="bridgecache.integrations.sglang",
+            class_name="BridgedHiCacheStorage", **config,
+        ),
+        pool,
+    )  # fmt: skip
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def test_sglang_factory_builds_our_backend_as_dynamic(published, tmp_path):
+    cache, pub = published
+    pool = HostPool("page_first", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool)
+    assert isinstance(backend, BridgedHiCacheStorage)
+    assert backend.layout == "page_first"
+
+
+def test_our_page_keys_are_sglangs_for_the_request_salt(published, handoff):
+    cache, pub = published
+    keys = _engine_keys(handoff[3], pub.cache_salt)
+    assert list(pub.page_keys) == keys[: len(pub.page_keys)]
+    assert len(pub.page_keys) == 6 and len(keys) == 7  # the last, partial page is the engine's
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_returns_exactly_the_bridged_kv_in_every_layout(published, handoff, layout, tp_size):
+    cache, pub = published
+    keys = _engine_keys(handoff[3], pub.cache_salt)
+    for rank in range(tp_size):
+        pool = HostPool(layout, 3, 2 // tp_size, 16, torch.float32)
+        backend = _backend(pub.manifest_path.parent, pool, tp_rank=rank, tp_size=tp_size)
+        hit = backend.batch_exists(keys)
+        assert hit == 6
+        slots = _load(backend, pool, keys[:hit], host_pages=[9, 2, 14, 0, 5, 11])
+        heads = slice(rank * pool.head_num, (rank + 1) * pool.head_num)
+        for layer in range(3):
+            k, v = pool.read(slots, layer)
+            assert torch.equal(k, cache.layers[layer].keys[0, heads, :24])
+            assert torch.equal(v, cache.layers[layer].values[0, heads, :24])
+
+
+def _load(backend, pool, keys, host_pages):
+    """The controller's generic page get (_generic_page_get): dummy flat pages, batch_get, copy
+    each into the host pool. Returns the host token slots of the loaded positions in order."""
+    dst = [pool.get_dummy_flat_data_page() for _ in keys]
+    data = backend.batch_get(keys, dst)
+    for i, page in enumerate(data):
+        assert page is not None
+        pool.set_from_flat_data_page(host_pages[i] * PAGE, page)
+    return [p * PAGE + o for p in host_pages[: len(keys)] for o in range(PAGE)]
+
+
+def test_engine_order_driver_generates_what_bridgedcache_generates(published, handoff):
+    """lookup (batch_exists on the request's keys), allocate host pages, load (batch_get, host
+    pool), then the device cache per layer; the target prefills the rest and decodes."""
+    _, target, _, ids = handoff
+    cache, pub = published
+    pool = HostPool("page_head", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool)
+    keys = _engine_keys(ids, pub.cache_salt)
+    hit = backend.batch_exists(keys)
+    slots = _load(backend, pool, keys[:hit], host_pages=[3, 7, 1, 12, 4, 8])
+    device = DynamicCache()
+    for layer in range(3):
+        k, v = pool.read(slots, layer)
+        device.update(k[None], v[None], layer)
+    engine = target.generate(
+        ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **cache_kwargs(target, device)
+    )
+    reference = target.generate(
+        ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **cache_kwargs(target, _cache(handoff))
+    )
+    native = target.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(engine, reference)
+    assert not torch.equal(reference, native)  # the pages carry the source's reading, not the target's
+
+
+def test_hicachefile_reads_the_exported_directory(published, handoff, tmp_path):
+    cache, pub = published
+    files = export_hicache_file(
+        pub.manifest_path.parent,
+        tmp_path / "hicache",
+        layout="page_first",
+        model_name="org/tiny-qwen2",
+        tp_size=2,
+    )
+    assert len(files) == 6 * 2
+    keys = _engine_keys(handoff[3], pub.cache_salt)
+    for rank in range(2):
+        storage = HiCacheFile(
+            _config(
+                tp_rank=rank,
+                tp_size=2,
+                model_name="org/tiny-qwen2",
+                file_storage_path=str(tmp_path / "hicache"),
+            )
+        )
+        assert storage.batch_exists(keys) == 6
+        pool = HostPool("page_first", 3, 1, 16, torch.float32)
+        slots = _load(storage, pool, keys[:6], host_pages=[0, 1, 2, 3, 4, 5])
+        for layer in range(3):
+            k, v = pool.read(slots, layer)
+            assert torch.equal(k, cache.layers[layer].keys[0, rank : rank + 1, :24])
+            assert torch.equal(v, cache.layers[layer].values[0, rank : rank + 1, :24])
+
+
+def test_bridged_pages_never_answer_another_namespace(published, handoff, tmp_path):
+    cache, pub = published
+    source, target, bridge, ids = handoff
+    pool = HostPool("page_first", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool, refresh_seconds=0)
+    assert backend.batch_exists(get_hash_str(ids[0].tolist(), None, page_size=PAGE)) == 0  # no salt
+    assert backend.batch_exists(_engine_keys(ids, "someone-else")) == 0
+    other = publish(_cache(handoff), ids, tmp_path / "store", page_size=PAGE, salt="tenant-b")
+    assert other.cache_salt != pub.cache_salt
+    assert backend.batch_exists(_engine_keys(ids, other.cache_salt)) == 6  # found after a rescan
+    # the engine's own write-back never replaces a published page, and clear() keeps them
+    page = pool.get_dummy_flat_data_page()
+    assert backend.set(pub.page_keys[0], torch.zeros_like(page))
+    backend.clear()
+    assert backend.batch_exists(_engine_keys(ids, pub.cache_salt)) == 6
+    assert torch.equal(backend.get(pub.page_keys[0], page), backend.get(pub.page_keys[0]))
+    assert not torch.equal(page, torch.zeros_like(page))
+
+
+def test_engine_pages_go_to_a_hicachefile_beside_the_store(published):
+    cache, pub = published
+    pool = HostPool("layer_first", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool)
+    page = torch.arange(pool.get_dummy_flat_data_page().numel(), dtype=torch.float32)
+    assert backend.batch_set(["native-key"], [page])
+    assert backend.exists("native-key")
+    assert torch.equal(backend.get("native-key", torch.empty_like(page)), page)
+    assert (pub.manifest_path.parent / "engine").is_dir()
+
+
+@pytest.mark.parametrize(
+    "geometry, field",
+    [
+        (dict(head_dim=64), "head_dim"),
+        (dict(dtype=torch.bfloat16), "dtype"),
+        (dict(layers=4), "num_layers"),
+        (dict(heads=1), "KV heads"),
+    ],
+)
+def test_a_bridge_that_does_not_fit_the_engine_model_is_refused(published, geometry, field):
+    cache, pub = published
+    args = dict(layers=3, heads=2, head_dim=16, dtype=torch.float32) | geometry
+    pool = HostPool("page_first", args["layers"], args["heads"], args["head_dim"], args["dtype"])
+    with pytest.raises(EngineMismatchError, match=field):
+        _backend(pub.manifest_path.parent, pool)
+
+
+def test_another_served_model_and_bad_configs_are_refused(published):
+    cache, pub = published
+    pool = HostPool("page_first", 3, 2, 16, torch.float32)
+    with pytest.raises(EngineMismatchError, match="model_name"):
+        _backend(pub.manifest_path.parent, pool, model_name="another-model")
+    with pytest.raises(ValueError, match="page_store"):
+        BridgedHiCacheStorage(_config(None))
+    bad = HostPool("page_first", 3, 2, 16, torch.float32)
+    bad.layout = "page_unified"
+    with pytest.raises(EngineMismatchError, match="page_unified"):
+        _backend(pub.manifest_path.parent, bad)

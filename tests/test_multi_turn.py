@@ -1,0 +1,175 @@
+"""Multi-turn use: a handoff mid-conversation, then several turns on the same cache.
+
+Tiny random models with byte-level tokenizers that carry chat templates (built offline): the
+source and target render chats with different templates (and the target has one more token), so
+the handoff goes through tokenalign's chat alignment. An identity bridge must reproduce the
+target's own conversation; the example script and the drift benchmark run end to end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+from test_artifacts import byte_tokenizer
+from tiny_models import tiny_model
+
+from bridgecache import Bridge, load_model
+from bridgecache.conversation import Conversation
+from bridgecache.fitting import fit_bridge
+
+ROOT = Path(__file__).resolve().parents[1]
+ZEPHYR = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EARLIER = [
+    {"role": "user", "content": "The Alder lost its mast near the rocks; the Heron towed it in at dawn."},
+    {"role": "assistant", "content": "Noted: the Alder lost its mast."},
+]
+GEN = dict(max_new_tokens=5, do_sample=False)
+
+
+def chat_tokenizer(template: str, extra: str | None = None):
+    tok = byte_tokenizer(extra)
+    tok.chat_template = template
+    return tok
+
+
+def script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny source (llama, Zephyr-style template) and target (qwen2, ChatML, one more token) saved as
+    model directories, and a bridge between them fitted on the tokenizers as loaded from there."""
+    root = tmp_path_factory.mktemp("multi_turn")
+    pairs = (("source", "llama", ZEPHYR, None), ("target", "qwen2", CHATML, "<extra>"))
+    for role, family, template, extra in pairs:
+        tiny_model(family, seed=3, initializer_range=0.2).save_pretrained(root / role)
+        chat_tokenizer(template, extra).save_pretrained(root / role)
+    (source, source_tok), (target, target_tok) = (load_model(str(root / r)) for r in ("source", "target"))
+    bridge = fit_bridge(source, target, source_tok, target_tok, method="fullhead", num_sequences=4,
+                        seq_len=48, heldout_every=2, progress=False)  # fmt: skip
+    bridge.save_pretrained(root / "bridge")
+    return root
+
+
+def test_identity_handoff_continues_the_conversation_like_the_target_itself():
+    model, tok = tiny_model("qwen2", seed=4, initializer_range=0.2), chat_tokenizer(CHATML)
+    bridged = Conversation.handoff(
+        model, model, Bridge.identity(model), EARLIER, source_tokenizer=tok, target_tokenizer=tok
+    )
+    native = Conversation.native(model, tok, EARLIER)
+    handed = bridged.cache.get_seq_length()
+    assert handed == bridged.ids.shape[1] - 1  # all but the held-back last token
+    for k, question in enumerate(["Which ship?", "Who towed it?", "When?"]):
+        a, b = bridged.ask(question, **GEN), native.ask(question, **GEN)
+        assert a.answer == b.answer and a.new_tokens == b.new_tokens
+        if k == 0:
+            assert a.reused == handed and b.reused == 0  # the translated turns are never recomputed
+        assert a.reused + a.fed == bridged.cache.get_seq_length() - a.new_tokens + 1
+    assert bridged.messages == native.messages and len(bridged.messages) == 2 + 2 * 3
+    before = bridged.cache.get_seq_length()
+    choices = ["the Alder", "the Heron", "the Marigold"]
+    got, want = (
+        bridged.score("Which ship lost its mast?", choices),
+        native.score("Which ship lost its mast?", choices),
+    )
+    assert got == pytest.approx(want, abs=1e-4) and all(math.isfinite(x) for x in got)
+    # Scoring adds nothing to the chat; it may only drop cached tokens of a reply that the template
+    # re-renders differently (random bytes here), which the next turn would not reuse anyway.
+    assert bridged.cache.get_seq_length() <= before and len(bridged.messages) == 2 + 2 * 3
+    assert bridged.ask("Anything else?", **GEN).answer == native.ask("Anything else?", **GEN).answer
+
+
+def test_cross_template_handoff_reuses_the_translated_turns(saved):
+    (source, source_tok), (target, target_tok) = (load_model(str(saved / r)) for r in ("source", "target"))
+    bridge = Bridge.from_pretrained(saved / "bridge")
+    assert bridge.alignment_policy == "last"  # different vocabularies: tokenalign pairs the tokens
+    chat = Conversation.handoff(
+        source, target, bridge, EARLIER, source_tokenizer=source_tok, target_tokenizer=target_tok
+    )
+    handed = chat.cache.get_seq_length()
+    rendered = target_tok.apply_chat_template(EARLIER, tokenize=False)
+    assert chat.ids.shape[1] == len(target_tok(rendered, add_special_tokens=False)["input_ids"])
+    assert handed == chat.ids.shape[1] - 1
+    layer = chat.cache.layers[0]
+    assert not layer.is_materialized  # nothing translated before the target reads the cache
+    previous_prompt = 0
+    for question in ["Which ship?", "Who towed it?", "When?"]:
+        turn = chat.ask(question, **GEN)
+        assert turn.reused >= max(handed, previous_prompt)  # earlier turns stay cached
+        previous_prompt = turn.reused + turn.fed
+        assert chat.messages[-1] == {"role": "assistant", "content": turn.answer}
+    assert all(layer.is_materialized for layer in chat.cache.layers)
+
+
+def test_multi_turn_example_runs(saved, capsys):
+    args = [
+        "--source",
+        str(saved / "source"),
+        "--target",
+        str(saved / "target"),
+        "--bridge",
+        str(saved / "bridge"),
+    ]
+    got = script("examples/multi_turn.py").main([*args, "--turns", "3", "--max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    assert len(got["turns"]) == len(got["native"]) == 3 and len(got["messages"]) == 2 + 2 * 3
+    assert got["turns"][0]["reused"] == got["handed_over"] > 0
+    assert got["cached"] == got["tokens"] - 1  # the last generated token is never fed
+    assert "user   : Who towed it into the harbour?" in printed
+    assert f"bridged: {got['turns'][2]['answer']!r}" in printed and "cached tokens reused" in printed
+
+
+def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
+    drift = script("benchmarks/multi_turn_drift.py")
+    args = [
+        "--source",
+        str(saved / "source"),
+        "--target",
+        str(saved / "target"),
+        "--bridge",
+        str(saved / "bridge"),
+    ]
+    args += ["--task", "facts-choice-256", "--limit", "2", "--turns", "0", "1", "2", "--max-new-tokens", "3"]
+    got = drift.main([*args, "--json", str(tmp_path / "drift.json")])
+    assert got["n"] == 2 and set(got["accuracy"]) == {"native", "bridged"}
+    for by_k in got["accuracy"].values():
+        assert set(by_k) == {"0", "1", "2"} and all(x in (0.0, 0.5, 1.0) for x in by_k.values())
+    assert "further turns" in capsys.readouterr().out and (tmp_path / "drift.json").exists()
+
+
+def test_drift_with_an_identity_bridge_matches_the_native_conversation():
+    from bridgecache.evaluation.builtin import builtin_items
+
+    drift = script("benchmarks/multi_turn_drift.py")
+    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    items = builtin_items("facts-choice-256", tok, limit=3)
+    got = drift.drift(model, model, Bridge.identity(model), items, [0, 1], source_tokenizer=tok,
+                      target_tokenizer=tok, max_new_tokens=3)  # fmt: skip
+    assert got["bridged"] == got["native"]
+    assert sum(got["native"].values()) <= 2 * len(items)
+
+
+@pytest.mark.real_model
+def test_multi_turn_example_on_smollm2_reproduces_its_own_conversation(capsys):
+    # The same model on both sides: fit_bridge returns the exact identity, so every bridged turn
+    # (SmolLM2's real chat template, three turns on one cache) must match the native one.
+    args = ["--source", "smollm2-135m", "--target", "smollm2-135m", "--turns", "3", "--max-new-tokens", "8"]
+    got = script("examples/multi_turn.py").main(args)
+    assert [turn["answer"] for turn in got["turns"]] == got["native"]
+    assert all(turn["new_tokens"] >= 1 for turn in got["turns"])
+    assert got["turns"][0]["reused"] == got["handed_over"]
+    assert "fitting a bridge smollm2-135m->smollm2-135m" in capsys.readouterr().out

@@ -1,0 +1,235 @@
+"""Native layers, token refresh and the quality gate: the dial from translated to exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+from bridgecache.bridge import Bridge
+from bridgecache.cache import BridgedCache
+from bridgecache.capture import capture_kv
+from bridgecache.compat import cache_kwargs
+from bridgecache.gate import QualityPolicy, prefill_flops
+from bridgecache.native import native_layer_kv, resolve_native_layers
+from bridgecache.refresh import refresh_budget, select_columns, source_attention_scores
+
+
+def _noisy_bridge(model, scale: float = 0.5, seed: int = 0) -> Bridge:
+    """An identity bridge with noise added to every map: deliberately wrong, like a poor fit."""
+    bridge = Bridge.identity(model)
+    generator = torch.Generator().manual_seed(seed)
+    for i, layer in enumerate(bridge.layers):
+        for name in ("key_weight", "value_weight"):
+            weight = getattr(layer, name)
+            weight += scale * torch.randn(weight.shape, generator=generator)
+        layer.r2_key = layer.r2_value = 0.9 - 0.2 * i  # a made-up held-out score per layer
+    bridge.method = "fullhead"
+    return bridge
+
+
+def _logits(model, ids, cache=None):
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
+    if cache is not None:
+        kwargs |= cache_kwargs(model, cache)
+    out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _native_kv(model, ids):
+    cache = DynamicCache()
+    model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    return cache
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_refreshing_every_token_reproduces_native_prefill(family):
+    model = tiny_model(family)
+    ids = torch.randint(3, 300, (1, 24))
+    bridge = _noisy_bridge(model)
+    native_seq, native_logits = _logits(model, ids)
+    poor_seq, poor_logits = _logits(model, ids, BridgedCache(bridge, capture_kv(model, ids), model, ids))
+    assert (poor_logits - native_logits).abs().max() > 1e-2  # the noisy bridge is really wrong
+    for refresh_by in ("deviation", torch.rand(1, 24)):
+        cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=1.0, refresh_by=refresh_by)
+        assert cache.report().tokens_refreshed == 22  # all but the native sink and the held-back token
+        seq, logits = _logits(model, ids, cache)
+        assert torch.equal(seq, native_seq)
+        assert (logits - native_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_all_native_layers_is_exact(family):
+    model = tiny_model(family)
+    ids = torch.randint(3, 300, (1, 21))  # beyond gemma3's sliding window of 8
+    cache = BridgedCache(_noisy_bridge(model), capture_kv(model, ids), model, ids, native_layers="all")
+    seq, logits = _logits(model, ids, cache)
+    native_seq, native_logits = _logits(model, ids)
+    assert torch.equal(seq, native_seq)
+    assert (logits - native_logits).abs().max() < 1e-5
+    assert cache.report().layers_translated == []
+
+
+def test_first_native_layers_hold_the_targets_own_kv_and_the_rest_stay_translated():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 18))
+    bridge = _noisy_bridge(model)
+    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).materialize()
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, native_layers=2).materialize()
+    native = _native_kv(model, ids[:, :17])
+    for layer in (0, 1):
+        assert torch.allclose(cache.layers[layer].keys, native.layers[layer].keys, atol=1e-6)
+        assert torch.allclose(cache.layers[layer].values, native.layers[layer].values, atol=1e-6)
+    assert torch.equal(cache.layers[2].keys, plain.layers[2].keys)
+    assert cache.report().layers_native == [0, 1]
+
+
+def test_native_layer_kv_stops_after_the_deepest_layer():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 12))
+    calls = []
+    handle = model.model.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        kv = native_layer_kv(model, ids, torch.ones_like(ids), {0})
+    finally:
+        handle.remove()
+    assert calls == []  # layer 1 never ran: layer 0's KV need no attention
+    native = _native_kv(model, ids)
+    assert torch.allclose(kv[0][0], native.layers[0].keys, atol=1e-6)
+
+
+def test_partial_refresh_rewrites_only_the_chosen_rows():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 20))
+    bridge = _noisy_bridge(model)
+    scores = torch.zeros(1, 20)
+    scores[0, [4, 9, 13]] = 1.0
+    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).materialize()
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=3, refresh_by=scores)
+    assert cache.refreshed_columns.tolist() == [[4, 9, 13]]
+    cache.materialize()
+    native = _native_kv(model, ids[:, :19])
+    chosen = torch.tensor([4, 9, 13])
+    others = torch.tensor([c for c in range(19) if c not in (4, 9, 13)])
+    for layer in range(3):
+        new, old = cache.layers[layer].keys, plain.layers[layer].keys
+        assert torch.equal(new[:, :, others], old[:, :, others])
+        assert not torch.allclose(new[:, :, chosen], old[:, :, chosen])
+    # layer 0 depends on each token alone: a refreshed row there is the target's own
+    assert torch.allclose(cache.layers[0].keys[:, :, chosen], native.layers[0].keys[:, :, chosen], atol=1e-6)
+
+
+def test_identity_bridge_stays_exact_with_refresh():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 22))
+    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids, refresh=0.3)
+    seq, logits = _logits(model, ids, cache)
+    native_seq, native_logits = _logits(model, ids)
+    assert torch.equal(seq, native_seq)
+    assert (logits - native_logits).abs().max() < 1e-5
+
+
+def test_refresh_refuses_sliding_window_targets():
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (1, 12))
+    with pytest.raises(ValueError, match="sliding-window"):
+        BridgedCache(_noisy_bridge(model), capture_kv(model, ids), model, ids, refresh=0.5)
+
+
+def test_gate_sends_shallow_low_layers_native_and_falls_back_when_a_deep_one_fails():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (1, 16))
+    bridge = _noisy_bridge(model)
+    for layer, score in zip(bridge.layers, (0.5, 0.9, 0.8)):
+        layer.r2_value = score
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.6)
+    report = cache.report()
+    assert report.layers_native == [0] and report.fallback is None
+    assert report.estimated_quality == pytest.approx(0.85)
+
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.85)
+    report = cache.report()
+    assert report.fallback and "deepest at layer 2" in report.fallback
+    assert report.layers_translated == []
+    assert "FALLBACK" in str(report)
+    seq, logits = _logits(model, ids, cache)
+    native_seq, native_logits = _logits(model, ids)
+    assert torch.equal(seq, native_seq) and (logits - native_logits).abs().max() < 1e-5
+
+
+def test_gate_falls_back_on_poor_alignment_coverage():
+    policy = QualityPolicy(min_quality=0.1, min_coverage=0.9)
+    assert policy.decide([1.0, 1.0], coverage=0.5).fallback.startswith("only 50%")
+    assert policy.decide([1.0, 1.0], coverage=0.95).fallback is None
+    assert QualityPolicy(min_quality=0.5).decide(None, 1.0).fallback  # nothing to gate on: exact
+
+
+def test_report_counts_native_work_against_the_targets_own_prefill():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 40))
+    bridge = _noisy_bridge(model)
+    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).report()
+    refreshed = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=0.25).report()
+    everything = BridgedCache(bridge, capture_kv(model, ids), model, ids, native_layers="all").report()
+    assert 0 < plain.native_cost_fraction < 0.1  # the sink and the held-back token
+    assert plain.native_cost_fraction < refreshed.native_cost_fraction < 1.0
+    # all 3 layers native: 2 full layers + the last one's k/v projections (its attention and MLP
+    # feed only logits nobody reads) + the held-back token
+    assert 2 / 3 < everything.native_cost_fraction < 0.8
+    assert prefill_flops(model.config, 40) > prefill_flops(model.config, 20) * 2  # attention is quadratic
+
+
+def test_source_attention_scores_match_the_models_own_attention():
+    model = tiny_model("llama")  # eager attention: output_attentions is the reference
+    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
+    kv = capture_kv(model, context)
+    before = [k.clone() for k in kv.keys]
+    scores = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15)
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    expected = sum(a[0, :, 15:, :15].sum((0, 1)) for a in out.attentions)
+    assert torch.allclose(scores[0], expected, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))  # the source cache is untouched
+    last = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, last_queries=2)
+    expected_last = sum(a[0, :, 17:, :15].sum((0, 1)) for a in out.attentions)
+    assert torch.allclose(last[0], expected_last, atol=1e-4)
+
+
+def test_spread_reaches_neighbours_of_what_the_source_attended_to():
+    from bridgecache.refresh import source_guided_scores
+    from bridgecache.source import as_source
+
+    model = tiny_model("llama")
+    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 3))
+    kv = as_source(capture_kv(model, context))
+    rows = torch.arange(15)[None]
+    plain = source_guided_scores(model, kv, rows, query_ids=prompt)
+    wide = source_guided_scores(model, kv, rows, query_ids=prompt, spread=2)
+    top = int(plain[0].argmax())
+    assert all(wide[0, c] >= plain[0, top] for c in range(max(0, top - 2), min(15, top + 3)))
+    assert torch.all(wide >= plain)
+
+
+def test_budget_and_selection_arguments():
+    assert refresh_budget(None, 10) == 0 and refresh_budget(0.25, 10) == 2 and refresh_budget(50, 10) == 10
+    for bad in (-1, 1.5, "all", True):
+        with pytest.raises(ValueError):
+            refresh_budget(bad, 10)
+    eligible = torch.tensor([[False, True, True, True]])
+    assert select_columns(torch.tensor([[9.0, 1.0, 3.0, 2.0]]), eligible, 2).tolist() == [[2, 3]]
+    assert resolve_native_layers([2, 0, 2], 3) == (0, 2) and resolve_native_layers("all", 2) == (0, 1)
+    with pytest.raises(ValueError, match="not target layers"):
+        resolve_native_layers([5], 3)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridge(family):
+    from bridgecache.fitting.heldout import attention_cosine
+
+    model = tiny_model(family)
+    contexts = [(ids, ids, None) for ids in torch.randint(3, 300, (2, 1, 20))]
+    exact = attention_cosine(Bridge.identity(model), model, model, contexts)
+    poor = attention_cosine(_noisy_bridge(model, scale=2.0), model, model, contexts)
+    assert len(exact) == len(model.model.layers)
+    assert all(abs(c - 1.0) < 1e-4 for c in exact)
+    assert all(c < 0.999 for c in poor)
