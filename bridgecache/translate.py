@@ -93,9 +93,13 @@ class LayerPlan:
         # The fused kernel reads W [Ht, n*Ds, Dt] input-axis-contiguous; lay it out so once here.
         weight = lambda t: move(t).transpose(-1, -2).contiguous().transpose(-1, -2)
         return cls(
-            tuple(used), heads.to(device), weight(layer_map.key_weight), move(layer_map.key_bias),
-            weight(layer_map.value_weight), move(layer_map.value_bias),
-        )  # fmt: skip
+            used=tuple(used),
+            heads=heads.to(device),
+            key_weight=weight(layer_map.key_weight),
+            key_bias=move(layer_map.key_bias),
+            value_weight=weight(layer_map.value_weight),
+            value_bias=move(layer_map.value_bias),
+        )
 
 
 def translate_layer(
@@ -141,16 +145,32 @@ def translate_layer(
         )
     if key_norm_scale is None:
         keys = map_heads(
-            src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
-            src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out_dtype=dtype,
-        )  # fmt: skip
+            src_k,
+            rows=rows,
+            heads=plan.heads,
+            weight=plan.key_weight,
+            bias=plan.key_bias,
+            src_cos=src_cos,
+            src_sin=src_sin,
+            tgt_cos=target_cos,
+            tgt_sin=target_sin,
+            out_dtype=dtype,
+        )
     else:
         keys = map_heads(
-            src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
-            src_cos=src_cos, src_sin=src_sin, out_dtype=torch.float32,
-        )  # fmt: skip
+            src_k,
+            rows=rows,
+            heads=plan.heads,
+            weight=plan.key_weight,
+            bias=plan.key_bias,
+            src_cos=src_cos,
+            src_sin=src_sin,
+            out_dtype=torch.float32,
+        )
         keys = rotate(project_to_key_norm(keys, key_norm_scale), target_cos, target_sin).to(dtype)
-    values = map_heads(src_v, rows, plan.heads, plan.value_weight, plan.value_bias, out_dtype=dtype)
+    values = map_heads(
+        src_v, rows=rows, heads=plan.heads, weight=plan.value_weight, bias=plan.value_bias, out_dtype=dtype
+    )
     return keys, values
 
 
@@ -211,10 +231,13 @@ class StackedPlan:
         stack = lambda name: torch.stack([getattr(m, name) for m in maps]).to(device, torch.float32)  # noqa: E731
         weight = lambda name: stack(name).transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731
         return cls(
-            layers=tuple(layers), heads=heads.to(device),
-            key_weight=weight("key_weight"), key_bias=stack("key_bias").contiguous(),
-            value_weight=weight("value_weight"), value_bias=stack("value_bias").contiguous(),
-        )  # fmt: skip
+            layers=tuple(layers),
+            heads=heads.to(device),
+            key_weight=weight("key_weight"),
+            key_bias=stack("key_bias").contiguous(),
+            value_weight=weight("value_weight"),
+            value_bias=stack("value_bias").contiguous(),
+        )
 
 
 def translate_layers(
@@ -252,10 +275,20 @@ def translate_layers(
             source_rope, src_k[0].shape[1], offset, src_k[0].shape[2], device
         )
     map_layers(
-        src_k, rows, plan.heads, plan.key_weight, plan.key_bias,
-        src_cos=src_cos, src_sin=src_sin, tgt_cos=target_cos, tgt_sin=target_sin, out=out_keys,
-    )  # fmt: skip
-    map_layers(src_v, rows, plan.heads, plan.value_weight, plan.value_bias, out=out_values)
+        src_k,
+        rows=rows,
+        heads=plan.heads,
+        weight=plan.key_weight,
+        bias=plan.key_bias,
+        src_cos=src_cos,
+        src_sin=src_sin,
+        tgt_cos=target_cos,
+        tgt_sin=target_sin,
+        out=out_keys,
+    )
+    map_layers(
+        src_v, rows=rows, heads=plan.heads, weight=plan.value_weight, bias=plan.value_bias, out=out_values
+    )
 
 
 def _all_source_tables(source_rope: SourceRope, heads_per_layer, offset, tokens, device):
