@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -58,6 +59,7 @@ __all__ = [
     "publish",
 ]
 
+logger = logging.getLogger(__name__)
 FORMAT = "bridgecache-kv-pages"
 VERSION = 1
 _U32_MAX = 2**32 - 1
@@ -250,19 +252,30 @@ class PageStore:
         self._manifests: dict[Path, Manifest] = {}
         self._index: dict[str, tuple[Manifest, int]] = {}
         self._open: OrderedDict[Path, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._bad: set[Path] = set()
         self.refresh()
 
     @property
     def manifests(self) -> list[Manifest]:
         return list(self._manifests.values())
 
-    def refresh(self) -> list[Manifest]:
-        """Index manifests written since the last call; returns the new ones."""
+    def refresh(self, strict: bool = True) -> list[Manifest]:
+        """Index manifests written since the last call; returns the new ones.
+
+        strict=False (what engines call while serving) logs an unreadable manifest and skips it
+        from then on instead of raising."""
         new = []
         for path in sorted(self.directory.glob("*.json")):
-            if path in self._manifests:
+            if path in self._manifests or path in self._bad or path.name.startswith("."):
                 continue
-            manifest = _read_manifest(path)
+            try:
+                manifest = _read_manifest(path)
+            except PageFormatError as err:
+                if strict:
+                    raise
+                logger.error("page store: skipping %s", err)
+                self._bad.add(path)
+                continue
             self._manifests[path] = manifest
             for i, key in enumerate(manifest.page_keys):
                 self._index.setdefault(key, (manifest, i))
@@ -428,7 +441,7 @@ def publish(
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")  # never *.json
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

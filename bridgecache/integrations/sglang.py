@@ -152,7 +152,7 @@ class BridgedHiCacheStorage(HiCacheStorage):
         found = self.store.locate(key)
         if found is None and time.monotonic() - self._last_refresh >= self.refresh_seconds:
             self._last_refresh = time.monotonic()
-            self.store.refresh()
+            self.store.refresh(strict=False)
             found = self.store.locate(key)
         if found is None or self.layout is None or not self._usable(found[0]):
             return None
