@@ -152,3 +152,22 @@ def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_re
     assert pub.page_keys[0] in store and store.page(pub.page_keys[0])[0].shape == (3, 2, 4, 16)
     with pytest.raises(PageFormatError, match="late.json"):
         PageStore(tmp_path)  # at startup the same file is an error
+
+
+def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_path):
+    from test_evaluation import byte_tokenizer
+
+    from bridgecache.handoff import context_ids
+    from bridgecache.integrations.pages import publish_context
+
+    source, target, bridge, _ = handoff
+    tok = byte_tokenizer()
+    text = "the ship lost its mast near the rocks"
+    pub = publish_context(bridge, text, target, tok, tok, tmp_path / "a", page_size=8, source=source)
+    ids = context_ids(tok, text)
+    manual = publish(
+        BridgedCache(bridge, capture_kv(source, ids), target, ids), ids, tmp_path / "b", page_size=8
+    )
+    assert pub.page_keys == manual.page_keys and pub.num_tokens == 32
+    a, b = PageStore(tmp_path / "a"), PageStore(tmp_path / "b")
+    assert all(torch.equal(a.page(k)[0], b.page(k)[0]) for k in pub.page_keys)

@@ -57,6 +57,7 @@ __all__ = [
     "namespace_seed",
     "page_keys",
     "publish",
+    "publish_context",
 ]
 
 logger = logging.getLogger(__name__)
@@ -438,6 +439,43 @@ def publish(
     _atomic_write(stem.with_suffix(".safetensors"), raw)
     _atomic_write(stem.with_suffix(".json"), json.dumps(manifest, indent=1).encode())  # last: commits
     return Published(cache_salt, tuple(page_chain), page_size, n, stem.with_suffix(".json"))
+
+
+def publish_context(
+    bridge,
+    context: str,
+    target,
+    target_tokenizer,
+    source_tokenizer,
+    directory: str | os.PathLike,
+    *,
+    page_size: int,
+    source=None,
+    source_cache=None,
+    native_head: int | None = None,
+    native_tail: int = 0,
+    key_norm: bool = True,
+    **publish_kwargs,
+) -> Published | None:
+    """`publish` from text: tokenize and align the context for both models (as `handoff` does),
+    run the source over it (or take its `source_cache`), translate once and publish.
+
+    The engine's prompt must start with `target_tokenizer(context)`'s ids. publish_kwargs: salt,
+    dtype, model_name, accept (see `publish`)."""
+    from bridgecache.cache import BridgedCache
+    from bridgecache.capture import capture_kv
+    from bridgecache.handoff import align_context
+
+    alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
+    if source_cache is None:
+        if source is None:
+            raise ValueError("pass either the source model or its cache of the context (source_cache=)")
+        source_cache = capture_kv(source, source_ids)
+    cache = BridgedCache(
+        bridge, source_cache, target, target_ids,
+        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
+    )  # fmt: skip
+    return publish(cache, target_ids, directory, page_size=page_size, **publish_kwargs)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
