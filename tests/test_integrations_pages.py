@@ -141,3 +141,33 @@ def test_the_source_cache_is_not_mutated_by_publishing(handoff, tmp_path):
     before = [k.clone() for k in kv.keys]
     publish(BridgedCache(bridge, kv, target, ids), ids, tmp_path, page_size=4)
     assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))
+
+
+def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_read(handoff, tmp_path):
+    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4)
+    store = PageStore(tmp_path)
+    (tmp_path / ".tmp-half-written.json").write_text("{")  # a writer's temporary file: ignored
+    (tmp_path / "late.json").write_text("{not json")
+    assert store.refresh(strict=False) == []
+    assert pub.page_keys[0] in store and store.page(pub.page_keys[0])[0].shape == (3, 2, 4, 16)
+    with pytest.raises(PageFormatError, match="late.json"):
+        PageStore(tmp_path)  # at startup the same file is an error
+
+
+def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_path):
+    from test_evaluation import byte_tokenizer
+
+    from bridgecache.handoff import context_ids
+    from bridgecache.integrations.pages import publish_context
+
+    source, target, bridge, _ = handoff
+    tok = byte_tokenizer()
+    text = "the ship lost its mast near the rocks"
+    pub = publish_context(bridge, text, target, tok, tok, tmp_path / "a", page_size=8, source=source)
+    ids = context_ids(tok, text)
+    manual = publish(
+        BridgedCache(bridge, capture_kv(source, ids), target, ids), ids, tmp_path / "b", page_size=8
+    )
+    assert pub.page_keys == manual.page_keys and pub.num_tokens == 32
+    a, b = PageStore(tmp_path / "a"), PageStore(tmp_path / "b")
+    assert all(torch.equal(a.page(k)[0], b.page(k)[0]) for k in pub.page_keys)

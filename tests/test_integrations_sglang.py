@@ -286,3 +286,23 @@ def test_another_served_model_and_bad_configs_are_refused(published):
     bad.layout = "page_unified"
     with pytest.raises(EngineMismatchError, match="page_unified"):
         _backend(pub.manifest_path.parent, bad)
+
+
+def test_the_zero_copy_interface_fills_the_host_pool_the_same_way(published, handoff):
+    cache, pub = published
+    pool = HostPool("page_first_direct", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool, interface_v1=1)
+    keys = _engine_keys(handoff[3], pub.cache_salt)
+    host_pages = [5, 0, 9, 2, 7, 3]
+    host_indices = torch.tensor([p * PAGE + o for p in host_pages for o in range(PAGE)])
+    assert backend.batch_get_v1(keys[:6], host_indices) == [True] * 6
+    assert backend.batch_get_v1(["missing", keys[0]], host_indices[: 2 * PAGE]) == [False, False]
+    slots = host_indices.tolist()
+    for layer in range(3):
+        k, v = pool.read(slots, layer)
+        assert torch.equal(k, cache.layers[layer].keys[0, :, :24])
+        assert torch.equal(v, cache.layers[layer].values[0, :, :24])
+    assert backend.batch_set_v1(["native-page"], host_indices[:PAGE]) == [True]
+    assert torch.equal(
+        backend.native.get("native-page", pool.get_dummy_flat_data_page()), pool.get_data_page(5 * PAGE)
+    )

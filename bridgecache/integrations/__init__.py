@@ -15,6 +15,7 @@ from bridgecache.integrations.pages import (
     bridge_salt,
     page_keys,
     publish,
+    publish_context,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "bridge_salt",
     "page_keys",
     "publish",
+    "publish_context",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -56,8 +57,10 @@ __all__ = [
     "namespace_seed",
     "page_keys",
     "publish",
+    "publish_context",
 ]
 
+logger = logging.getLogger(__name__)
 FORMAT = "bridgecache-kv-pages"
 VERSION = 1
 _U32_MAX = 2**32 - 1
@@ -250,19 +253,30 @@ class PageStore:
         self._manifests: dict[Path, Manifest] = {}
         self._index: dict[str, tuple[Manifest, int]] = {}
         self._open: OrderedDict[Path, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._bad: set[Path] = set()
         self.refresh()
 
     @property
     def manifests(self) -> list[Manifest]:
         return list(self._manifests.values())
 
-    def refresh(self) -> list[Manifest]:
-        """Index manifests written since the last call; returns the new ones."""
+    def refresh(self, strict: bool = True) -> list[Manifest]:
+        """Index manifests written since the last call; returns the new ones.
+
+        strict=False (what engines call while serving) logs an unreadable manifest and skips it
+        from then on instead of raising."""
         new = []
         for path in sorted(self.directory.glob("*.json")):
-            if path in self._manifests:
+            if path in self._manifests or path in self._bad or path.name.startswith("."):
                 continue
-            manifest = _read_manifest(path)
+            try:
+                manifest = _read_manifest(path)
+            except PageFormatError as err:
+                if strict:
+                    raise
+                logger.error("page store: skipping %s", err)
+                self._bad.add(path)
+                continue
             self._manifests[path] = manifest
             for i, key in enumerate(manifest.page_keys):
                 self._index.setdefault(key, (manifest, i))
@@ -427,8 +441,45 @@ def publish(
     return Published(cache_salt, tuple(page_chain), page_size, n, stem.with_suffix(".json"))
 
 
+def publish_context(
+    bridge,
+    context: str,
+    target,
+    target_tokenizer,
+    source_tokenizer,
+    directory: str | os.PathLike,
+    *,
+    page_size: int,
+    source=None,
+    source_cache=None,
+    native_head: int | None = None,
+    native_tail: int = 0,
+    key_norm: bool = True,
+    **publish_kwargs,
+) -> Published | None:
+    """`publish` from text: tokenize and align the context for both models (as `handoff` does),
+    run the source over it (or take its `source_cache`), translate once and publish.
+
+    The engine's prompt must start with `target_tokenizer(context)`'s ids. publish_kwargs: salt,
+    dtype, model_name, accept (see `publish`)."""
+    from bridgecache.cache import BridgedCache
+    from bridgecache.capture import capture_kv
+    from bridgecache.handoff import align_context
+
+    alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
+    if source_cache is None:
+        if source is None:
+            raise ValueError("pass either the source model or its cache of the context (source_cache=)")
+        source_cache = capture_kv(source, source_ids)
+    cache = BridgedCache(
+        bridge, source_cache, target, target_ids,
+        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
+    )  # fmt: skip
+    return publish(cache, target_ids, directory, page_size=page_size, **publish_kwargs)
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")  # never *.json
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -18,7 +18,9 @@ A flat page, per `--hicache-mem-layout` (pool_host/mha.py, `set_from_flat_data_p
     page_first         [2, page_size, layers, heads, head_dim]
     page_first_direct  [2, 1, layers, page_size, heads, head_dim]
     page_head          [2, 1, heads, page_size, layers, head_dim]
-where 2 is (keys, values) and heads are those of this tensor-parallel rank.
+where 2 is (keys, values) and heads are those of this tensor-parallel rank. Both of SGLang's
+page paths work: the generic one (batch_get into flat pages, the default for a dynamic backend)
+and the zero-copy one (`"interface_v1": 1`: batch_get_v1 writes into the host pool).
 
 The engine's own pages (write-back of natively computed prefixes) go to a `HiCacheFile` beside
 the store (`native_file_path`, default `<page_store>/engine`); a published page is never
@@ -152,7 +154,7 @@ class BridgedHiCacheStorage(HiCacheStorage):
         found = self.store.locate(key)
         if found is None and time.monotonic() - self._last_refresh >= self.refresh_seconds:
             self._last_refresh = time.monotonic()
-            self.store.refresh()
+            self.store.refresh(strict=False)
             found = self.store.locate(key)
         if found is None or self.layout is None or not self._usable(found[0]):
             return None
@@ -187,6 +189,32 @@ class BridgedHiCacheStorage(HiCacheStorage):
     ):
         locations = target_locations or [None] * len(keys)
         return [self.get(key, location) for key, location in zip(keys, locations)]
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any | None = None
+    ) -> list[bool]:
+        """The zero-copy path (`"interface_v1": 1` in the extra config): pages straight into the
+        registered host pool, page i at host_indices[i * page_size]."""
+        results = []
+        for i, key in enumerate(keys):
+            page = self.get(key, self.mem_pool_host.get_dummy_flat_data_page())
+            if page is None:
+                results.extend([False] * (len(keys) - i))
+                break
+            self.mem_pool_host.set_from_flat_data_page(
+                int(host_indices[i * self.mem_pool_host.page_size]), page
+            )
+            results.append(True)
+        return results
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any | None = None
+    ) -> list[bool]:
+        page_size = self.mem_pool_host.page_size
+        return [
+            self.set(key, self.mem_pool_host.get_data_page(int(host_indices[i * page_size]), flat=True))
+            for i, key in enumerate(keys)
+        ]
 
     def set(self, key: str, value: Any | None = None, target_location=None, target_sizes=None) -> bool:
         if self._bridged(key) is not None:

@@ -136,7 +136,7 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
             found = self.store.locate(key)
             if found is None and not refreshed:
                 refreshed = True
-                self.store.refresh()
+                self.store.refresh(strict=False)
                 found = self.store.locate(key)
             if found is None or not self._usable(found[0]):
                 return i
@@ -149,7 +149,7 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not salt or not salt.startswith(SALT_PREFIX):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        usable_pages = (len(prompt) - 1) // self.block_size  # the last prompt token is the engine's
+        usable_pages = max(0, len(prompt) - 1) // self.block_size  # the last prompt token is the engine's
         keys = page_keys(
             prompt[: usable_pages * self.block_size], self.block_size, namespace_seed(None, salt)
         )
