@@ -180,6 +180,9 @@ def test_fingerprint_tells_checkpoints_apart_not_dtypes():
         for p in a.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     assert weight_fingerprint(a) != before  # in-place writes bump the version: not served stale
+    before = weight_fingerprint(a)
+    a.lm_head.weight.data = torch.randn_like(a.lm_head.weight)  # swapped storage, same version counter
+    assert weight_fingerprint(a) != before
 
 
 def test_fingerprint_reads_the_last_value_of_a_large_parameter():
