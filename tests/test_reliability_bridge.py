@@ -12,7 +12,7 @@ import torch
 from tiny_models import tiny_model
 
 from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning
-from bridgecache.files import STAGING_PREFIX, current_umask
+from bridgecache.files import STAGING_PREFIX, current_umask, staged_directory
 from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.fitting import PairedKV, fit_layer_maps
 from bridgecache.modelinfo import SpecMismatchError, model_spec
@@ -140,6 +140,16 @@ def test_save_replaces_a_bridge_whole_and_keeps_other_files(fitted, tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(STAGING_PREFIX)]
     with pytest.raises(FileExistsError, match="already holds a bridge; refusing to overwrite"):
         fitted.save_pretrained(out, overwrite=False)
+
+
+def test_two_processes_saving_the_same_new_bridge_both_succeed(fitted, tmp_path):
+    out = tmp_path / "b"
+    with staged_directory(out) as staging:
+        (staging / "bridge.json").write_text("{}")
+        Bridge.identity(tiny_model("gemma3")).save_pretrained(out)  # the other process, first
+    assert (out / "bridge.json").read_text() == "{}"  # the later writer wins, file by file
+    assert (out / "bridge.safetensors").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(STAGING_PREFIX)]
 
 
 def test_a_save_that_fails_midway_leaves_the_old_bridge_and_nothing_else(fitted, tmp_path, monkeypatch):
