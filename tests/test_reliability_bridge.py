@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import tiny_model
 
 from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning
-from bridgecache.files import STAGING_PREFIX, current_umask, staged_directory
+from bridgecache.files import STAGING_PREFIX, current_umask
 from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.fitting import PairedKV, fit_layer_maps
 from bridgecache.modelinfo import SpecMismatchError, model_spec
@@ -142,13 +143,23 @@ def test_save_replaces_a_bridge_whole_and_keeps_other_files(fitted, tmp_path):
         fitted.save_pretrained(out, overwrite=False)
 
 
-def test_two_processes_saving_the_same_new_bridge_both_succeed(fitted, tmp_path):
-    out = tmp_path / "b"
-    with staged_directory(out) as staging:
-        (staging / "bridge.json").write_text("{}")
-        Bridge.identity(tiny_model("gemma3")).save_pretrained(out)  # the other process, first
-    assert (out / "bridge.json").read_text() == "{}"  # the later writer wins, file by file
-    assert (out / "bridge.safetensors").exists()
+def test_two_processes_saving_the_same_new_bridge_both_succeed(fitted, tmp_path, monkeypatch):
+    import bridgecache.files as files
+
+    out, real_replace, raced = tmp_path / "b", os.replace, []
+
+    def other_process_first(src, dst):
+        if Path(dst) == out and not raced:  # the other writer's folder lands just before ours
+            raced.append(True)
+            out.mkdir()
+            (out / "notes.txt").write_text("theirs")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", other_process_first)
+    fitted.save_pretrained(out)
+    monkeypatch.undo()
+    assert Bridge.from_pretrained(out).method == "cachebridge"  # the later writer wins, file by file
+    assert (out / "notes.txt").read_text() == "theirs"
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(STAGING_PREFIX)]
 
 
