@@ -67,8 +67,12 @@ def staged_directory(target: str | Path) -> Iterator[Path]:
         yield staging
         apply_umask(staging)
         if not target.exists():
-            os.replace(staging, target)
-            return
+            try:
+                os.replace(staging, target)
+                return
+            except OSError:
+                if not target.is_dir():  # not a race with another writer: a real failure
+                    raise
         for item in sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name)):
             os.replace(item, target / item.name)
     finally:

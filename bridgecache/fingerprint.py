@@ -8,7 +8,7 @@ The fingerprint hashes every parameter's name and shape and 64 of its values at 
 evenly spaced positions. The values are rounded to bfloat16 first, so a float32 model and its
 bfloat16 copy share a fingerprint; a fine-tune changes almost every value, so it does not.
 One pass costs a few hundred tiny reads (milliseconds); the result is remembered per model
-until a parameter is replaced or written in place (`Tensor._version`).
+until a parameter is replaced, moved or written in place (`Tensor._version`, storage pointer).
 
 Knows nothing about bridges or caches.
 """
@@ -29,7 +29,8 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (vers
 def weight_fingerprint(model: torch.nn.Module) -> str:
     """16 hex digits identifying `model`'s weights (names, shapes and sampled values)."""
     params = sorted(model.named_parameters(), key=lambda item: item[0])
-    versions = tuple((id(p), p._version) for _, p in params)
+    # `.data = ...` and `module.to(...)` swap storage without bumping `_version`: key on the pointer too
+    versions = tuple((id(p), p._version, p.data_ptr(), p.dtype, p.device) for _, p in params)
     known = _MEMO.get(model)
     if known is not None and known[0] == versions:
         return known[1]

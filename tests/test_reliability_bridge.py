@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +143,26 @@ def test_save_replaces_a_bridge_whole_and_keeps_other_files(fitted, tmp_path):
         fitted.save_pretrained(out, overwrite=False)
 
 
+def test_two_processes_saving_the_same_new_bridge_both_succeed(fitted, tmp_path, monkeypatch):
+    import bridgecache.files as files
+
+    out, real_replace, raced = tmp_path / "b", os.replace, []
+
+    def other_process_first(src, dst):
+        if Path(dst) == out and not raced:  # the other writer's folder lands just before ours
+            raced.append(True)
+            out.mkdir()
+            (out / "notes.txt").write_text("theirs")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", other_process_first)
+    fitted.save_pretrained(out)
+    monkeypatch.undo()
+    assert Bridge.from_pretrained(out).method == "cachebridge"  # the later writer wins, file by file
+    assert (out / "notes.txt").read_text() == "theirs"
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(STAGING_PREFIX)]
+
+
 def test_a_save_that_fails_midway_leaves_the_old_bridge_and_nothing_else(fitted, tmp_path, monkeypatch):
     out = tmp_path / "b"
     Bridge.identity(tiny_model("gemma3")).save_pretrained(out)
@@ -180,6 +201,9 @@ def test_fingerprint_tells_checkpoints_apart_not_dtypes():
         for p in a.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     assert weight_fingerprint(a) != before  # in-place writes bump the version: not served stale
+    before = weight_fingerprint(a)
+    a.lm_head.weight.data = torch.randn_like(a.lm_head.weight)  # swapped storage, same version counter
+    assert weight_fingerprint(a) != before
 
 
 def test_fingerprint_reads_the_last_value_of_a_large_parameter():
