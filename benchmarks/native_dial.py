@@ -71,11 +71,27 @@ def strategy(summary: dict) -> str:
         return "quality gate"
     if layers and refresh:
         return f"native layers + refresh ({summary['refresh_by']})"
+    if refresh and summary.get("spec", "").count("spread="):
+        return f"refresh ({summary['refresh_by']}, spans)"
     if refresh:
         return f"refresh ({summary['refresh_by']})"
     if layers:
         return "native layers"
+    if summary.get("native_tail"):
+        return "native tail"
     return "translated only"
+
+
+_COLORS = {
+    "translated only": "tab:red",
+    "native layers": "tab:blue",
+    "native tail": "tab:brown",
+    "refresh (source)": "tab:green",
+    "refresh (source, spans)": "tab:olive",
+    "refresh (deviation)": "tab:orange",
+    "native layers + refresh (source)": "tab:purple",
+    "quality gate": "tab:gray",
+}
 
 
 def run(args) -> None:
@@ -215,7 +231,7 @@ def _plots(records: list[dict], directory: Path) -> None:
                     [100 * (p[1] - p[2][0]) if p[2][0] is not None else 0 for p in points],
                     [100 * (p[2][1] - p[1]) if p[2][1] is not None else 0 for p in points],
                 ]
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, color=_COLORS.get(name))
             if ppl:
                 ax.axhline(100, color="k", linestyle="--", label="native prefill")
                 ax.axhline(0, color="grey", linestyle=":", label="unrelated context")
@@ -228,7 +244,8 @@ def _plots(records: list[dict], directory: Path) -> None:
             ax.set_xlabel("handoff native work (% of target prefill FLOPs)")
             ax.set_title(f"{r['task']} (n={s0['n']})")
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="lower right")
+        for ax in axes[0]:
+            ax.legend(fontsize=7, loc="lower right")
         fig.suptitle(f"{pair}: quality vs native compute ({rs[0]['date']})")
         fig.tight_layout()
         fig.savefig(directory / f"dial_{pair}.png", dpi=110)
