@@ -14,9 +14,7 @@ import pytest
 import torch
 from huggingface_hub import constants, metadata_load
 from huggingface_hub.file_download import repo_folder_name
-from tiny_models import tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, SpecMismatchError, handoff
 from bridgecache.artifacts import builtin
@@ -31,19 +29,6 @@ from bridgecache.zoo import BUILTIN_MODELS, load_model
 PAIR = "smollm2-135m->qwen2.5-coder-0.5b"  # zoo names recorded on tiny models: nothing is fetched
 FIT = dict(method="cachebridge", num_sequences=4, seq_len=40, heldout_every=2, progress=False)
 _MAPS = ("key_weight", "key_bias", "value_weight", "value_bias")
-
-
-def byte_tokenizer(extra: str | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level fast tokenizer built offline; `extra` adds a token (another vocabulary)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    if extra:
-        out.add_tokens([extra])
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
@@ -197,7 +197,7 @@ def test_eval_scoring_works_on_a_one_token_context():
 def test_handoff_of_an_empty_or_one_token_context_continues_like_the_target():
     from bridgecache.handoff import handoff
 
-    model, tok = tiny_model("qwen2"), _byte_tokenizer()
+    model, tok = tiny_model("qwen2"), byte_tokenizer()
     bridge = Bridge.identity(model)
     for context in ("", "H"):
         result = handoff(
@@ -228,16 +228,3 @@ def test_anchor_counts_out_of_range_get_errors_naming_value_and_range():
     assert _max_logit_diff(_generate(model, ids, cache), _generate(model, ids)) < 1e-5
     # A native tail longer than the context leaves only the native head in the cache.
     assert BridgedCache(bridge, captured, model, ids, native_tail=50).get_seq_length() == 1
-
-
-def _byte_tokenizer():
-    """A byte-level fast tokenizer (one token per byte, no BOS), built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

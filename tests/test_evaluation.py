@@ -14,9 +14,7 @@ import string
 
 import pytest
 import torch
-from tiny_models import tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache.bridge import Bridge
 from bridgecache.cli import main
@@ -36,16 +34,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level fast tokenizer (one token per byte, with offsets), built offline."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_re
 
 
 def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_path):
-    from test_evaluation import byte_tokenizer
+    from tiny_models import byte_tokenizer
 
     from bridgecache.handoff import context_ids
     from bridgecache.integrations.pages import publish_context

@@ -13,8 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_artifacts import byte_tokenizer
-from tiny_models import tiny_model
+from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, load_model
 from bridgecache.conversation import Conversation

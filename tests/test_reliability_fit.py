@@ -9,9 +9,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import zoo
 from bridgecache.bridge import Bridge
@@ -28,15 +26,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _byte_tokenizer() -> PreTrainedTokenizerFast:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Two tiny llama checkpoints (same architecture, other weights) with a byte tokenizer."""
@@ -45,7 +34,7 @@ def model_dirs(tmp_path_factory):
     for seed in (0, 1):
         path = root / f"llama-{seed}"
         tiny_model("llama", seed=seed).save_pretrained(path)
-        _byte_tokenizer().save_pretrained(path)
+        byte_tokenizer().save_pretrained(path)
         dirs.append(str(path))
     return dirs
 

@@ -1,9 +1,17 @@
-"""Tiny random-weight models of the three families we support, built in-process (no download)."""
+"""Tiny random-weight models of the three families we support and a byte tokenizer, built in-process
+(no download)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 FAMILIES = ("llama", "qwen2", "gemma3")
 
@@ -37,3 +45,17 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
     return model.eval()
+
+
+def byte_tokenizer(extra: str | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level fast tokenizer (one token per byte, with offsets; <s> 256, </s> 257), built
+    offline; `extra` adds a token (another vocabulary)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"<s>": 256, "</s>": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if extra:
+        out.add_tokens([extra])
+    return out
