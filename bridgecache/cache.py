@@ -204,7 +204,10 @@ class BridgedCache(DynamicCache):
         refresh_by: how refreshed tokens are chosen: "deviation" (translated vs native keys at
             `check_layer`; layers 0..check_layer then come out native too, at no extra cost) or
             a [batch, target tokens] tensor of scores (higher first), e.g. from
-            `bridgecache.handoff.source_guided_scores` (the source's attention from the prompt).
+            `bridgecache.handoff.source_guided_scores` (the source's attention from the prompt),
+            or a scorer called with (target, this cache, target_ids) once the native layers are
+            set, e.g. `bridgecache.refresh.target_guided(prompt_ids)` (the target's own
+            attention from the prompt over the translated cache).
         check_layer: the deviation check's layer (default 1, as CacheBlend).
         min_quality: quality gate (bridgecache.gate): layers whose held-out score is below it
             are computed natively; too many such layers, or a context whose target tokens align
@@ -294,6 +297,8 @@ class BridgedCache(DynamicCache):
             if by_deviation:
                 translated_keys, _ = tr.translate(check_layer)  # [batch, heads, prefix, dim]
                 column_scores = deviation_scores(translated_keys, tr.native_kv[check_layer][0])
+            elif callable(refresh_by):  # e.g. refresh.target_guided: reads the translated layers
+                column_scores = torch.as_tensor(refresh_by(target, self, target_ids))[:, : tr.prefix_length]
             else:
                 column_scores = torch.as_tensor(refresh_by)[:, : tr.prefix_length]
                 if column_scores.shape != cached.shape:
@@ -310,7 +315,7 @@ class BridgedCache(DynamicCache):
             scores=scores,
             fallback=decision.fallback,
             refreshed=budget,
-            refresh_by=None if not budget else ("deviation" if by_deviation else "given scores"),
+            refresh_by=None if not budget else _refresh_by_name(refresh_by),
             check_layer=check_layer if by_deviation else None,
         )
 
@@ -525,6 +530,12 @@ class _Translator:
             cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
             self._target_tables[key] = (cos.to(device), sin.to(device))
         return self._target_tables[key]
+
+
+def _refresh_by_name(refresh_by) -> str:
+    if isinstance(refresh_by, str):
+        return refresh_by
+    return getattr(refresh_by, "label", "given scores")
 
 
 def _bridged_layers(config) -> list[_LazyLayerMixin]:

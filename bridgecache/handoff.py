@@ -148,7 +148,9 @@ def handoff(
             0.5B handoff from 43% to 98% retention for 21% of the target's prefill FLOPs.
         refresh_by: "source" (default: the source reads the prompt over its own cache and the
             context tokens its attention picks out are refreshed; without a prompt, the context's
-            last tokens read it), "deviation", or a tensor of scores (see BridgedCache).
+            last tokens read it), "target" (the target reads the prompt over the translated
+            cache and its own attention picks them; no source model needed), "source+target"
+            (both guides, each normalised), "deviation", or a tensor of scores (see BridgedCache).
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
     from bridgecache.artifacts.builtin import check_models
@@ -171,14 +173,20 @@ def handoff(
     start = time.perf_counter()
     if refresh == "auto":
         refresh = _auto_refresh(bridge, target)
-    guided = bool(refresh) and isinstance(refresh_by, str) and refresh_by == "source"
+    by = refresh_by if bool(refresh) and isinstance(refresh_by, str) else None
+    guided = by in ("source", "source+target")
     if guided:
         if source is None:
             raise ValueError(
-                "refresh_by='source' needs the source model (pass source=, or refresh_by='deviation')"
+                f"refresh_by={by!r} needs the source model (pass source=, or refresh_by='target')"
             )
         query = source_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         refresh_by = source_guided_scores(source, source_cache, alignment, target_ids, source_ids, query)
+    if by in ("target", "source+target"):
+        from bridgecache.refresh import blend_scores, target_guided
+
+        scorer = target_guided(prompt_ids)
+        refresh_by = scorer if by == "target" else blend_scores(refresh_by, scorer)
     cache = BridgedCache(
         bridge,
         source_cache,
@@ -193,7 +201,7 @@ def handoff(
         refresh_by=refresh_by,
         min_quality=min_quality,
     )
-    if guided:
+    if by == "source":
         cache.report().refresh_by = "source attention"
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(

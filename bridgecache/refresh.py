@@ -14,6 +14,8 @@ Which columns (scores per target column; higher = refresh first):
                            the source has read the context: let it read the prompt (or the
                            context's last tokens) over its own cache and take the context tokens
                            its attention picks out (CacheClip's helper-model criterion)
+    target_guided          the target reads the prompt over the translated cache and its own
+                           attention picks the context tokens (no source model needed)
 
 This module knows nothing about bridges or tokenizers (an alignment is read as index arrays).
 """
@@ -34,6 +36,8 @@ __all__ = [
     "source_attention_scores",
     "scores_on_target",
     "source_guided_scores",
+    "target_guided",
+    "blend_scores",
 ]
 
 
@@ -255,4 +259,52 @@ def source_guided_scores(
         scores = torch.nn.functional.max_pool1d(scores[:, None], 2 * spread + 1, stride=1, padding=spread)[
             :, 0
         ]
+    return scores
+
+
+def target_guided(prompt_ids: torch.Tensor, last_queries: int | None = None):
+    """A `BridgedCache(refresh_by=...)` scorer: the target reads what follows the cached prefix
+    (the context's held-back tokens, then `prompt_ids` [batch, q] in the target's tokens) over the
+    translated cache, and its attention on each cached column is that column's score.
+
+    The target reads the prompt to answer anyway; where the source is weaker than the target (a
+    135M source for a 0.5B target) its own attention is the better guide, and the scoring costs
+    a forward over a few tokens of the target instead of the source. Returns a callable
+    (target, cache, target_ids) -> [batch, prefix] float32, called by BridgedCache once its
+    native layers are set (translated layers materialise as the scorer reads them).
+    """
+
+    def scores(target, cache, target_ids: torch.Tensor) -> torch.Tensor:
+        tr = cache.translator
+        prefix = tr.prefix_length
+        device = tr.target_positions.device
+        query = torch.cat([target_ids[:, prefix:].to(device), prompt_ids.to(device, torch.long)], dim=1)
+        layers = list(cache.layers)
+        return source_attention_scores(
+            target,
+            [layer.keys for layer in layers],
+            [layer.values for layer in layers],
+            tr.target_positions,
+            query,
+            prefix,
+            last_queries,
+        )
+
+    scores.label = "target attention"
+    return scores
+
+
+def blend_scores(given: torch.Tensor, scorer):
+    """A scorer adding two guides, each normalised to sum 1 per row: `given` [batch, tokens]
+    scores (e.g. the source's attention) and a scorer such as `target_guided(...)`."""
+
+    def normalised(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().cpu().clamp(min=0)
+        return x / x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+
+    def scores(target, cache, target_ids: torch.Tensor) -> torch.Tensor:
+        own = scorer(target, cache, target_ids)
+        return normalised(own) + normalised(torch.as_tensor(given)[:, : own.shape[1]])
+
+    scores.label = f"source attention + {getattr(scorer, 'label', 'given scores')}"
     return scores

@@ -195,6 +195,38 @@ def test_source_attention_scores_match_the_models_own_attention():
     assert torch.allclose(last[0], expected_last, atol=1e-4)
 
 
+def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
+    from bridgecache.refresh import blend_scores, target_guided
+
+    model = tiny_model("llama")  # eager attention: output_attentions is the reference
+    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
+    scorer = target_guided(prompt)
+    seen = {}
+
+    def recording(target, cache, target_ids):
+        seen["scores"] = scorer(target, cache, target_ids)
+        return seen["scores"]
+
+    recording.label = scorer.label
+    # Identity bridge: the translated cache is the target's own, so the scores are its attention
+    # from the held-back context token and the prompt onto the 14 cached columns.
+    cache = BridgedCache(
+        Bridge.identity(model), capture_kv(model, context), model, context, refresh=3, refresh_by=recording
+    )
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    expected = sum(a[0, :, 14:, :14].sum((0, 1)) for a in out.attentions)
+    assert torch.allclose(seen["scores"][0], expected, atol=1e-4)
+    eligible = torch.arange(14) >= 1  # the native sink is never refreshed
+    top = expected.masked_fill(~eligible, float("-inf")).topk(3).indices.sort().values
+    assert cache.refreshed_columns[0].tolist() == top.tolist()
+    assert cache.report().refresh_by == "target attention"
+    # Blending with the source's scores: each guide normalised to sum 1 per row, then added.
+    given = torch.zeros(1, 15)
+    given[0, 5] = 7.0
+    blended = blend_scores(given, scorer)(model, cache, context)
+    assert torch.allclose(blended[0], expected / expected.sum() + given[0, :14] / 7.0, atol=1e-4)
+
+
 def test_spread_reaches_neighbours_of_what_the_source_attended_to():
     from bridgecache.refresh import source_guided_scores
     from bridgecache.source import as_source
@@ -233,3 +265,29 @@ def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridg
     assert len(exact) == len(model.model.layers)
     assert all(abs(c - 1.0) < 1e-4 for c in exact)
     assert all(c < 0.999 for c in poor)
+
+
+@pytest.mark.parametrize("refresh_by", ["source", "target", "source+target"])
+def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_by):
+    from tiny_models import byte_tokenizer
+
+    from bridgecache.handoff import handoff
+
+    model, tok = tiny_model("qwen2"), byte_tokenizer()
+    context, prompt = "the hello world of the bridged cache", " said"
+    kwargs = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=4, do_sample=False)
+    result = handoff(
+        model, model, _noisy_bridge(model), context, prompt, refresh=1.0, refresh_by=refresh_by, **kwargs
+    )
+    ids = tok(context + prompt, return_tensors="pt")["input_ids"]
+    native = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
+    expected = {"source": "source attention", "target": "target attention"}
+    assert result.cache.report().refresh_by == expected.get(refresh_by, "source attention + target attention")
+    # Only the target guides "target": no source model needed once its cache is there.
+    without_source = dict(source_cache=result.cache.translator.source, refresh=0.5, refresh_by=refresh_by)
+    if refresh_by == "target":
+        handoff(None, model, _noisy_bridge(model), context, prompt, **without_source, **kwargs)
+    else:
+        with pytest.raises(ValueError, match="needs the source model"):
+            handoff(None, model, _noisy_bridge(model), context, prompt, **without_source, **kwargs)

@@ -3,8 +3,8 @@
     bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
                      [--json OUT] [--source NAME --target NAME] [--native-head N] [--native-tail N]
                      [--no-key-norm] [--chat] [--no-progress] [--native-layers N|L+L+..|all]
-                     [--refresh FRACTION|TOKENS] [--refresh-by deviation|source] [--min-quality Q]
-                     [--controls FILE]
+                     [--refresh FRACTION|TOKENS] [--refresh-by deviation|source|target|source+target]
+                     [--min-quality Q] [--controls FILE]
 
 Models come from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
@@ -66,10 +66,11 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--refresh-by",
-        choices=["deviation", "source"],
+        choices=["deviation", "source", "target", "source+target"],
         default="source",
         help="source (default): the tokens the source's attention from the question picks out; "
-        "deviation: translated vs native keys at layer 1 (CacheBlend)",
+        "target: those the target's own attention from the question over the translated cache "
+        "picks out; source+target: both; deviation: translated vs native keys at layer 1 (CacheBlend)",
     )
     parser.add_argument(
         "--min-quality",

@@ -36,8 +36,12 @@ from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
 from bridgecache.handoff import source_guided_scores
+from bridgecache.refresh import blend_scores, target_guided
 
 __all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
+
+
+GUIDED = ("source", "target", "source+target")  # refresh_by values resolved per item from its prompt
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,10 @@ class Variant:
     """A bridge applied with given native compute (see BridgedCache).
 
     native_layers: int, tuple of layers, "all" or None; refresh: fraction or token count;
-    refresh_by: "deviation" or "source" (the source reads the item's prompt over its own cache; ppl
-    items have none, so the context's last tokens read it); min_quality: the quality gate.
+    refresh_by: "deviation", "source" (the source reads the item's prompt over its own cache; ppl
+    items have none, so the context's last tokens read it), "target" (the target reads the
+    prompt over the translated cache) or "source+target" (both, each normalised to sum 1);
+    min_quality: the quality gate.
     """
 
     bridge: object
@@ -77,7 +83,7 @@ class Variant:
         return name if self.key_norm else name + " key_norm=off"
 
     def cache_options(self) -> dict:
-        """BridgedCache keywords of this variant (refresh_by "source" is resolved per item)."""
+        """BridgedCache keywords of this variant (guided refresh_by is resolved per item)."""
         options = dict(
             native_head=self.native_head,
             native_tail=self.native_tail,
@@ -86,7 +92,7 @@ class Variant:
             refresh=self.refresh,
             min_quality=self.min_quality,
         )
-        if self.refresh_by != "source":
+        if self.refresh_by not in GUIDED:
             options["refresh_by"] = self.refresh_by
         return options
 
@@ -301,10 +307,11 @@ class _ItemRun:
     def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
         guide = None
-        if variant.refresh and variant.refresh_by == "source":
+        by = variant.refresh_by if variant.refresh else None
+        if by in ("source", "source+target"):
             query = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
 
-            def guide():
+            def from_source():
                 return source_guided_scores(
                     source=self.prefixes.source,
                     source_cache=source_kv,
@@ -315,6 +322,13 @@ class _ItemRun:
                     spread=variant.refresh_spread,
                     last_queries=variant.refresh_last,
                 )
+
+            guide = from_source
+        if by in ("target", "source+target"):
+            scorer = target_guided(
+                torch.tensor([self.prompts.prompt(item)], dtype=torch.long), variant.refresh_last
+            )
+            guide = (lambda: scorer) if by == "target" else (lambda: blend_scores(from_source(), scorer))
 
         return bridged_prefix(
             variant.bridge,
