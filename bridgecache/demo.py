@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from bridgecache.evaluation.cli import native_layers_arg
+
 __all__ = ["add_demo_command", "run_demo"]
 
 DEFAULT_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
@@ -52,6 +54,22 @@ def add_demo_command(subparsers):
         type=float,
         default=DEFAULT_REFRESH,
         help=f"share of context tokens the target recomputes (default {DEFAULT_REFRESH})",
+    )
+    demo.add_argument(
+        "--refresh-by",
+        default="source",
+        choices=["source", "target", "source+target", "deviation"],
+        help="how refreshed tokens are chosen (default source: the source's attention from the question)",
+    )
+    demo.add_argument(
+        "--native-layers",
+        type=native_layers_arg,
+        help="target layers computed natively over the whole document: N (the first N), L+L+.. or all",
+    )
+    demo.add_argument(
+        "--min-quality",
+        type=float,
+        help="quality gate: layers whose held-out score is below it run natively (or the whole prefill)",
     )
     demo.add_argument(
         "--native-tail", type=int, default=0, help="last context tokens the target prefills itself"
@@ -172,6 +190,9 @@ def run_demo(args) -> int:
             target_tokenizer=target_tok,
             source_cache=cache,
             refresh=args.refresh or None,
+            refresh_by=args.refresh_by,
+            native_layers=args.native_layers,
+            min_quality=args.min_quality,
             native_tail=args.native_tail,
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,

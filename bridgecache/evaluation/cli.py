@@ -56,7 +56,7 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--native-layers",
-        type=_native_layers,
+        type=native_layers_arg,
         help="target layers computed natively over the whole context: N (the first N), 0+1+17, or all",
     )
     parser.add_argument(
@@ -87,7 +87,7 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _native_layers(text: str):
+def native_layers_arg(text: str):
     """N, L+L+..., or all -> BridgedCache's native_layers."""
     if text == "all":
         return text
