@@ -7,7 +7,10 @@
 
 A variant is `plain` or comma-separated key=value pairs: head (native head, default 1), tail
 (native tail, default 0), layers (native layers: an int n, or 0+1+17 for a set, or all), refresh
-(fraction or token count), by (deviation | source), minq (quality gate threshold).
+(fraction or token count), by (deviation | source | target | source+target), minq (quality gate
+threshold); source-guided selection: spread (neighbours either side), last (only the prompt's
+last N tokens look), reduce (sum | max over layers, heads and queries), after (scores reach the N
+following tokens).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
@@ -34,6 +37,7 @@ PAIRS = {
 }
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
 _KEYS |= {"by": "refresh_by", "minq": "min_quality", "spread": "refresh_spread", "last": "refresh_last"}
+_KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after"}
 
 
 def parse_variant(spec: str) -> dict:
@@ -53,8 +57,8 @@ def parse_variant(spec: str) -> dict:
                 if "+" in value
                 else int(value)
             )
-        elif key == "by":
-            options["refresh_by"] = value
+        elif key in ("by", "reduce"):
+            options[_KEYS[key]] = value
         elif key in ("refresh", "minq"):
             number = float(value)
             options[_KEYS[key]] = int(number) if key == "refresh" and number >= 1 else number

@@ -78,7 +78,16 @@ def source_rows(alignment, target_tokens: int) -> torch.Tensor:
 
 @torch.no_grad()
 def source_guided_scores(
-    source, source_cache, alignment, target_ids, source_ids, query_ids=None, spread=0, last_queries=None
+    source,
+    source_cache,
+    alignment,
+    target_ids,
+    source_ids,
+    query_ids=None,
+    spread=0,
+    last_queries=None,
+    reduce="sum",
+    after=0,
 ):
     """Per target column, how much the source's attention from `query_ids` (the prompt in the
     source's tokens; None: the context's last tokens) falls on it: `BridgedCache(refresh_by=...)`.
@@ -95,6 +104,8 @@ def source_guided_scores(
         context_ids=source_ids,
         spread=spread,
         last_queries=last_queries,
+        reduce=reduce,
+        after=after,
     )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "select_columns",
     "refresh_columns",
     "deviation_scores",
+    "attention_maps",
     "source_attention_scores",
     "scores_on_target",
     "source_guided_scores",
@@ -139,42 +140,35 @@ def deviation_scores(translated_keys: torch.Tensor, native_keys: torch.Tensor) -
 
 
 @torch.no_grad()
-def source_attention_scores(
-    source,
-    keys,
-    values,
-    positions: torch.Tensor,
-    query_ids: torch.Tensor,
-    context_tokens: int,
-    last_queries: int | None = None,
-) -> torch.Tensor:
-    """How much the source's attention from `query_ids` falls on each context token.
+def attention_maps(
+    model, keys, values, positions: torch.Tensor, query_ids: torch.Tensor, context_tokens: int
+) -> list[torch.Tensor]:
+    """The attention of `model` from `query_ids` onto the first `context_tokens` cached columns.
 
-    The source reads `query_ids` [batch, q] right after the first `context_tokens` rows of its own
-    cache (keys/values per layer [batch, kv_heads, >= context_tokens, head_dim], positions
+    The model reads `query_ids` [batch, q] right after the first `context_tokens` rows of a cache
+    (keys/values per layer [batch, kv_heads, >= context_tokens, head_dim], positions
     [batch, >= context_tokens]); the caller's tensors are never modified (a fresh cache holds
-    views). last_queries: count only the last this many query tokens (None: all). Returns
-    [batch, context_tokens] float32: attention probabilities summed over layers, query heads
-    and the counted queries.
+    views). Returns per layer [batch, q_heads, q, context_tokens] float32 attention probabilities
+    (softmax over the context and the queries' own causal prefix, of which the context part).
     """
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(k[:, :, :context_tokens], v[:, :, :context_tokens], layer)
-    device = source.get_input_embeddings().weight.device
+    device = model.get_input_embeddings().weight.device
     q = query_ids.shape[1]
     start = positions[:, context_tokens - 1 : context_tokens].to(device) + 1
     query_positions = start + torch.arange(q, device=device)[None]
     rows = torch.arange(q)
-    with QueryRecorder(source, rows) as recorder:
-        source(
+    with QueryRecorder(model, rows) as recorder:
+        model(
             input_ids=query_ids.to(device),
             position_ids=query_positions,
             use_cache=True,
             logits_to_keep=1,
-            **cache_kwargs(source, cache),
+            **cache_kwargs(model, cache),
         )
-    total = torch.zeros(query_ids.shape[0], context_tokens, device=device)
-    for module in attention_modules(source):
+    maps = []
+    for module in attention_modules(model):
         queries = recorder.queries[module.layer_idx]  # [batch, q_heads, q, d]
         k = cache.layers[module.layer_idx].keys.float()  # [batch, kv_heads, context + q, d]
         group = queries.shape[1] // k.shape[1]
@@ -190,8 +184,38 @@ def source_attention_scores(
         if window:
             allowed &= (context_tokens + torch.arange(q, device=device)[:, None]) - key_col < window
         attn = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+        maps.append(attn[..., :context_tokens])
+    return maps
+
+
+def source_attention_scores(
+    source,
+    keys,
+    values,
+    positions: torch.Tensor,
+    query_ids: torch.Tensor,
+    context_tokens: int,
+    last_queries: int | None = None,
+    reduce: str = "sum",
+) -> torch.Tensor:
+    """How much the source's attention from `query_ids` falls on each context token.
+
+    Arguments as `attention_maps`; last_queries: count only the last this many query tokens
+    (None: all). reduce: "sum" of the attention probabilities over layers, query heads and the
+    counted queries, or "max": the largest any (layer, head, query) gives the token (a token one
+    head looks at hard outranks one that many heads glance at). Returns [batch, context_tokens]
+    float32.
+    """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce={reduce!r}; expected 'sum' or 'max'")
+    maps = attention_maps(source, keys, values, positions, query_ids, context_tokens)
+    total = torch.zeros(query_ids.shape[0], context_tokens, device=maps[0].device)
+    for attn in maps:
         counted = attn if last_queries is None else attn[:, :, -last_queries:]
-        total += counted[..., :context_tokens].sum(dim=(1, 2))
+        if reduce == "sum":
+            total += counted.sum(dim=(1, 2))
+        else:
+            total = torch.maximum(total, counted.amax(dim=(1, 2)))
     return total
 
 
@@ -212,6 +236,8 @@ def source_guided_scores(
     recent: int = 16,
     spread: int = 0,
     last_queries: int | None = None,
+    reduce: str = "sum",
+    after: int = 0,
 ) -> torch.Tensor:
     """Scores per TARGET column from the source's attention (for `BridgedCache(refresh_by=...)`).
 
@@ -226,6 +252,10 @@ def source_guided_scores(
             max), so a refresh picks whole spans around what the source attended to.
         last_queries: count the attention of only the prompt's last this many tokens (where an
             answer is read out, e.g. "Answer:"); None: every prompt token.
+        reduce: "sum" or "max" over layers, heads and queries (see source_attention_scores).
+        after: each token's score also reaches the `after` tokens that follow it: what a text
+            says about something tends to follow its mention ("X lives in Y"), and the source's
+            attention from a question finds the mention (docs/results.md measures it).
     Returns:
         [batch, target tokens] float32 on the CPU.
     """
@@ -234,7 +264,14 @@ def source_guided_scores(
     tokens = source_kv.num_tokens
     if query_ids is not None and query_ids.shape[1] > 0:
         scores = source_attention_scores(
-            source, source_kv.keys, source_kv.values, source_kv.position_ids, query_ids, tokens, last_queries
+            source,
+            source_kv.keys,
+            source_kv.values,
+            source_kv.position_ids,
+            query_ids,
+            tokens,
+            last_queries,
+            reduce,
         )
     else:
         if context_ids is None or context_ids.shape != (1, tokens):
@@ -251,9 +288,13 @@ def source_guided_scores(
             source_kv.position_ids,
             query_ids=context_ids[:, tokens - recent :],
             context_tokens=tokens - recent,
+            reduce=reduce,
         )
         top = float(scores.max()) + 1.0
         scores = torch.nn.functional.pad(scores, (0, recent), value=top)
+    if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens
+        padded = torch.nn.functional.pad(scores.float()[:, None], (after, 0), value=float("-inf"))
+        scores = torch.nn.functional.max_pool1d(padded, after + 1, stride=1)[:, 0]
     scores = scores_on_target(scores.float().cpu(), source_rows.cpu())
     if spread > 0:
         scores = torch.nn.functional.max_pool1d(scores[:, None], 2 * spread + 1, stride=1, padding=spread)[

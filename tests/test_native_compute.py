@@ -193,6 +193,11 @@ def test_source_attention_scores_match_the_models_own_attention():
     last = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, last_queries=2)
     expected_last = sum(a[0, :, 17:, :15].sum((0, 1)) for a in out.attentions)
     assert torch.allclose(last[0], expected_last, atol=1e-4)
+    peak = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, reduce="max")
+    expected_peak = torch.stack([a[0, :, 15:, :15].amax((0, 1)) for a in out.attentions]).amax(0)
+    assert torch.allclose(peak[0], expected_peak, atol=1e-5)
+    with pytest.raises(ValueError, match="reduce='mean'"):
+        source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, reduce="mean")
 
 
 def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
@@ -240,6 +245,10 @@ def test_spread_reaches_neighbours_of_what_the_source_attended_to():
     top = int(plain[0].argmax())
     assert all(wide[0, c] >= plain[0, top] for c in range(max(0, top - 2), min(15, top + 3)))
     assert torch.all(wide >= plain)
+    # after=3: a token's score reaches the 3 tokens after it, never the ones before
+    later = source_guided_scores(model, kv, rows, query_ids=prompt, after=3)
+    for c in range(15):
+        assert later[0, c] == plain[0, max(0, c - 3) : c + 1].max()
 
 
 def test_budget_and_selection_arguments():

@@ -65,6 +65,8 @@ class Variant:
     min_quality: float | None = None
     refresh_spread: int = 0  # source-guided: scores reach this many neighbours (spans)
     refresh_last: int | None = None  # source-guided: only the prompt's last this many tokens look
+    refresh_reduce: str = "sum"  # source-guided: "sum" or "max" over layers, heads and queries
+    refresh_after: int = 0  # source-guided: scores reach this many following tokens
     label: str | None = None  # told apart from other bridges of the same method (e.g. a tag)
 
     @property
@@ -78,6 +80,8 @@ class Variant:
             name += f" refresh={self.refresh}:{self.refresh_by}"
             name += f" spread={self.refresh_spread}" if self.refresh_spread else ""
             name += f" last={self.refresh_last}" if self.refresh_last else ""
+            name += f" reduce={self.refresh_reduce}" if self.refresh_reduce != "sum" else ""
+            name += f" after={self.refresh_after}" if self.refresh_after else ""
         if self.min_quality is not None:
             name += f" min_quality={self.min_quality}"
         return name if self.key_norm else name + " key_norm=off"
@@ -321,6 +325,8 @@ class _ItemRun:
                     query_ids=query,
                     spread=variant.refresh_spread,
                     last_queries=variant.refresh_last,
+                    reduce=variant.refresh_reduce,
+                    after=variant.refresh_after,
                 )
 
             guide = from_source

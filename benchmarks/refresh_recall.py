@@ -1,0 +1,142 @@
+"""Which context tokens does each refresh-selection rule pick? Recall of the answer, per rule.
+
+    python benchmarks/refresh_recall.py --pair smollm2-to-qwen0.5b --bridge DIR [--first 48 --count 48]
+
+A cheap proxy that steers the choice of a selection rule before the accuracy runs of
+benchmarks/native_dial.py: on the built-in fact questions (facts-choice-512), where the answer
+sits in the context is known, so each rule's pick of the top `--budget` share of the target's
+context columns can be scored by how many of the answer's tokens (and of its fact's line) it
+includes. Items 48-95 by default: the accuracy runs use items 0-47, so the rule is chosen on
+other items than those it is reported on.
+
+Rules (scores per source token, carried to target columns through the alignment as the
+library does; the source reads "Question: ... Answer:" over its own cache):
+    sum            attention summed over layers, heads and question tokens (the library's default)
+    readout        only the last 2 question tokens ("Answer:"), where the answer is read out
+    max            the largest attention any (layer, head, question token) gives the token
+    sum+spread2    sum, each score also reaching 2 neighbours either side (spans)
+    sum+afterK     sum, each score also reaching the K tokens AFTER it (what follows a mention)
+    max+after4, readout+after4   the same reach on the other rules
+Prints a table: mean recall of the answer's target tokens and of its line, 95% bootstrap
+intervals over items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from native_dial import PAIRS  # noqa: E402
+
+from bridgecache.bridge import Bridge  # noqa: E402
+from bridgecache.capture import capture_kv  # noqa: E402
+from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
+from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
+from bridgecache.handoff import align_context, source_rows  # noqa: E402
+from bridgecache.refresh import attention_maps, refresh_budget, scores_on_target, select_columns  # noqa: E402
+from bridgecache.zoo import load_model, load_tokenizer  # noqa: E402
+
+
+def after(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's score also reaches the k tokens after it (running max over the k before)."""
+    padded = torch.nn.functional.pad(scores[:, None], (k, 0), value=float("-inf"))
+    return torch.nn.functional.max_pool1d(padded, k + 1, stride=1)[:, 0]
+
+
+def around(scores: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.nn.functional.max_pool1d(scores[:, None], 2 * k + 1, stride=1, padding=k)[:, 0]
+
+
+def rules(maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Source-token scores [1, S] per rule from per-layer maps [1, heads, q, S]."""
+    total = sum(m.sum(dim=(1, 2)) for m in maps)
+    readout = sum(m[:, :, -2:].sum(dim=(1, 2)) for m in maps)
+    peak = torch.stack([m.amax(dim=(1, 2)) for m in maps]).amax(0)
+    return {
+        "sum": total,
+        "readout": readout,
+        "max": peak,
+        "sum+spread2": around(total, 2),
+        "sum+after2": after(total, 2),
+        "sum+after4": after(total, 4),
+        "sum+after8": after(total, 8),
+        "max+after4": after(peak, 4),
+        "readout+after4": after(readout, 4),
+    }
+
+
+def answer_columns(tokenizer, text: str, span: tuple[int, int]) -> set[int]:
+    """Target columns whose characters overlap text[span] (columns as context_ids counts them)."""
+    enc = tokenizer(text, return_offsets_mapping=True)
+    return {c for c, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < span[1] and b > span[0]}
+
+
+def ci(values: list[float]) -> tuple[float, float]:
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(2000))
+    return means[50], means[1949]
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pair", required=True, choices=list(PAIRS))
+    parser.add_argument("--bridge", required=True, type=Path, help="its alignment policy is used")
+    parser.add_argument("--task", default="facts-choice-512")
+    parser.add_argument("--first", type=int, default=48)
+    parser.add_argument("--count", type=int, default=48)
+    parser.add_argument("--budget", type=float, default=0.2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    bridge = Bridge.from_pretrained(args.bridge)
+    source_name, target_name = PAIRS[args.pair]
+    source, source_tok = load_model(source_name)
+    target_tok = load_tokenizer(target_name)  # the target model itself is not needed
+    items = builtin_items(f"{args.task}", target_tok, limit=args.first + args.count)[args.first :]
+    recall = {}
+    for item in items:
+        alignment, source_ids, target_ids = align_context(bridge, item.context, source_tok, target_tok)
+        answer = item.choices[item.answer]
+        at = item.context.find(answer)
+        line_start = item.context.rfind("\n", 0, at) + 1
+        line_end = item.context.find("\n", at)
+        line_end = len(item.context) if line_end < 0 else line_end
+        wanted = {
+            "answer": answer_columns(target_tok, item.context, (at, at + len(answer))),
+            "line": answer_columns(target_tok, item.context, (line_start, line_end)),
+        }
+        kv = capture_kv(source, source_ids)
+        question = source_tok(_plain_prompt(item), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        maps = attention_maps(source, kv.keys, kv.values, kv.position_ids, question, source_ids.shape[1])
+        rows = source_rows(alignment, target_ids.shape[1])
+        tokens = target_ids.shape[1]
+        eligible = torch.zeros(1, tokens, dtype=torch.bool)
+        eligible[0, 1 : tokens - 1] = True  # as BridgedCache: native sink, held-back last token
+        budget = refresh_budget(args.budget, int(eligible.sum()))
+        for name, scores in rules(maps).items():
+            picked = set(select_columns(scores_on_target(scores.float(), rows), eligible, budget)[0].tolist())
+            for what, columns in wanted.items():
+                recall.setdefault((name, what), []).append(len(picked & columns) / max(1, len(columns)))
+    print(f"{args.pair}, {args.task} items {args.first}-{args.first + len(items) - 1}, budget {args.budget}")
+    print("| rule | answer tokens picked | answer line tokens picked |")
+    print("|---|---|---|")
+    for name in dict.fromkeys(name for name, _ in recall):
+        cells = []
+        for what in ("answer", "line"):
+            values = recall[(name, what)]
+            lo, hi = ci(values)
+            cells.append(f"{statistics.fmean(values):.0%} [{lo:.0%}, {hi:.0%}]")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
