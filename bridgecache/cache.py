@@ -293,12 +293,14 @@ class BridgedCache(DynamicCache):
         tr.native_layers = native
         tr.native_kv = native_layer_kv(target, ids, cached, native)
         columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
+        guide_flops = 0.0
         if budget:
             if by_deviation:
                 translated_keys, _ = tr.translate(check_layer)  # [batch, heads, prefix, dim]
                 column_scores = deviation_scores(translated_keys, tr.native_kv[check_layer][0])
             elif callable(refresh_by):  # e.g. refresh.target_guided: reads the translated layers
                 column_scores = torch.as_tensor(refresh_by(target, self, target_ids))[:, : tr.prefix_length]
+                guide_flops = getattr(refresh_by, "flops", 0.0)
             else:
                 column_scores = torch.as_tensor(refresh_by)[:, : tr.prefix_length]
                 if column_scores.shape != cached.shape:
@@ -317,9 +319,12 @@ class BridgedCache(DynamicCache):
             refreshed=budget,
             refresh_by=None if not budget else _refresh_by_name(refresh_by),
             check_layer=check_layer if by_deviation else None,
+            guide_flops=guide_flops,
         )
 
-    def _build_report(self, target, *, native, scores, fallback, refreshed, refresh_by, check_layer):
+    def _build_report(
+        self, target, *, native, scores, fallback, refreshed, refresh_by, check_layer, guide_flops=0.0
+    ):
         tr = self.translator
         translated = [i for i in range(len(self.layers)) if i not in native]
         quality = None
@@ -348,6 +353,7 @@ class BridgedCache(DynamicCache):
             estimated_quality=quality,
             fallback=fallback,
             native_cost_fraction=work / prefill_flops(target.config, real) if real else 0.0,
+            guide_cost_fraction=guide_flops / prefill_flops(target.config, real) if real else 0.0,
         )
 
     def report(self) -> HandoffReport:

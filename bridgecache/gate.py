@@ -108,6 +108,14 @@ class HandoffReport:
     fallback: str | None
     native_cost_fraction: float  # FLOPs of the handoff's native work / the target's own prefill
     notes: list[str] = field(default_factory=list)
+    # FLOPs of choosing the refreshed tokens (a model reading the prompt over the context: the
+    # source for refresh_by="source", the target for "target") / the target's own prefill
+    guide_cost_fraction: float = 0.0
+
+    @property
+    def cost_fraction(self) -> float:
+        """All the handoff's compute beyond translation, as a share of the target's own prefill."""
+        return self.native_cost_fraction + self.guide_cost_fraction
 
     def __str__(self) -> str:
         lines = [
@@ -118,7 +126,12 @@ class HandoffReport:
             + f"), {self.tokens_native} native",
             "estimated quality: "
             + ("n/a" if self.estimated_quality is None else f"{self.estimated_quality:.3f}"),
-            f"native work: {self.native_cost_fraction:.1%} of the target's own prefill (FLOPs)",
+            f"native work: {self.native_cost_fraction:.1%} of the target's own prefill (FLOPs)"
+            + (
+                f"; choosing the refreshed tokens: {self.guide_cost_fraction:.1%} more"
+                if self.guide_cost_fraction
+                else ""
+            ),
         ]
         if self.fallback:
             lines.insert(0, f"FALLBACK to native prefill: {self.fallback}")
@@ -156,6 +169,20 @@ def prefill_flops(config, tokens: int) -> float:
     d = _dims(config)
     per_layer = tokens * _token_layer_flops(d) + _attention_flops(d, tokens * (tokens + 1) / 2)
     return d["layers"] * per_layer
+
+
+def reading_flops(config, tokens: int, context: int) -> float:
+    """FLOPs of a model (`config`) reading `tokens` new tokens after `context` cached ones (no
+    vocabulary head): what choosing tokens by a model's attention from the prompt costs."""
+    d = _dims(config)
+    return d["layers"] * (
+        tokens * _token_layer_flops(d) + _attention_flops(d, tokens * (context + tokens / 2))
+    )
+
+
+def reading_fraction(reader_config, tokens: int, context: int, target_config, target_context: int) -> float:
+    """`reading_flops` of a reader over the target's own prefill of its `target_context` tokens."""
+    return reading_flops(reader_config, tokens, context) / prefill_flops(target_config, target_context)
 
 
 def handoff_flops(

@@ -212,6 +212,13 @@ def handoff(
         refresh_by=refresh_by,
         min_quality=min_quality,
     )
+    if guided:  # the source read the prompt over the context: part of the handoff's cost
+        from bridgecache.gate import reading_fraction
+
+        report = cache.report()
+        report.guide_cost_fraction += reading_fraction(
+            source.config, query.shape[1], source_ids.shape[1], target.config, target_ids.shape[1]
+        )
     if by == "source":
         cache.report().refresh_by = "source attention"
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
+from bridgecache.gate import reading_flops
 
 __all__ = [
     "refresh_budget",
@@ -321,6 +322,7 @@ def target_guided(prompt_ids: torch.Tensor, last_queries: int | None = None):
         device = tr.target_positions.device
         query = torch.cat([target_ids[:, prefix:].to(device), prompt_ids.to(device, torch.long)], dim=1)
         layers = list(cache.layers)
+        scores.flops = reading_flops(target.config, query.shape[1], prefix)  # for cache.report()
         return source_attention_scores(
             target,
             [layer.keys for layer in layers],
@@ -332,6 +334,7 @@ def target_guided(prompt_ids: torch.Tensor, last_queries: int | None = None):
         )
 
     scores.label = "target attention"
+    scores.flops = 0.0
     return scores
 
 
@@ -345,7 +348,9 @@ def blend_scores(given: torch.Tensor, scorer):
 
     def scores(target, cache, target_ids: torch.Tensor) -> torch.Tensor:
         own = scorer(target, cache, target_ids)
+        scores.flops = getattr(scorer, "flops", 0.0)  # the given scores' cost is their maker's to add
         return normalised(own) + normalised(torch.as_tensor(given)[:, : own.shape[1]])
 
     scores.label = f"source attention + {getattr(scorer, 'label', 'given scores')}"
+    scores.flops = 0.0
     return scores

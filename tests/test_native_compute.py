@@ -201,6 +201,7 @@ def test_source_attention_scores_match_the_models_own_attention():
 
 
 def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
+    from bridgecache.gate import reading_fraction
     from bridgecache.refresh import blend_scores, target_guided
 
     model = tiny_model("llama")  # eager attention: output_attentions is the reference
@@ -225,6 +226,10 @@ def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache()
     top = expected.masked_fill(~eligible, float("-inf")).topk(3).indices.sort().values
     assert cache.refreshed_columns[0].tolist() == top.tolist()
     assert cache.report().refresh_by == "target attention"
+    # its cost: the target read 5 tokens (held-back + prompt) over 14 cached ones
+    expected_cost = reading_fraction(model.config, 5, 14, model.config, 15)
+    assert cache.report().guide_cost_fraction == pytest.approx(expected_cost)
+    assert cache.report().cost_fraction == pytest.approx(cache.report().native_cost_fraction + expected_cost)
     # Blending with the source's scores: each guide normalised to sum 1 per row, then added.
     given = torch.zeros(1, 15)
     given[0, 5] = 7.0
@@ -293,6 +298,7 @@ def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_b
     assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
     expected = {"source": "source attention", "target": "target attention"}
     assert result.cache.report().refresh_by == expected.get(refresh_by, "source attention + target attention")
+    assert result.cache.report().guide_cost_fraction > 0  # the reading that chose the tokens is counted
     # Only the target guides "target": no source model needed once its cache is there.
     without_source = dict(source_cache=result.cache.translator.source, refresh=0.5, refresh_by=refresh_by)
     if refresh_by == "target":

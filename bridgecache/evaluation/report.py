@@ -83,6 +83,8 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
     out["speedup"] = out["native_prefill_s"] / out["handoff_s"] if out["handoff_s"] > 0 else math.nan
     costs = [r.native_cost[variant.name] for r in items if variant.name in r.native_cost]
     out["native_cost_fraction"] = sum(costs) / len(costs) if costs else math.nan
+    guides = [r.guide_cost[variant.name] for r in items if variant.name in r.guide_cost]
+    out["guide_cost_fraction"] = sum(guides) / len(guides) if guides else 0.0
     out["fallbacks"] = sum(1 for r in items if r.fallback.get(variant.name))
     out["note"] = HANDOFF_NOTE
     out["items"] = [_item_record(r, keys, evaluation.task, variant) for r in items]
@@ -99,6 +101,7 @@ def _item_record(result, keys: dict[str, str], task: str, variant: Variant) -> d
         "handoff_s": result.handoff_s[variant.name],
         "source_prefill_s": result.source_prefill_s,
         "native_cost_fraction": result.native_cost.get(variant.name),
+        "guide_cost_fraction": result.guide_cost.get(variant.name),
         "fallback": result.fallback.get(variant.name),
     }
     if task == "ppl":
@@ -127,7 +130,8 @@ def format_table(s: dict) -> str:
         f"native compute: layers={s.get('native_layers')}, "
         f"refresh={s.get('refresh')} by {s.get('refresh_by')}, "
         f"min_quality={s.get('min_quality')}; native FLOPs {_pct(s.get('native_cost_fraction', math.nan))} "
-        f"of the target's prefill; {s.get('fallbacks', 0)} fallbacks",
+        f"of the target's prefill (+{_pct(s.get('guide_cost_fraction') or 0.0)} choosing refreshed tokens); "
+        f"{s.get('fallbacks', 0)} fallbacks",
         f"task {s['task']} on {s.get('data', '?')}: {s['n']} items, {s['skipped']} skipped"
         f"{' (longer than a window)' if s['skipped'] else ''}; "
         f"context {s['context_tokens_mean']:.0f} target tokens on average",

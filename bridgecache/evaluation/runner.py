@@ -35,6 +35,7 @@ from bridgecache.evaluation.controls import ControlScores
 from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
+from bridgecache.gate import reading_fraction
 from bridgecache.handoff import source_guided_scores
 from bridgecache.refresh import blend_scores, target_guided
 
@@ -121,6 +122,7 @@ class ItemResult:
     handoff_s: dict[str, float] = field(default_factory=dict)
     align_s: dict[str, float] = field(default_factory=dict)
     native_cost: dict[str, float] = field(default_factory=dict)  # handoff FLOPs / native prefill FLOPs
+    guide_cost: dict[str, float] = field(default_factory=dict)  # choosing refreshed tokens, same unit
     fallback: dict[str, str | None] = field(default_factory=dict)  # the quality gate's reason, if any
 
 
@@ -299,6 +301,9 @@ class _ItemRun:
             result.handoff_s[variant.name] = prefix.seconds
             report = prefix.cache.report()
             result.native_cost[variant.name] = report.native_cost_fraction
+            result.guide_cost[variant.name] = report.guide_cost_fraction + self._source_reading(
+                variant, context, item
+            )
             result.fallback[variant.name] = report.fallback
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
             if self.task == "ppl":
@@ -307,6 +312,19 @@ class _ItemRun:
                     target, prefix, own.rows(other_prompt), len(other_prompt)
                 )
         return result
+
+    def _source_reading(self, variant: Variant, context: Context, item) -> float:
+        """FLOPs share of the source reading the prompt for a source-guided refresh (0 if none)."""
+        if not (variant.refresh and variant.refresh_by in ("source", "source+target")):
+            return 0.0
+        query = len(self.prompts.source_prompt(item)) or min(16, context.source_ids.shape[1] - 1)
+        return reading_fraction(
+            self.prefixes.source.config,
+            query,
+            context.source_ids.shape[1],
+            self.target.config,
+            context.target_ids.shape[1],
+        )
 
     def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
