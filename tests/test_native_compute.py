@@ -211,6 +211,7 @@ def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache()
 
     def recording(target, cache, target_ids):
         seen["scores"] = scorer(target, cache, target_ids)
+        recording.flops = scorer.flops
         return seen["scores"]
 
     recording.label = scorer.label
