@@ -116,6 +116,46 @@ def measure(source, target, bridge, context, question, fractions, device, repeat
     return times, shares
 
 
+@torch.no_grad()
+def stages(source, target, bridge, context, question, fraction, device, repeats) -> None:
+    """Where a refreshed handoff's time goes: each stage synchronised, then torch.profiler's
+    top operators by CPU time (the host side) for one whole handoff."""
+    source_kv = capture_kv(source, context)
+    full = torch.cat([context, question], dim=1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once():
+        marks = [time.perf_counter()]
+        scores = source_guided_scores(source, source_kv, None, context, context, question)
+        sync()
+        marks.append(time.perf_counter())
+        cache = BridgedCache(bridge, source_kv, target, context)
+        sync()
+        marks.append(time.perf_counter())
+        cache = BridgedCache(bridge, source_kv, target, context, refresh=fraction, refresh_by=scores)
+        sync()
+        marks.append(time.perf_counter())
+        target.generate(
+            full, max_new_tokens=1, do_sample=False, pad_token_id=0, **cache_kwargs(target, cache)
+        )
+        sync()
+        marks.append(time.perf_counter())
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+    once()
+    runs = [once() for _ in range(repeats)]
+    names = ["source reads the question", "BridgedCache without refresh", "BridgedCache with refresh",
+             "generate (held-back token + question)"]  # fmt: skip
+    for i, name in enumerate(names):
+        print(f"  {name}: {statistics.median(r[i] for r in runs) * 1e3:.1f} ms")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        once()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,6 +164,7 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--stages", type=int, help="at this length: time per stage and a profile, then stop")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -140,6 +181,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device {name}, torch {torch.__version__}, {dtype}, median of {args.repeats}, "
           f"{QUESTION_TOKENS}-token question, Qwen2.5-Coder-1.5B -> 0.5B configs")  # fmt: skip
+    if args.stages:
+        context = torch.randint(0, target_config.vocab_size, (1, args.stages), device=device)
+        question = torch.randint(0, target_config.vocab_size, (1, QUESTION_TOKENS), device=device)
+        print(f"stages of a handoff with refresh {args.fractions[-1]} by source, {args.stages} tokens")
+        stages(source, target, bridge, context, question, args.fractions[-1], device, args.repeats)
+        return
     header = None
     for n in lengths:
         context = torch.randint(0, target_config.vocab_size, (1, n), device=device)
