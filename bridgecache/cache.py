@@ -258,12 +258,17 @@ class BridgedCache(DynamicCache):
                 layer._bind(translator, i)
         self.layer_class_to_replicate = None
         self.translator = translator
-        self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
-        if groups_apply(translator, target, one_launch):  # after the native work: it skips native layers
-            translator.groups = LayerGroups(translator)
+        grouped = groups_apply(translator, target, one_launch)
+        self._native_work(
+            target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, grouped
+        )
 
-    def _native_work(self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality):
-        """Gate, native layers and token refresh: the target's own compute over the context."""
+    def _native_work(
+        self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, grouped
+    ):
+        """Gate, native layers and token refresh: the target's own compute over the context.
+        grouped: translate in groups (set up once the native layers are known, which the groups
+        skip, and before a refresh reads every layer)."""
         tr = self.translator
         num_layers = len(self.layers)
         policy = min_quality if isinstance(min_quality, QualityPolicy) else QualityPolicy(min_quality)
@@ -292,6 +297,8 @@ class BridgedCache(DynamicCache):
         ids = target_ids[:, : tr.prefix_length]
         tr.native_layers = native
         tr.native_kv = native_layer_kv(target, ids, cached, native)
+        if grouped:
+            tr.groups = LayerGroups(tr)
         columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
         guide_flops = 0.0
         if budget:

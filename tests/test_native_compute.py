@@ -307,3 +307,16 @@ def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_b
     else:
         with pytest.raises(ValueError, match="needs the source model"):
             handoff(None, model, _noisy_bridge(model), context, prompt, **without_source, **kwargs)
+
+
+def test_refresh_reads_grouped_translation_like_per_layer_translation():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 20))
+    bridge, scores = _noisy_bridge(model), torch.rand(1, 20)
+    kwargs = dict(refresh=0.3, refresh_by=scores)
+    grouped = BridgedCache(bridge, capture_kv(model, ids), model, ids, one_launch=True, **kwargs)
+    per_layer = BridgedCache(bridge, capture_kv(model, ids), model, ids, one_launch=False, **kwargs)
+    assert grouped.translator.groups is not None and grouped.translator.groups.translations > 0
+    assert torch.equal(grouped.refreshed_columns, per_layer.refreshed_columns)
+    for a, b in zip(grouped.materialize().layers, per_layer.materialize().layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
