@@ -44,7 +44,9 @@ def parse_variant(spec: str) -> dict:
     """`plain` or `key=value,...` -> Variant keywords (see the module docstring)."""
     if spec == "plain":
         return {}
-    options = {}
+    # Source-guided specs without reduce/after mean the first rule measured (sum, no reach),
+    # so the tables' older rows keep their meaning.
+    options = {"refresh_reduce": "sum", "refresh_after": 0}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in _KEYS or not value:

@@ -86,13 +86,22 @@ def source_guided_scores(
     query_ids=None,
     spread=0,
     last_queries=None,
-    reduce="sum",
-    after=0,
+    reduce=None,
+    after=None,
 ):
     """Per target column, how much the source's attention from `query_ids` (the prompt in the
     source's tokens; None: the context's last tokens) falls on it: `BridgedCache(refresh_by=...)`.
 
-    target_ids [1, T], source_ids [1, S]: the context in each model's tokens (batch 1)."""
+    target_ids [1, T], source_ids [1, S]: the context in each model's tokens (batch 1).
+    reduce, after, spread, last_queries: see bridgecache.refresh.source_guided_scores. None
+    (default): with a prompt, reduce="max", after=4 (the largest attention any layer, head and
+    prompt token gives a token, reaching the 4 tokens after it: it picked the answers' tokens
+    best on held-out fact questions, benchmarks/refresh_recall.py); without one, "sum" and 0
+    (measured on prose continuation). docs/results.md has both.
+    """
+    prompted = query_ids is not None and query_ids.shape[1] > 0
+    reduce = reduce or ("max" if prompted else "sum")
+    after = (4 if prompted else 0) if after is None else after
     from bridgecache.refresh import source_guided_scores as scores_from_source
     from bridgecache.source import as_source
 

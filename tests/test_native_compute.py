@@ -320,3 +320,20 @@ def test_refresh_reads_grouped_translation_like_per_layer_translation():
     assert torch.equal(grouped.refreshed_columns, per_layer.refreshed_columns)
     for a, b in zip(grouped.materialize().layers, per_layer.materialize().layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_handoff_scores_default_to_the_measured_rule_per_case():
+    from bridgecache.handoff import source_guided_scores as handoff_scores
+    from bridgecache.refresh import source_guided_scores
+    from bridgecache.source import as_source
+
+    model = tiny_model("llama")
+    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 3))
+    kv = capture_kv(model, context)
+    rows = torch.arange(20)[None]
+    prompted = handoff_scores(model, kv, None, context, context, prompt)
+    expected = source_guided_scores(model, as_source(kv), rows, query_ids=prompt, reduce="max", after=4)
+    assert torch.equal(prompted, expected)  # with a prompt: max, reaching 4 tokens after
+    unprompted = handoff_scores(model, kv, None, context, context)
+    expected = source_guided_scores(model, as_source(kv), rows, context_ids=context, reduce="sum", after=0)
+    assert torch.equal(unprompted, expected)  # without: the sum over the context's last tokens

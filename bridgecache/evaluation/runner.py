@@ -66,8 +66,8 @@ class Variant:
     min_quality: float | None = None
     refresh_spread: int = 0  # source-guided: scores reach this many neighbours (spans)
     refresh_last: int | None = None  # source-guided: only the prompt's last this many tokens look
-    refresh_reduce: str = "sum"  # source-guided: "sum" or "max" over layers, heads and queries
-    refresh_after: int = 0  # source-guided: scores reach this many following tokens
+    refresh_reduce: str | None = None  # source-guided: "sum" or "max" (None: handoff's default)
+    refresh_after: int | None = None  # source-guided: scores reach this many following tokens
     label: str | None = None  # told apart from other bridges of the same method (e.g. a tag)
 
     @property
@@ -81,8 +81,8 @@ class Variant:
             name += f" refresh={self.refresh}:{self.refresh_by}"
             name += f" spread={self.refresh_spread}" if self.refresh_spread else ""
             name += f" last={self.refresh_last}" if self.refresh_last else ""
-            name += f" reduce={self.refresh_reduce}" if self.refresh_reduce != "sum" else ""
-            name += f" after={self.refresh_after}" if self.refresh_after else ""
+            name += f" reduce={self.refresh_reduce}" if self.refresh_reduce is not None else ""
+            name += f" after={self.refresh_after}" if self.refresh_after is not None else ""
         if self.min_quality is not None:
             name += f" min_quality={self.min_quality}"
         return name if self.key_norm else name + " key_norm=off"
