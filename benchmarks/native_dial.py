@@ -73,19 +73,23 @@ def strategy(summary: dict) -> str:
     """The curve a variant belongs to in the plot."""
     layers = summary.get("native_layers") not in (None, 0)
     refresh = summary.get("refresh")
+    spec = summary.get("spec", "")
+    prefix = f"{summary['label']}: " if summary.get("label") else ""
     if summary.get("min_quality") is not None:
-        return "quality gate"
+        return prefix + "quality gate"
     if layers and refresh:
-        return f"native layers + refresh ({summary['refresh_by']})"
-    if refresh and summary.get("spec", "").count("spread="):
-        return f"refresh ({summary['refresh_by']}, spans)"
+        return prefix + f"native layers + refresh ({summary['refresh_by']})"
+    if refresh and "after=" in spec:
+        return prefix + f"refresh ({summary['refresh_by']}, max, after)"
+    if refresh and "spread=" in spec:
+        return prefix + f"refresh ({summary['refresh_by']}, spans)"
     if refresh:
-        return f"refresh ({summary['refresh_by']})"
+        return prefix + f"refresh ({summary['refresh_by']})"
     if layers:
-        return "native layers"
+        return prefix + "native layers"
     if summary.get("native_tail"):
-        return "native tail"
-    return "translated only"
+        return prefix + "native tail"
+    return prefix + "translated only"
 
 
 _COLORS = {
@@ -94,6 +98,9 @@ _COLORS = {
     "native tail": "tab:brown",
     "refresh (source)": "tab:green",
     "refresh (source, spans)": "tab:olive",
+    "refresh (source, max, after)": "darkgreen",
+    "refresh (target)": "tab:cyan",
+    "refresh (source+target)": "tab:pink",
     "refresh (deviation)": "tab:orange",
     "native layers + refresh (source)": "tab:purple",
     "quality gate": "tab:gray",
@@ -114,7 +121,7 @@ def run(args) -> None:
     bridge = Bridge.from_pretrained(args.bridge)
     target, target_tok = load_model(target_name)
     source, source_tok = load_model(source_name)
-    variants = [Variant(bridge, **parse_variant(spec)) for spec in args.variants]
+    variants = [Variant(bridge, label=args.label, **parse_variant(spec)) for spec in args.variants]
     controls = ControlScores(args.controls or cache_root() / "quality" / "controls.json")
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
@@ -132,6 +139,7 @@ def run(args) -> None:
         record = {
             "pair": args.pair,
             "tag": args.tag,
+            "label": args.label,
             "task": task_name,
             "bridge": str(args.bridge),
             "threads": args.threads,
@@ -175,37 +183,88 @@ def _ci(lo_hi) -> str:
     return "" if lo is None else f" [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
+def guide_cost(record: dict, s: dict) -> float:
+    """FLOPs share of choosing the refreshed tokens (a model reading the prompt over the context).
+
+    Recorded by runs since it was counted (`guide_cost_fraction`); for earlier runs rebuilt from
+    the same items, tokenizers and model configs (what the runner now computes per item)."""
+    if s.get("guide_cost_fraction") is not None:
+        return s["guide_cost_fraction"]
+    by = s.get("refresh_by") if s.get("refresh") else None
+    if by not in ("source", "target", "source+target"):
+        return 0.0
+    from transformers import AutoConfig
+
+    from bridgecache.evaluation.builtin import builtin_items
+    from bridgecache.evaluation.prompts import _plain_prompt
+    from bridgecache.gate import reading_fraction
+    from bridgecache.zoo import load_tokenizer, model_dir
+
+    source_name, target_name = PAIRS[record["pair"]]
+    configs = {name: AutoConfig.from_pretrained(model_dir(name)) for name in (source_name, target_name)}
+    toks = {name: load_tokenizer(name) for name in (source_name, target_name)}
+    items = builtin_items(record["task"], toks[target_name], limit=max(i["index"] for i in s["items"]) + 1)
+    costs = []
+    for row in s["items"]:
+        item, total = items[row["index"]], 0.0
+        S, T = row["source_tokens"], row["context_tokens"]
+        text = _plain_prompt(item)
+        if by in ("source", "source+target"):
+            q = len(toks[source_name](text, add_special_tokens=False)["input_ids"]) or min(16, S - 1)
+            context = S if text else S - q
+            total += reading_fraction(configs[source_name], q, context, configs[target_name], T)
+        if by in ("target", "source+target"):  # held-back token + prompt over T - 1 columns
+            q = 1 + len(toks[target_name](text, add_special_tokens=False)["input_ids"])
+            total += reading_fraction(configs[target_name], q, T - 1, configs[target_name], T)
+        costs.append(total)
+    return sum(costs) / len(costs)
+
+
+def merged(records: list[dict]) -> list[dict]:
+    """One record per (pair, task): the variants of every tag, each marked with its tag."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["pair"], r["task"])
+        if key not in out:
+            out[key] = {**r, "variants": [], "tags": []}
+        out[key]["tags"].append(r["tag"])
+        for s in r["variants"]:
+            s = dict(s, tag=r["tag"], label=r.get("label"), guide=guide_cost(r, s))
+            s["cost"] = s["native_cost_fraction"] + s["guide"]
+            out[key]["variants"].append(s)
+    return list(out.values())
+
+
 def report(args) -> None:
     records = [json.loads(p.read_text()) for p in sorted(args.raw.glob("*/*/*.json"))]
-    records = [r for r in records if args.tags is None or r["tag"] in args.tags]
+    records = merged([r for r in records if args.tags is None or r["tag"] in args.tags])
     for r in records:
         s0 = r["variants"][0]
         n = s0["n"]
-        tail = "| native FLOPs share | handoff time / native prefill |"
-        if s0["task"] == "ppl":
-            head = "| variant | n | content-gain | context-gain " + tail
-        else:
-            head = (
-                "| variant | n | accuracy | retention | native FLOPs share | handoff time / native prefill |"
-            )
-        print(f"\n#### {r['pair']}, {r['task']} (tag {r['tag']}, {r['date']}, {n} items)\n")
+        tail = "| FLOPs share: native + choosing tokens | handoff time / native prefill |"
+        second = "context-gain" if s0["task"] == "ppl" else "retention"
+        first = "content-gain" if s0["task"] == "ppl" else "accuracy"
+        print(f"\n#### {r['pair']}, {r['task']} (tags {', '.join(r['tags'])}, {r['date']}, {n} items)\n")
         if s0["task"] == "ppl":
             print(f"native: NLL {s0['nll_native']:.3f}; no context {s0['nll_no_context']:.3f}; "
                   f"unrelated context {s0['nll_other_native']:.3f}\n")  # fmt: skip
         else:
             print(f"native accuracy {_pct(s0['acc_native'])}; no context {_pct(s0['acc_no_context'])}; "
                   f"unrelated context {_pct(s0['acc_other_native'])}\n")  # fmt: skip
-        print(head)
+        print(f"| variant | n | {first} | {second} {tail}")
         print("|---|---|---|---|---|---|")
-        for s in sorted(r["variants"], key=lambda s: s["native_cost_fraction"]):
+        for s in sorted(r["variants"], key=lambda s: s["cost"]):
             value, ci = _quality(s)
             ratio = s["handoff_s"] / s["native_prefill_s"] if s["native_prefill_s"] else math.nan
             key = "context_gain_recovered" if s["task"] == "ppl" else "retention"
-            second = f"{_pct(s[key])}{_ci(tuple(s.get(key + '_ci') or (None, None)))}"
-            print(
-                f"| {s['spec']} | {s['n']} | {_pct(value)}{_ci(ci)} | {second} "
-                f"| {_pct(s['native_cost_fraction'])} | {_pct(ratio)} |"
+            kept = f"{_pct(s[key])}{_ci(tuple(s.get(key + '_ci') or (None, None)))}"
+            flops = (
+                _pct(s["cost"])
+                if not s["guide"]
+                else (f"{_pct(s['native_cost_fraction'])} + {_pct(s['guide'])} = {_pct(s['cost'])}")
             )
+            name = f"{s['label']}: {s['spec']}" if s.get("label") else s["spec"]
+            print(f"| {name} | {s['n']} | {_pct(value)}{_ci(ci)} | {kept} | {flops} | {_pct(ratio)} |")
     if args.plots:
         _plots(records, args.plots)
 
@@ -228,7 +287,7 @@ def _plots(records: list[dict], directory: Path) -> None:
             curves: dict[str, list[tuple[float, float, tuple]]] = {}
             for s in r["variants"]:
                 value, ci = _quality(s)
-                curves.setdefault(strategy(s), []).append((s["native_cost_fraction"], value, ci))
+                curves.setdefault(strategy(s), []).append((s["cost"], value, ci))
             for name, points in sorted(curves.items()):
                 points.sort()
                 xs = [100 * p[0] for p in points]
@@ -247,7 +306,7 @@ def _plots(records: list[dict], directory: Path) -> None:
                 ax.axhline(100 * s0["acc_no_context"], color="grey", linestyle=":", label="no context")
                 ax.set_ylabel("accuracy (%)")
             ax.axvline(25, color="red", alpha=0.3, label="25% cost goal")
-            ax.set_xlabel("handoff native work (% of target prefill FLOPs)")
+            ax.set_xlabel("handoff compute: native work + choosing tokens (% of target prefill FLOPs)")
             ax.set_title(f"{r['task']} (n={s0['n']})")
             ax.grid(alpha=0.3)
         for ax in axes[0]:
@@ -271,6 +330,7 @@ def main() -> None:
     r.add_argument("--limit", type=int, default=48)
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
+    r.add_argument("--label", help="names this bridge in tables and plots (e.g. a larger calibration)")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--controls", type=Path)
     r.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")
