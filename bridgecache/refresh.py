@@ -169,6 +169,10 @@ def attention_maps(
             **cache_kwargs(model, cache),
         )
     maps = []
+    # Query j sits at column context_tokens + j: causal over the prompt's own keys (built once).
+    query_col = context_tokens + torch.arange(q, device=device)[:, None]
+    key_col = torch.arange(context_tokens + q, device=device)[None, :]
+    causal = key_col <= query_col
     for module in attention_modules(model):
         queries = recorder.queries[module.layer_idx]  # [batch, q_heads, q, d]
         k = cache.layers[module.layer_idx].keys.float()  # [batch, kv_heads, context + q, d]
@@ -178,12 +182,10 @@ def attention_maps(
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        # Query j sits at column context_tokens + j: causal over the prompt's own keys.
-        key_col = torch.arange(k.shape[2], device=device)[None, :]
-        allowed = key_col <= context_tokens + torch.arange(q, device=device)[:, None]
+        allowed = causal
         window = getattr(module, "sliding_window", None)
         if window:
-            allowed &= (context_tokens + torch.arange(q, device=device)[:, None]) - key_col < window
+            allowed = causal & (query_col - key_col < window)
         attn = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
         maps.append(attn[..., :context_tokens])
     return maps

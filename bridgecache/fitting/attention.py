@@ -62,6 +62,13 @@ class QueryRecorder:
             self._handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
         return self
 
+    def _rows_on(self, device: torch.device) -> torch.Tensor:
+        """The rows on `device`, copied once: a host-to-device copy per layer would wait for the
+        GPU to finish every layer before the next could be queued."""
+        if self.rows.device != device:
+            self.rows = self.rows.to(device)
+        return self.rows
+
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
@@ -70,7 +77,7 @@ class QueryRecorder:
     def _hook(self, module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-        rows = self.rows.to(hidden.device)
+        rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
         q = module.q_proj(h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
         if getattr(module, "q_norm", None) is not None:
