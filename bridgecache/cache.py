@@ -45,6 +45,7 @@ from bridgecache.refresh import (
 from bridgecache.rope import RopeTables
 from bridgecache.rows import leading_native, plan_rows, pool_source
 from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
+from bridgecache.static import fill_static
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["BridgedCache"]
@@ -367,6 +368,17 @@ class BridgedCache(DynamicCache):
                 layer._materialize()
         return self
 
+    def to_static(self, max_cache_len: int, *, into=None):
+        """This cache's KV (translated now) in a transformers `StaticCache` of `max_cache_len`
+        tokens, for `torch.compile` / CUDA-graph decoding; `into=` refills an earlier one in
+        place. Full-attention targets only (bridgecache.static)."""
+        if any(window is not None for window in self.translator.windows):
+            raise ValueError(
+                "to_static needs full-attention target layers; this target has sliding-window layers"
+            )
+        layers_kv = [(layer.keys, layer.values) for layer in self.layers]
+        return fill_static(layers_kv, self.translator.target_config, max_cache_len, into=into)
+
 
 class _Translator:
     """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
@@ -392,6 +404,7 @@ class _Translator:
         bridge.target.check(model_spec(target), "target")
         self.bridge = bridge
         self.source = source
+        self.target_config = target.config
         self.batch_size = source.batch_size
         self.windows = windows  # per target layer: None (keeps every row) or its sliding window
         self.home_device = target.get_input_embeddings().weight.device
