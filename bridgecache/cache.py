@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
 from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
+from bridgecache.graphs import check_graphs_apply
 from bridgecache.grouped import LayerGroups, groups_apply
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
@@ -214,6 +215,10 @@ class BridgedCache(DynamicCache):
         one_launch: translate layers in groups, one kernel launch per group for keys and one for
             values, on the first read of a group's layer (bridgecache.grouped); None (default): on
             CUDA targets. Layers still materialise lazily, one by one.
+        cuda_graph: replay the group translation from a CUDA graph captured once per shape
+            (bridgecache.graphs): each handoff copies its inputs into the graph's buffers and
+            replays it, with no per-launch Python. Needs a CUDA target and the one-launch path
+            (ValueError otherwise, e.g. on the CPU). Default False.
     """
 
     def __init__(
@@ -235,6 +240,7 @@ class BridgedCache(DynamicCache):
         check_layer: int = 1,
         min_quality=None,
         one_launch: bool | None = None,
+        cuda_graph: bool = False,
     ):
         layers = _bridged_layers(target.config)
         translator = _Translator(
@@ -257,8 +263,11 @@ class BridgedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.translator = translator
         self._native_work(target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality)
-        if groups_apply(translator, target, one_launch):  # after the native work: it skips native layers
-            translator.groups = LayerGroups(translator)
+        grouped = groups_apply(translator, target, one_launch)
+        if cuda_graph:
+            check_graphs_apply(translator.home_device, grouped)
+        if grouped:  # after the native work: it skips native layers
+            translator.groups = LayerGroups(translator, cuda_graph=cuda_graph)
 
     def _native_work(self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality):
         """Gate, native layers and token refresh: the target's own compute over the context."""
@@ -448,10 +457,7 @@ class _Translator:
             total=total,
         )
         self.rows = rows[:, : self.prefix_length]
-        # min_source_row[c]: the lowest source token read from column c on (checked per layer
-        # against what a sliding source layer keeps, without a device sync).
-        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
-        self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
+        self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
         self._device_rows: dict = {}
         self.native_keys, self.native_values = _native_prefix_kv(
@@ -501,9 +507,9 @@ class _Translator:
         if begin < self.prefix_length:
             plan = self._plan(idx, device)
             kept = source_rows_kept(self.source, plan.used)
-            if self.min_source_row[begin] < kept:
+            if kept and self.min_source_row(begin) < kept:
                 raise ValueError(
-                    f"target layer {idx} reads source token {self.min_source_row[begin]}, but source layers "
+                    f"target layer {idx} reads source token {self.min_source_row(begin)}, but source layers "
                     f"{list(plan.used)} keep only tokens >= {kept} (a sliding-window source cache): "
                     "capture the source with bridgecache.capture_kv"
                 )
@@ -517,6 +523,16 @@ class _Translator:
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def min_source_row(self, begin: int) -> int:
+        """The lowest source token read from cached column `begin` on (checked against what a
+        sliding source layer keeps, on the CPU: no device sync)."""
+        if self._min_source_rows is None:
+            masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
+            self._min_source_rows = masked.flip(0).cummin(0).values.flip(0)
+        if begin >= len(self._min_source_rows):
+            return torch.iinfo(torch.long).max
+        return int(self._min_source_rows[begin])
 
     def _plan(self, idx: int, device: torch.device) -> LayerPlan:
         # Kept on the LayerMap itself, per device: every cache a bridge serves reuses it.
@@ -599,8 +615,15 @@ def _weights_version(model) -> tuple:
     """Identity, storage and autograd version of every parameter and buffer: changes when one is
     replaced or written in place through autograd-visible ops (optimizer steps, load_state_dict,
     merges under no_grad). Writes through `.data` bypass the version counter and are not seen."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    # A plain walk of the module tree: `model.parameters()` builds names and a visited set for
+    # every module, 4x the host time on a 28-layer model (once per BridgedCache).
+    version, modules = [], [model]
+    while modules:
+        module = modules.pop()
+        for tensors in (module._parameters, module._buffers):
+            version.extend((id(t), t.data_ptr(), t._version) for t in tensors.values() if t is not None)
+        modules.extend(m for m in module._modules.values() if m is not None)
+    return tuple(version)
 
 
 def _native_prefix_kv(target, target_ids, target_mask, length: int):

@@ -114,3 +114,47 @@ def test_bad_requests_are_refused_by_name():
     gemma_ids = torch.randint(3, 300, (1, 12))
     with pytest.raises(ValueError, match="sliding-window layers"):
         _bridged(gemma, gemma_ids).to_static(max_cache_len=20)
+
+
+def test_cuda_graph_is_refused_on_the_cpu_by_name():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 15))
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA target"):
+        _bridged(model, ids, cuda_graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_graph_replay_equals_the_eager_one_launch_path_on_cuda():
+    model = tiny_model("llama", head_dim=32).cuda()  # head dims the Triton kernel takes
+    bridge = Bridge.identity(model)
+    for _ in range(2):  # the second context replays the graph captured for the first
+        ids = torch.randint(3, 300, (1, 40), device="cuda")
+        source = capture_kv(model, ids)
+        eager = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=True).materialize()
+        graph = BridgedCache(bridge, source, model, ids, key_norm=False, cuda_graph=True).materialize()
+        for a, b in zip(eager.layers, graph.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert len(vars(bridge)["_translation_graphs"]) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor + CUDA graphs)")
+def test_compiled_forward_over_a_refilled_static_cache_gives_the_native_tokens_on_cuda():
+    model = tiny_model("llama", head_dim=32).cuda()
+    bridge = Bridge.identity(model)
+    eager_forward = model.forward
+    torch._dynamo.reset()
+    compiled = torch.compile(eager_forward, mode="reduce-overhead")
+    static = None
+    try:
+        for _ in range(3):  # new contexts into the same buffers: the compiled graph is reused
+            ids = torch.randint(3, 300, (1, 30), device="cuda")
+            cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, key_norm=False, cuda_graph=True)
+            static = cache.to_static(max_cache_len=48, into=static)
+            model.forward = compiled
+            bridged, _ = _generate(model, ids, past_key_values=static, disable_compile=True)
+            model.forward = eager_forward
+            native, _ = _generate(model, ids, cache_implementation="static", disable_compile=True)
+            assert torch.equal(bridged, native)
+    finally:
+        model.forward = eager_forward
+        torch._dynamo.reset()
