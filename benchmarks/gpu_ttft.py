@@ -21,11 +21,11 @@ CacheBridge paper (`--pairs`). Rows, per context length, all measured side by si
   less construct, per target layer: what the lazy path adds to each layer's forward;
 - compiled (`--compiled`, not for the Qwen3 pair): the target's forward under
   torch.compile(mode="reduce-overhead") over one transformers StaticCache of max(lengths) + 8
-  tokens, reused by every call (fixed addresses: one compiled graph per pair). native static =
-  generate() prefilling the whole context into a StaticCache (transformers never compiles
-  prefill); ceiling compiled = the compiled one-token forward over the static cache filled with
-  the native prefix; bridged compiled = BridgedCache(..., cuda_graph=True).to_static(into=...) +
-  the compiled one-token forward.
+  tokens, reused by every call (fixed addresses and shapes: one compiled graph per pair), first
+  token = argmax of the held-back token's logits. native static = the eager forward prefilling
+  the whole context into a StaticCache (transformers never compiles prefill); ceiling compiled =
+  the compiled one-token forward over the static cache filled with the native prefix; bridged
+  compiled = BridgedCache(..., cuda_graph=True).to_static(into=...) + that compiled forward.
 Exactness is asserted on the device for each pair at the first length: graph == one-launch
 translation, bit for bit; bridged compiled vs bridged eager logits are printed.
 Median of --repeats after warm-up, CUDA-synchronised wall time.
@@ -212,53 +212,57 @@ def measure(target, bridge, kv, ids, device, repeats, check) -> dict[str, float]
 
 
 def measure_compiled(target, bridge, kv, ids, device, repeats, static, max_cache_len, check):
-    """Seconds of the compiled rows: static cache + torch.compile'd forward, warm."""
-    from bridgecache.static import fill_static  # here: construct_host.py imports this module on older trees
+    """Seconds of the compiled rows: one-token steps of a torch.compile'd forward over a static
+    cache (fixed shapes at every length: one compiled graph per pair), warm."""
+    from transformers import StaticCache  # here: construct_host.py imports this module on older trees
 
-    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0, disable_compile=True)
-    eager_forward = target.forward
+    from bridgecache.static import fill_static
+
+    n = ids.shape[1]
     prefix = DynamicCache()
     target(ids[:, :-1], **cache_kwargs(target, prefix))
     filled = [(layer.keys, layer.values) for layer in prefix.layers]
-    graph = dict(key_norm=False, cuda_graph=device.type == "cuda")
+    position = torch.full((1, 1), n - 1, device=device)  # the held-back token's position
+    if "compiled" not in static:
+        static["compiled"] = torch.compile(target.forward, mode="reduce-overhead")
+        static["native"] = StaticCache(config=target.config, max_cache_len=max_cache_len)
 
-    def native_static():  # transformers prefills eagerly, also with a static cache
-        target.generate(ids, cache_implementation="static", **gen)
+    def step(forward, cache):  # the held-back token's forward over a filled static cache
+        out = forward(
+            input_ids=ids[:, -1:], position_ids=position, use_cache=True, **cache_kwargs(target, cache)
+        )
+        return out.logits[:, -1].argmax(-1), out.logits[:, -1].float()
 
-    def ceiling():
-        cache = fill_static(filled, target.config, max_cache_len, into=static.get("cache"))
-        static["cache"] = cache
-        return target.generate(ids, **gen, output_logits=True, return_dict_in_generate=True,
-                               **cache_kwargs(target, cache))  # fmt: skip
+    def native_static():  # eager prefill into a static cache (transformers never compiles prefill)
+        static["native"].reset()
+        return target(ids, use_cache=True, **cache_kwargs(target, static["native"])).logits[:, -1].argmax(-1)
 
-    def bridged():
-        bridged = BridgedCache(bridge, kv, target, ids, **graph)
-        static["cache"] = bridged.to_static(max_cache_len, into=static.get("cache"))
-        return target.generate(ids, **gen, output_logits=True, return_dict_in_generate=True,
-                               **cache_kwargs(target, static["cache"]))  # fmt: skip
+    def ceiling(forward=None):
+        static["cache"] = fill_static(filled, target.config, max_cache_len, into=static.get("cache"))
+        return step(forward or static["compiled"], static["cache"])
+
+    def bridged(forward=None):
+        cache = BridgedCache(bridge, kv, target, ids, key_norm=False, cuda_graph=device.type == "cuda")
+        static["cache"] = cache.to_static(max_cache_len, into=static.get("cache"))
+        return step(forward or static["compiled"], static["cache"])
 
     times = {"native static": timed(native_static, device, repeats)}
+    start = time.perf_counter()
+    bridged()
+    bridged()  # reduce-overhead records its CUDA graph on a later call
+    sync(device)
+    print(f"compiled first calls at {n} tokens: {time.perf_counter() - start:.1f} s", flush=True)
     if check:
-        eager_logits = bridged().logits[0].float()
-    if "compiled" not in static:
-        static["compiled"] = torch.compile(eager_forward, mode="reduce-overhead")
-    target.forward = static["compiled"]
-    try:
-        start = time.perf_counter()
-        bridged()
-        bridged()  # reduce-overhead records its CUDA graph on a later call
-        sync(device)
-        print(f"compile + first calls: {time.perf_counter() - start:.1f} s", flush=True)
-        if check:
-            logits = bridged().logits[0].float()
-            same = bool((logits.argmax(-1) == eager_logits.argmax(-1)).all())
-            print(f"check: bridged compiled vs eager logits max |diff| "
-                  f"{(logits - eager_logits).abs().max().item():.4f} (scale "
-                  f"{eager_logits.abs().max().item():.2f}), same token: {same}", flush=True)  # fmt: skip
-        times["ceiling compiled"] = timed(ceiling, device, repeats)
-        times["bridged compiled"] = timed(bridged, device, repeats)
-    finally:
-        target.forward = eager_forward
+        token, logits = bridged()
+        eager_token, eager_logits = bridged(target.forward)
+        native_token = native_static()
+        ceiling_token, _ = ceiling()
+        print(f"check: bridged compiled vs eager step: max |logit diff| "
+              f"{(logits - eager_logits).abs().max().item():.4f} of {eager_logits.abs().max().item():.2f}, "
+              f"same token {bool((token == eager_token).all())}; ceiling compiled token == native "
+              f"{bool((ceiling_token == native_token).all())}", flush=True)  # fmt: skip
+    times["ceiling compiled"] = timed(ceiling, device, repeats)
+    times["bridged compiled"] = timed(bridged, device, repeats)
     return times
 
 
