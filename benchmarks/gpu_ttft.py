@@ -157,9 +157,13 @@ def run_pair(pair, lengths, device, dtype, repeats, smoke, compiled):
         ]
         times = measure(target, bridge, kv, ids, device, repeats, check=n == lengths[0])
         if compiled:
-            times |= measure_compiled(
-                target, bridge, kv, ids, device, repeats, static, max_cache_len, n == lengths[0]
-            )
+            try:
+                times |= measure_compiled(
+                    target, bridge, kv, ids, device, repeats, static, max_cache_len, n == lengths[0]
+                )
+            except Exception as error:  # keep the eager rows of this run; say why compiled has none
+                print(f"compiled rows failed at {n} tokens: {error!r}", flush=True)
+                compiled = False
         rows.append(times)
         print(_format(pair, n, target_config.num_hidden_layers, times), flush=True)
         del kv
