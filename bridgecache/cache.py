@@ -460,11 +460,12 @@ class _Translator:
         self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
         self._device_rows: dict = {}
+        weights = _weights_version(target)  # one walk of the model per cache, for both memos below
         self.native_keys, self.native_values = _native_prefix_kv(
-            target, target_ids, target_mask, self.native_prefix
+            target, target_ids, target_mask, self.native_prefix, weights=weights
         )
         self.target_rope = RopeTables.from_model(target)
-        self.key_norm_scales = key_norm_scales(target) if key_norm else None
+        self.key_norm_scales = _key_norm_scales(target, weights) if key_norm else None
         self.groups = None  # LayerGroups when layers are translated in groups (set by BridgedCache)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
@@ -626,15 +627,28 @@ def _weights_version(model) -> tuple:
     return tuple(version)
 
 
-def _native_prefix_kv(target, target_ids, target_mask, length: int):
-    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length` columns."""
+_KEY_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, scales)
+
+
+def _key_norm_scales(target, weights: tuple):
+    """keynorm.key_norm_scales(target), looked up again only when `weights` (the target's
+    `_weights_version`) changed: its module walk cost as much as the rest of a cache's planning."""
+    known = _KEY_NORMS.get(target)
+    if known is None or known[0] != weights:
+        known = (weights, key_norm_scales(target))
+        _KEY_NORMS[target] = known
+    return known[1]
+
+
+def _native_prefix_kv(target, target_ids, target_mask, length: int, *, weights: tuple):
+    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length`
+    columns; `weights`: the target's `_weights_version`."""
     if length == 0:
         return None, None
     key = (
         tuple(target_ids[:, :length].flatten().tolist()),
         tuple(target_mask[:, :length].flatten().tolist()),
     )
-    weights = _weights_version(target)
     known_weights, memo = _NATIVE_PREFIXES.get(target, (None, None))
     if known_weights != weights:  # first use, or the weights changed (training step, LoRA merge, load)
         memo = OrderedDict()
