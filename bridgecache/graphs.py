@@ -147,6 +147,7 @@ def translation_graph(
     key = (
         plan.layers, rows.device, dtype, tuple(out_shape), tuple(rows.shape),
         tuple(source.keys[0].shape), source.keys[0].dtype, source.num_layers, source_rope is None,
+        source.num_tokens, source.first_token[0],  # the row offset is fixed in the captured launch
     )  # fmt: skip
     graph = graphs.get(key)
     if graph is None:
