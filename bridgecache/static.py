@@ -5,6 +5,9 @@
     target.forward = torch.compile(target.forward, mode="reduce-overhead")
     out = target.generate(ids, past_key_values=static, max_new_tokens=64, disable_compile=True)
 
+(`cache=static` on transformers >= 5.24; `disable_compile=True` because the forward is compiled
+already: without it, generate() compiles its own copy for the decoding steps on CUDA.)
+
 generate() sees a cache that already holds the context's prefix and feeds only the rest (the
 held-back last token, the native tail, a prompt), exactly as with the dynamic cache: the same
 greedy tokens. With the forward compiled, the held-back token's forward and every decoding step
