@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.capture import cache_to_layers
 from bridgecache.compat import cache_kwargs
 from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
+from bridgecache.graphs import check_graphs_apply
 from bridgecache.grouped import LayerGroups, groups_apply
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
@@ -45,6 +46,7 @@ from bridgecache.refresh import (
 from bridgecache.rope import RopeTables
 from bridgecache.rows import leading_native, plan_rows, pool_source
 from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
+from bridgecache.static import fill_static
 from bridgecache.translate import LayerPlan, SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["BridgedCache"]
@@ -216,6 +218,10 @@ class BridgedCache(DynamicCache):
         one_launch: translate layers in groups, one kernel launch per group for keys and one for
             values, on the first read of a group's layer (bridgecache.grouped); None (default): on
             CUDA targets. Layers still materialise lazily, one by one.
+        cuda_graph: replay the group translation from a CUDA graph captured once per shape
+            (bridgecache.graphs): each handoff copies its inputs into the graph's buffers and
+            replays it, with no per-launch Python. Needs a CUDA target and the one-launch path
+            (ValueError otherwise, e.g. on the CPU). Default False.
     """
 
     def __init__(
@@ -237,6 +243,7 @@ class BridgedCache(DynamicCache):
         check_layer: int = 1,
         min_quality=None,
         one_launch: bool | None = None,
+        cuda_graph: bool = False,
     ):
         layers = _bridged_layers(target.config)
         translator = _Translator(
@@ -259,16 +266,19 @@ class BridgedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.translator = translator
         grouped = groups_apply(translator, target, one_launch)
+        if cuda_graph:
+            check_graphs_apply(translator.home_device, grouped)
+        make_groups = (lambda: LayerGroups(translator, cuda_graph=cuda_graph)) if grouped else None
         self._native_work(
-            target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, grouped
+            target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, make_groups
         )
 
     def _native_work(
-        self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, grouped
+        self, target, target_ids, native_layers, refresh, refresh_by, check_layer, min_quality, make_groups
     ):
         """Gate, native layers and token refresh: the target's own compute over the context.
-        grouped: translate in groups (set up once the native layers are known, which the groups
-        skip, and before a refresh reads every layer)."""
+        make_groups: None, or builds the grouped translation, set up once the native layers are
+        known (the groups skip them) and before a refresh reads every layer."""
         tr = self.translator
         num_layers = len(self.layers)
         policy = min_quality if isinstance(min_quality, QualityPolicy) else QualityPolicy(min_quality)
@@ -297,8 +307,8 @@ class BridgedCache(DynamicCache):
         ids = target_ids[:, : tr.prefix_length]
         tr.native_layers = native
         tr.native_kv = native_layer_kv(target, ids, cached, native)
-        if grouped:
-            tr.groups = LayerGroups(tr)
+        if make_groups is not None:
+            tr.groups = make_groups()
         columns = torch.empty(ids.shape[0], 0, dtype=torch.long)
         guide_flops = 0.0
         if budget:
@@ -385,6 +395,17 @@ class BridgedCache(DynamicCache):
                 layer._materialize()
         return self
 
+    def to_static(self, max_cache_len: int, *, into=None):
+        """This cache's KV (translated now) in a transformers `StaticCache` of `max_cache_len`
+        tokens, for `torch.compile` / CUDA-graph decoding; `into=` refills an earlier one in
+        place. Full-attention targets only (bridgecache.static)."""
+        if any(window is not None for window in self.translator.windows):
+            raise ValueError(
+                "to_static needs full-attention target layers; this target has sliding-window layers"
+            )
+        layers_kv = [(layer.keys, layer.values) for layer in self.layers]
+        return fill_static(layers_kv, self.translator.target_config, max_cache_len, into=into)
+
 
 class _Translator:
     """Everything shared by the layers of one BridgedCache: the source KV, the row plan, the
@@ -410,6 +431,7 @@ class _Translator:
         bridge.target.check(model_spec(target), "target")
         self.bridge = bridge
         self.source = source
+        self.target_config = target.config
         self.batch_size = source.batch_size
         self.windows = windows  # per target layer: None (keeps every row) or its sliding window
         self.home_device = target.get_input_embeddings().weight.device
@@ -453,17 +475,15 @@ class _Translator:
             total=total,
         )
         self.rows = rows[:, : self.prefix_length]
-        # min_source_row[c]: the lowest source token read from column c on (checked per layer
-        # against what a sliding source layer keeps, without a device sync).
-        masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
-        self.min_source_row = masked.flip(0).cummin(0).values.flip(0).tolist() + [torch.iinfo(torch.long).max]
+        self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
         self._device_rows: dict = {}
+        weights = _weights_version(target)  # one walk of the model per cache, for both memos below
         self.native_keys, self.native_values = _native_prefix_kv(
-            target, target_ids, target_mask, self.native_prefix
+            target, target_ids, target_mask, self.native_prefix, weights=weights
         )
         self.target_rope = RopeTables.from_model(target)
-        self.key_norm_scales = key_norm_scales(target) if key_norm else None
+        self.key_norm_scales = _key_norm_scales(target, weights) if key_norm else None
         self.groups = None  # LayerGroups when layers are translated in groups (set by BridgedCache)
         self.source_rope = None
         if not (policy == "mean" and alignment is not None):
@@ -506,9 +526,9 @@ class _Translator:
         if begin < self.prefix_length:
             plan = self._plan(idx, device)
             kept = source_rows_kept(self.source, plan.used)
-            if self.min_source_row[begin] < kept:
+            if kept and self.min_source_row(begin) < kept:
                 raise ValueError(
-                    f"target layer {idx} reads source token {self.min_source_row[begin]}, but source layers "
+                    f"target layer {idx} reads source token {self.min_source_row(begin)}, but source layers "
                     f"{list(plan.used)} keep only tokens >= {kept} (a sliding-window source cache): "
                     "capture the source with bridgecache.capture_kv"
                 )
@@ -522,6 +542,16 @@ class _Translator:
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def min_source_row(self, begin: int) -> int:
+        """The lowest source token read from cached column `begin` on (checked against what a
+        sliding source layer keeps, on the CPU: no device sync)."""
+        if self._min_source_rows is None:
+            masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
+            self._min_source_rows = masked.flip(0).cummin(0).values.flip(0)
+        if begin >= len(self._min_source_rows):
+            return torch.iinfo(torch.long).max
+        return int(self._min_source_rows[begin])
 
     def _plan(self, idx: int, device: torch.device) -> LayerPlan:
         # Kept on the LayerMap itself, per device: every cache a bridge serves reuses it.
@@ -610,19 +640,39 @@ def _weights_version(model) -> tuple:
     """Identity, storage and autograd version of every parameter and buffer: changes when one is
     replaced or written in place through autograd-visible ops (optimizer steps, load_state_dict,
     merges under no_grad). Writes through `.data` bypass the version counter and are not seen."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    # A plain walk of the module tree: `model.parameters()` builds names and a visited set for
+    # every module, 4x the host time on a 28-layer model (once per BridgedCache).
+    version, modules = [], [model]
+    while modules:
+        module = modules.pop()
+        for tensors in (module._parameters, module._buffers):
+            version.extend((id(t), t.data_ptr(), t._version) for t in tensors.values() if t is not None)
+        modules.extend(m for m in module._modules.values() if m is not None)
+    return tuple(version)
 
 
-def _native_prefix_kv(target, target_ids, target_mask, length: int):
-    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length` columns."""
+_KEY_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights, scales)
+
+
+def _key_norm_scales(target, weights: tuple):
+    """keynorm.key_norm_scales(target), looked up again only when `weights` (the target's
+    `_weights_version`) changed: its module walk cost as much as the rest of a cache's planning."""
+    known = _KEY_NORMS.get(target)
+    if known is None or known[0] != weights:
+        known = (weights, key_norm_scales(target))
+        _KEY_NORMS[target] = known
+    return known[1]
+
+
+def _native_prefix_kv(target, target_ids, target_mask, length: int, *, weights: tuple):
+    """Per-layer native keys/values [batch, tgt_heads, length, head_dim] of the first `length`
+    columns; `weights`: the target's `_weights_version`."""
     if length == 0:
         return None, None
     key = (
         tuple(target_ids[:, :length].flatten().tolist()),
         tuple(target_mask[:, :length].flatten().tolist()),
     )
-    weights = _weights_version(target)
     known_weights, memo = _NATIVE_PREFIXES.get(target, (None, None))
     if known_weights != weights:  # first use, or the weights changed (training step, LoRA merge, load)
         memo = OrderedDict()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from bridgecache.graphs import translation_graph
 from bridgecache.translate import StackedPlan, translate_layers
 
 __all__ = ["LayerGroups", "groups_apply"]
@@ -49,8 +50,9 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
 class LayerGroups:
     """The grouped translation of one BridgedCache on its home device and dtype."""
 
-    def __init__(self, translator):
+    def __init__(self, translator, cuda_graph: bool = False):
         self.translator = translator
+        self.cuda_graph = cuda_graph  # replay a captured translation per shape (bridgecache.graphs)
         tr = translator
         self._group_of: dict[int, tuple] = {}
         members: dict[tuple, list[int]] = {}
@@ -91,9 +93,9 @@ class LayerGroups:
         device, dtype = tr.home_device, tr.home_dtype
         begin = max(start, tr.native_prefix)
         kept = tr.source.first_token[0]
-        if tr.min_source_row[begin] < kept:
+        if kept and tr.min_source_row(begin) < kept:
             raise ValueError(
-                f"target layers {list(layers)} read source token {tr.min_source_row[begin]}, but the "
+                f"target layers {list(layers)} read source token {tr.min_source_row(begin)}, but the "
                 f"source keeps only tokens >= {kept} (a sliding-window source cache): "
                 "capture the source with bridgecache.capture_kv"
             )
@@ -111,10 +113,20 @@ class LayerGroups:
             )
         cos, sin = tr._target_cos_sin(layers[0], begin, device)
         rows = tr._rows_from(begin, device)
-        translate_layers(
-            plan, tr.source, tr.source_rope, rows, cos, sin,
-            out_keys=keys[:, :, :, begin - start :], out_values=values[:, :, :, begin - start :],
-        )  # fmt: skip
+        out_keys, out_values = keys[:, :, :, begin - start :], values[:, :, :, begin - start :]
+        if self.cuda_graph:
+            graph = translation_graph(
+                tr.bridge, plan, tr.source, tr.source_rope, rows, cos, sin,
+                out_shape=out_keys.shape, dtype=dtype,
+            )  # fmt: skip
+            graph_keys, graph_values = graph.run(tr.source, tr.source_rope, rows, cos, sin)
+            torch._foreach_copy_(
+                [out_keys, out_values], [graph_keys, graph_values]
+            )  # the graph reuses its buffers
+        else:
+            translate_layers(
+                plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values
+            )
         return keys, values
 
 

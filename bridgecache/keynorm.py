@@ -33,7 +33,15 @@ _SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def key_norm_scales(model) -> list[torch.Tensor | None] | None:
     """Per decoder layer, the per-channel scale s [head_dim] float32 of its key norm, on the
     norm's device (None for a layer without one); None when the model normalises no keys."""
-    attention = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+    attention, modules, seen = [], [model], set()
+    while modules:  # a plain walk: model.modules() builds names for every module (per handoff)
+        module = modules.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if "k_proj" in module._modules and hasattr(module, "layer_idx"):
+            attention.append(module)
+        modules.extend(m for m in module._modules.values() if m is not None)
     attention.sort(key=lambda m: m.layer_idx)
     norms = [getattr(module, "k_norm", None) for module in attention]
     norms = [n if isinstance(n, torch.nn.Module) and hasattr(n, "weight") else None for n in norms]

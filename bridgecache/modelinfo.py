@@ -50,6 +50,8 @@ class ModelSpec:
 
     def mismatches(self, other: ModelSpec) -> list[str]:
         """Fields (other than `name`) that differ, as 'field: expected X, got Y' strings."""
+        if all(getattr(self, f) == getattr(other, f) for f in self.__dataclass_fields__ if f != "name"):
+            return []  # the usual case, checked once per handoff: no asdict() copies
         out = []
         for key, expected in self.to_dict().items():
             got = other.to_dict()[key]
