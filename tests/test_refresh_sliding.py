@@ -150,3 +150,40 @@ def test_refresh_keeps_the_source_cache_untouched():
     assert all(
         torch.equal(k, a) and torch.equal(v, b) for (k, v), a, b in zip(before, source.keys, source.values)
     )
+
+
+def test_source_attention_scores_follow_a_sliding_source_window():
+    from bridgecache.refresh import source_attention_scores
+
+    model = tiny_model("gemma3")  # eager attention: output_attentions is the reference
+    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
+    kv = capture_kv(model, context)
+    scores = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 20)
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    expected = sum(a[0, :, 20:, :20].sum((0, 1)) for a in out.attentions)
+    assert torch.allclose(scores[0], expected, atol=1e-4)
+    # the sliding layers see only the last 8 columns: the early context is scored by layer 2 alone
+    assert torch.allclose(scores[0, :13], out.attentions[2][0, :, 20:, :13].sum((0, 1)), atol=1e-4)
+
+
+def test_handoff_refreshes_a_sliding_window_target_by_default():
+    from tiny_models import byte_tokenizer
+
+    from bridgecache.handoff import handoff
+
+    model, tok = tiny_model("gemma3"), byte_tokenizer()
+    bridge = _noisy_bridge(model)
+    context, prompt = "The key to the red door is under the third stone.", " Where is it?"
+    kwargs = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=5, do_sample=False)
+    result = handoff(model, model, bridge, context, prompt, **kwargs)
+    report = result.cache.report()
+    translated = len(tok(context)["input_ids"]) - 2  # the native sink and the held-back token
+    assert report.tokens_refreshed == round(0.2 * translated) > 0
+    assert report.refresh_by == "source attention"
+    # refreshing everything is the target reading the context itself
+    exact = handoff(model, model, bridge, context, prompt, refresh=1.0, **kwargs)
+    ids = tok(context + prompt, return_tensors="pt")["input_ids"]
+    native = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(exact.output_ids, native[:, ids.shape[1] :])
