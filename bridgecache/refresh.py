@@ -118,7 +118,8 @@ def _refresh_mask(columns: torch.Tensor, real: torch.Tensor, start: int, window,
 
 def _refresh_masks(config, windows, spans, columns, real, dtype):
     """The refresh forward's `attention_mask`: one 4D mask when every layer attends alike, else
-    transformers' mapping {layer type: 4D mask} (Gemma 3's full and sliding layers)."""
+    transformers' mapping {layer type: 4D mask} (Gemma 3's full and sliding layers). Either form
+    is used as is by the model (transformers 5.17 and 5.24), never rebuilt from the cache."""
     masks = {}  # window -> mask (layers of one window share their span)
     for window, (start, _) in zip(windows, spans):
         if window not in masks:
@@ -171,10 +172,13 @@ def refresh_columns(
     prefix = input_ids.shape[1]
     first = int(columns.min())
     windows = [getattr(layer, "sliding_window", None) for layer in layers]
-    spans = []
+    spans = []  # per layer (start, kept): the refresh attends to columns [start, prefix)
     for window in windows:
-        kept = 0 if window is None else max(0, prefix - (window - 1))
-        spans.append((min(kept, max(0, first - window + 1)) if window is not None else 0, kept))
+        if window is None:
+            spans.append((0, 0))
+        else:  # transformers' sliding layer keeps the last window - 1 columns
+            kept = max(0, prefix - (window - 1))
+            spans.append((min(kept, max(0, first - (window - 1))), kept))
     if read_columns is None and any(start < kept for start, kept in spans):
         raise ValueError(
             f"refreshing column {first} reads columns that a sliding-window layer no longer keeps; "

@@ -187,3 +187,19 @@ def test_handoff_refreshes_a_sliding_window_target_by_default():
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
     )
     assert torch.equal(exact.output_ids, native[:, ids.shape[1] :])
+
+
+def test_refresh_columns_asks_for_the_columns_a_sliding_layer_dropped():
+    from bridgecache.refresh import refresh_columns
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (1, 30))
+    cache = _cache(model, _noisy_bridge(model), ids)
+    context, mask = ids[:, :29], torch.ones(1, 29, dtype=torch.long)
+    with pytest.raises(ValueError, match="read_columns"):  # column 3's window lies before 22..28
+        refresh_columns(model, cache.layers, context, mask, torch.tensor([[3]]))
+    assert cache.materialized_layers == []  # refused before anything was read
+    short = ids[:, :7]  # 6 cached columns: every layer keeps them all
+    cache = _cache(model, _noisy_bridge(model), short)
+    refresh_columns(model, cache.layers, short[:, :6], mask[:, :6], torch.tensor([[3]]))
+    assert cache.materialized_layers == [0, 1, 2, 3]
