@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_tokenalign import byte_bpe, sp_bpe  # noqa: F401  (fixtures: toy tokenizers, no download)
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
@@ -203,3 +204,25 @@ def test_refresh_columns_asks_for_the_columns_a_sliding_layer_dropped():
     cache = _cache(model, _noisy_bridge(model), short)
     refresh_columns(model, cache.layers, short[:, :6], mask[:, :6], torch.tensor([[3]]))
     assert cache.materialized_layers == [0, 1, 2, 3]
+
+
+def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate(byte_bpe, sp_bpe):  # noqa: F811
+    from bridgecache.handoff import handoff
+
+    model = tiny_model("gemma3")
+    context, prompt = "hello world the world, the hello of the world: hello there, world", " the"
+    kwargs = dict(source_tokenizer=byte_bpe, target_tokenizer=sp_bpe, max_new_tokens=5, do_sample=False)
+    result = handoff(model, model, _noisy_bridge(model), context, prompt, refresh=1.0, **kwargs)
+    ids = torch.cat(
+        [
+            sp_bpe(context, return_tensors="pt").input_ids,
+            sp_bpe(prompt, add_special_tokens=False, return_tensors="pt").input_ids,
+        ],
+        dim=1,
+    )
+    assert ids.shape[1] > 2 * WINDOW
+    native = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    assert result.cache.report().tokens_refreshed == len(result.cache.translated_positions)
+    assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
