@@ -300,10 +300,6 @@ class BridgedCache(DynamicCache):
             if not 0 <= check_layer < num_layers:
                 raise ValueError(f"check_layer={check_layer}; expected 0..{num_layers - 1}")
             native |= set(range(check_layer + 1))
-        if budget and any(window is not None for window in tr.windows):
-            raise ValueError(
-                "token refresh needs full-attention target layers; this target has sliding-window layers"
-            )
         ids = target_ids[:, : tr.prefix_length]
         tr.native_layers = native
         tr.native_kv = native_layer_kv(target, ids, cached, native)
@@ -313,7 +309,7 @@ class BridgedCache(DynamicCache):
         guide_flops = 0.0
         if budget:
             if by_deviation:
-                translated_keys, _ = tr.translate(check_layer)  # [batch, heads, prefix, dim]
+                translated_keys, _ = tr.translate(check_layer, start=0)  # [batch, heads, prefix, dim]
                 column_scores = deviation_scores(translated_keys, tr.native_kv[check_layer][0])
             elif callable(refresh_by):  # e.g. refresh.target_guided: reads the translated layers
                 column_scores = torch.as_tensor(refresh_by(target, self, target_ids))[:, : tr.prefix_length]
@@ -326,7 +322,7 @@ class BridgedCache(DynamicCache):
                         f"[batch={cached.shape[0]}, target tokens >= {tr.prefix_length}]"
                     )
             columns = select_columns(column_scores.cpu(), translated, budget)
-            refresh_columns(target, self.layers, ids, cached, columns)
+            refresh_columns(target, self.layers, ids, cached, columns, read_columns=tr.columns)
         self.refreshed_columns = columns
         self._report = self._build_report(
             target,
@@ -507,17 +503,31 @@ class _Translator:
             return max(0, self.prefix_length - (self.windows[idx] - 1))
         return 0
 
-    def translate(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`, translated."""
+    def columns(self, idx: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, stop - start, tgt_head_dim] of target layer `idx` for
+        context columns [start, stop), also those a sliding-window layer no longer keeps (a
+        refreshed token's window reads them); the target's own where the layer is native."""
+        if idx in self.native_kv:
+            keys, values = self.native_kv[idx]
+            return keys[:, :, start:stop], values[:, :, start:stop]
+        if idx in self.native_layers:
+            raise RuntimeError(f"target layer {idx} is native and was read already: its columns are gone")
+        keys, values = self.translate(idx, start=start)
+        return keys[:, :, : stop - start], values[:, :, : stop - start]
+
+    def translate(self, idx: int, device=None, dtype=None, start=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`, translated
+        (from context column `start` on if given, else from the first one the layer keeps)."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
         if (
-            self.groups is not None
+            start is None
+            and self.groups is not None
             and self.groups.covers(idx)
             and (device, dtype) == (self.home_device, self.home_dtype)
         ):
             return self.groups.layer(idx)
-        start = self.window_start(idx)
+        start = self.window_start(idx) if start is None else start
         parts_k, parts_v = [], []
         if start < self.native_prefix:
             parts_k.append(self.native_keys[idx][:, :, start : self.native_prefix].to(device, dtype))
