@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import persistent
 from ._dispatch import (
     LazyKernel,
     SourceView,
@@ -295,6 +296,11 @@ def launch_affine(
     n_layers, n_heads, n = heads.shape
     dt = out.shape[-1]
     t = rows.shape[1]
+    if APPLY_KERNEL == "persistent" and persistent.supports(ds, dt, n):
+        persistent.launch_persistent(
+            view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, resolved=_RESOLVED
+        )
+        return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
         while heads_per_program * 2 <= min(n_heads, _TILE_N // dt):
@@ -343,6 +349,10 @@ def launch_affine(
 
 # Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs).
 _RESOLVED: dict[tuple, dict] = {}
+
+# Which kernel runs the calls it supports: "persistent" (kernels/persistent.py: weights kept on
+# chip across token blocks, one input slot) or "tiled" (this module's kernel, every call).
+APPLY_KERNEL = "tiled"
 
 # False routes eager calls through the torch custom op and the autotuner on every call, as before
 # launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).
