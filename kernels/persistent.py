@@ -144,7 +144,9 @@ def _persistent_kernel(
                 b2 = y2.to(tl.uint32, bitcast=True)
                 y1 = ((b1 + 0x7FFF + ((b1 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
                 y2 = ((b2 + 0x7FFF + ((b2 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            o_ptr = out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t + dh[None, :]
+            o_ptr = (
+                out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t + dh[None, :]
+            )
             om = t_mask[:, None] & h_mask[None, :]
             tl.store(o_ptr, y1.to(out_ptr.dtype.element_ty), mask=om)
             tl.store(o_ptr + HALF_T, y2.to(out_ptr.dtype.element_ty), mask=om)
