@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
-
 from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend, source_view
@@ -457,8 +456,8 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
 
 _SCHEMA = (
     "(Tensor[] src, Tensor rows, Tensor heads, Tensor y, Tensor? weights, Tensor? src_cos, Tensor? src_sin, "
-    "str backend, str precision, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, Tensor(e!) sum_yy, "
-    "Tensor(f!) sum_w) -> ()"
+    "str backend, str precision, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, "
+    "Tensor(e!) sum_yy, Tensor(f!) sum_w) -> ()"
 )
 
 
