@@ -325,6 +325,8 @@ def _stats_kernel(
             m = ok[:, None] & (dy < DT)[None, :]
             xj = tl.load(y_ptr + b * y_b + h * y_h + offs_t[:, None] * y_t + dy[None, :], mask=m, other=0.0)
             xj = xj.to(tl.float32)
+        elif jx == i:  # a diagonal tile: one gather serves both sides
+            xj = xi
         else:
             xj = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
                           sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, jx, b, row, ok, HS,
