@@ -90,7 +90,7 @@ QWEN3_32B = Side("Qwen3-32B", 64, 8, 128)
 # The apply kernels compared side by side (kernels/affine.py's tiled one, kernels/persistent.py);
 # map_layers uses DEFAULT_KERNEL afterwards.
 KERNELS = ("tiled", "persistent")
-DEFAULT_KERNEL = "tiled"
+DEFAULT_KERNEL = "persistent"
 PAIRS = [
     (QWEN25_7B, QWEN25_15B, (1024, 4096, 16384, 32768)),
     (QWEN25_15B, GEMMA2_2B, (1024, 4096, 16384, 32768)),
@@ -300,6 +300,20 @@ def accuracy(kernels, case: Case) -> dict:
 # stats
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (run twice first: compilation, allocations); returns its replay."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke: bool) -> list[dict]:
     """Fused vs materialised SufficientStats for all target layers (keys + values), scaled."""
     src, tgt = (Side("s", 3, 2, 64), Side("t", 2, 2, 64)) if smoke else (QWEN3_14B, QWEN3_32B)
@@ -359,6 +373,8 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
             try:
                 ms = timer(lambda p=precision: run("triton", p), repeats=3)
                 row = {"path": "fused", "precision": precision, "tile": tile, "ms_per_batch": ms}
+                if device.type == "cuda":  # the same 128 updates replayed from a CUDA graph: GPU time
+                    row["graph_ms"] = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
                 row.update(errors("triton", precision))
             except Exception as e:
                 row = {"error": f"fused {precision} tile {tile}: {type(e).__name__}: {e}"[:300]}
@@ -615,9 +631,10 @@ def render(info, apply_rows, acc_rows, stats) -> str:
     lines += [
         "",
         "| fitting statistics, Qwen3-14B -> Qwen3-32B, 64 layers K+V | precision | tile | ms per batch "
+        "| CUDA graph ms "
         "| sequences per batch | 500 x 1024 tokens (scaled), s | TFLOP/s | vs materialised "
         "| xtx rel. err vs float64 | xty rel. err vs float64 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = next((x["ms_per_batch"] for x in stats if x.get("path") == "materialised"), None)
     for x in stats:
@@ -627,7 +644,7 @@ def render(info, apply_rows, acc_rows, stats) -> str:
         speed = "-" if base is None else f"{base / x['ms_per_batch']:.1f}x"
         lines.append(
             f"| {x['path']} | {x.get('precision', 'float32')} | {x.get('tile', '-')} "
-            f"| {x['ms_per_batch']:.1f} "
+            f"| {x['ms_per_batch']:.1f} | {fmt(x.get('graph_ms'), '.1f')} "
             f"| {x['seqs_per_batch']} | {x['scaled_s']:.2f} | {x['tflops']:.1f} | {speed} "
             f"| {fmt(x.get('xtx_err'), '.1e')} | {fmt(x.get('xty_err'), '.1e')} |"
         )

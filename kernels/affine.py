@@ -352,7 +352,9 @@ _RESOLVED: dict[tuple, dict] = {}
 
 # Which kernel runs the calls it supports: "persistent" (kernels/persistent.py: weights kept on
 # chip across token blocks, one input slot) or "tiled" (this module's kernel, every call).
-APPLY_KERNEL = "tiled"
+# The persistent one is the default: 1.26-1.48x faster on an H200 at the same accuracy
+# (docs/benchmarks_gpu_kernels.md, issue 14).
+APPLY_KERNEL = "persistent"
 
 # False routes eager calls through the torch custom op and the autotuner on every call, as before
 # launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).

@@ -159,15 +159,21 @@ def _configs():
     # PER_SM: programs launched per SM (the grid is SMs * PER_SM, fewer for small problems)
     # (ptxas, sm_90, offline: ~255 registers at 4 and 8 warps; shared memory ~80 KB with
     # NUM_STAGES 1 and ~160 KB with 2, so 2 / 1 programs fit on an SM)
+    # maxnreg caps registers (spilling to local memory) so more programs fit on an SM.
     return [
-        triton.Config({"BLOCK_T": bt, "NUM_STAGES": ns, "PER_SM": ps}, num_warps=nw, num_stages=1)
-        for bt, nw, ns, ps in (
-            (64, 4, 1, 2),
-            (64, 8, 1, 1),
-            (64, 4, 2, 1),
-            (64, 8, 2, 1),
-            (32, 4, 1, 3),
-            (128, 8, 1, 1),
+        triton.Config(
+            {"BLOCK_T": bt, "NUM_STAGES": ns, "PER_SM": ps}, num_warps=nw, num_stages=1, maxnreg=regs
+        )
+        for bt, nw, ns, ps, regs in (
+            (64, 4, 1, 2, None),
+            (64, 8, 1, 1, None),
+            (64, 4, 2, 1, None),
+            (64, 8, 2, 1, None),
+            (32, 4, 1, 3, None),
+            (128, 8, 1, 1, None),
+            (64, 4, 1, 3, 168),
+            (64, 4, 1, 4, 128),
+            (64, 8, 1, 2, 128),
         )  # fmt: skip
     ]
 
@@ -254,6 +260,8 @@ def _tune(run, key: tuple) -> dict:
     best, best_ms, seen = None, float("inf"), []
     for cfg in _configs():
         options = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.maxnreg is not None:
+            options["maxnreg"] = cfg.maxnreg
         try:
             ms = do_bench(lambda o=options: run(o), warmup=5, rep=20, return_mode="median")
         except Exception as e:  # a configuration that does not compile or fit (shared memory): skip it
