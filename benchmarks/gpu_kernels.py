@@ -300,6 +300,10 @@ def accuracy(kernels, case: Case) -> dict:
 # stats
 
 
+# (programs per SM, fewest token blocks per program) of the statistics kernel's token splits
+SPLIT_SWEEP = ((1, 8), (2, 32), (8, 2), (16, 1))
+
+
 def graphed(fn):
     """fn captured in a CUDA graph (run twice first: compilation, allocations); returns its replay."""
     fn()
@@ -381,6 +385,20 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
             out.append(row)
             print(json.dumps(row), flush=True)
     stats_mod._CHUNK = default_chunk
+    # Token splits (programs per tile, adding with float64 atomics), default tile: what bounds the kernel
+    default_splits = stats_mod.SPLITS
+    for splits in SPLIT_SWEEP if device.type == "cuda" else ():
+        stats_mod.SPLITS = splits
+        for precision in ("tf32x3", "bf16"):
+            try:
+                ms = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
+                row = {"path": f"fused, splits {splits}", "precision": precision, "tile": default_chunk,
+                       "ms_per_batch": ms, "graph_ms": ms}  # fmt: skip
+            except Exception as e:
+                row = {"error": f"fused {precision} splits {splits}: {type(e).__name__}: {e}"[:300]}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    stats_mod.SPLITS = default_splits
     ms = timer(lambda: run("torch"), repeats=3)
     out.append({"path": "materialised", "ms_per_batch": ms, **errors("torch")})
     flops = (

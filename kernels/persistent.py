@@ -56,6 +56,7 @@ def _persistent_kernel(
     HALF_S: tl.constexpr, HALF_T: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr,
     SRC_ROPE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr, PRECISION: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, NUM_STAGES: tl.constexpr, PER_SM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # This program's share of the items [start, stop); item = unit * n_blocks + token block.
     pid = tl.program_id(0).to(tl.int64)
@@ -138,7 +139,7 @@ def _persistent_kernel(
                 y2 = z2
             y1 = tl.where(valid[:, None], y1, 0.0)
             y2 = tl.where(valid[:, None], y2, 0.0)
-            if OUT_BF16:
+            if OUT_BF16 and INTERPRET:
                 # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
                 b1 = y1.to(tl.uint32, bitcast=True)
                 b2 = y2.to(tl.uint32, bitcast=True)
@@ -215,6 +216,7 @@ def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_
         HALF_S=ds // 2, HALF_T=dt // 2, HB=heads_per_program, BH=half_cols, SRC_ROPE=src_rope,
         TGT_ROPE=tgt_rope, ALIGNED=view.aligned and all(st % 16 == 0 for st in src.stride()[:3]),
         PRECISION="tf32" if out.dtype == torch.bfloat16 else "tf32x3", OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRET=interp,
     )  # fmt: skip
 
     def args(block_t):

@@ -387,6 +387,8 @@ _BLOCK_T = 64
 _CHUNK = 128
 _INTERPRET_BLOCK_T = 16
 _INTERPRET_CHUNK = 32
+# Token splits per tile: about SPLITS[0] programs per SM, each at least SPLITS[1] token blocks.
+SPLITS = (2, 8)
 
 
 @functools.cache
@@ -428,9 +430,9 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
     tiles = _TILES_CACHE[key]
     block_t = _INTERPRET_BLOCK_T if interp else _BLOCK_T
     n_blocks = bsz * -(-t // block_t)
-    if splits is None:  # each program at least 8 token blocks, so its atomic adds stay cheap
+    if splits is None:  # programs per SM, each at least a few token blocks (its atomic adds)
         sms = 1 if interp else _sm_count(src.device)
-        splits = max(1, min(-(-2 * sms // tiles.shape[0]), n_blocks // 8))
+        splits = max(1, min(-(-SPLITS[0] * sms // tiles.shape[0]), n_blocks // SPLITS[1]))
     per_split = -(-n_blocks // splits)
     splits = -(-n_blocks // per_split)
     src_rope, has_w = src_cos is not None, weights is not None
