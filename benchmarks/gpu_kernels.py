@@ -8,8 +8,10 @@ Rows (all measured in the same process, median of --repeats after warm-up, CUDA 
 flushed between runs):
 - apply: KV cache shapes of real model pairs (random data, random head-local maps with k = 1
   source layer per target layer, a cross-tokenizer-like alignment with NATIVE rows):
-    fused     map_layers for keys + values: every layer of the cache in 2 launches, called from
-              Python (host overhead included), and replayed from a CUDA graph (GPU time alone);
+    tiled, persistent
+              map_layers for keys + values with each apply kernel (kernels.affine.APPLY_KERNEL):
+              every layer of the cache in 2 launches, called from Python (host overhead
+              included), and replayed from a CUDA graph (GPU time alone);
     copy      torch copy of a buffer moving the same bytes (read + write) as `fused` must;
     torch     the PyTorch reference path (per target layer) on the GPU;
     fullhead  map_fullhead per target layer, k = 4 source layers, keys + values;
@@ -17,11 +19,12 @@ flushed between runs):
               sdpa), i.e. what translation replaces.
 - accuracy: one layer of each pair, fused vs torch vs a float64 reference.
 - stats: ridge statistics for 500 x 1024 tokens at Qwen3-14B -> Qwen3-32B shapes (all 64 target
-  layers, keys and values): SufficientStats.update fused (Triton) vs materialised (PyTorch),
-  measured on --stats-seqs sequences and scaled.
+  layers, keys and values): SufficientStats.update fused (Triton, each precision mode and Gram
+  tile, also replayed from a CUDA graph; a sweep of token splits) vs materialised (PyTorch),
+  measured on --stats-seqs sequences and scaled; errors of layer 0's moments vs float64.
 Time to first token through generate() lives in benchmarks/gpu_ttft.py.
 
-Bytes counted for `fused`: the source rows of every source head read (once), the target cache
+Bytes counted for the apply kernels: the source rows of every source head read (once), the target cache
 written, the first halves of the rope tables and the weights (once each).
 """
 
