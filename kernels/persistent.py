@@ -11,9 +11,11 @@ its loads re-reads from L2 of the weights and rope tables; docs/benchmarks_gpu_k
   A program loads a unit's weight tile [Ds, 128 columns] and bias once and keeps them on chip
   while it streams that unit's token blocks; it reloads them only when its share crosses into the
   next unit (at most a few times per program). The tiled kernel re-read them per token block.
-- The whole source head (both rope halves) is one K chunk: two dots of K = Ds/2 per token block.
-- The token loop is software-pipelined (`tl.range(num_stages=...)`): the next blocks' rows are
-  loaded while the current block's dots run.
+- The whole source head (both rope halves) is one K chunk: per token block, four dots of
+  K = Ds/2 (each input half into each output half), so the output halves need no shuffles.
+- The launch configuration (block, warps, programs per SM, software-pipelining stages of the
+  token loop, optional register cap) is timed once per shape bucket (`TUNING` keeps the times);
+  on an H200 64-token blocks, 4 warps, 2 programs per SM and no pipelining won every shape.
 
 Only one input slot per target head (n = 1: head-local CacheBridge maps with k = 1, identity
 maps), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports` says which calls
