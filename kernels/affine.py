@@ -36,7 +36,6 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import persistent
 from ._dispatch import (
     LazyKernel,
     SourceView,
@@ -46,6 +45,7 @@ from ._dispatch import (
     resolve_backend,
     source_view,
 )
+from .persistent import launch_persistent, supports_persistent
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
@@ -297,8 +297,8 @@ def launch_affine(
     n_layers, n_heads, n = heads.shape
     dt = out.shape[-1]
     t = rows.shape[1]
-    if APPLY_KERNEL == "persistent" and persistent.supports(ds, dt, n):
-        persistent.launch_persistent(
+    if APPLY_KERNEL == "persistent" and supports_persistent(ds, dt, n):
+        launch_persistent(
             view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, resolved=_RESOLVED
         )
         return

@@ -18,8 +18,8 @@ its loads re-reads from L2 of the weights and rope tables; docs/benchmarks_gpu_k
   on an H200 64-token blocks, 4 warps, 2 programs per SM and no pipelining won every shape.
 
 Only one input slot per target head (n = 1: head-local CacheBridge maps with k = 1, identity
-maps), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports` says which calls
-it takes, and affine.launch_affine routes the rest to the tiled kernel.
+maps), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports_persistent` says
+which calls it takes, and affine.launch_affine routes the rest to the tiled kernel.
 
 Knows nothing about models, bridges or which source heads feed which target head.
 """
@@ -34,13 +34,13 @@ from ._dispatch import LazyKernel, SourceView, device_of, interpreting, next_pow
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
-__all__ = ["launch_persistent", "supports"]
+__all__ = ["launch_persistent", "supports_persistent"]
 
 # Output columns per unit: matching column blocks of both rope halves, [BLOCK_T, _TILE_N] float32.
 _TILE_N = 128
 
 
-def supports(src_dim: int, tgt_dim: int, n_inputs: int) -> bool:
+def supports_persistent(src_dim: int, tgt_dim: int, n_inputs: int) -> bool:
     """The persistent kernel takes one input slot and a source head dim of 32..256 (one K chunk)."""
     return n_inputs == 1 and 32 <= src_dim <= 256
 

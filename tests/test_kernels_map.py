@@ -269,12 +269,12 @@ def test_persistent_kernel_matches_float64(monkeypatch, lt, ht, shared, ds, dt, 
     """Every layer in one launch, three programs whose shares of the work items cross units (layer,
     head group, column block); several column blocks (Dt 256), head groups with a masked head
     (shared, Ht 3), per-layer target tables, per-head source tables."""
-    from bridgecache.kernels import affine, persistent
+    from bridgecache.kernels import affine
 
     launches = []
     monkeypatch.setattr(affine, "APPLY_KERNEL", "persistent")
-    real = persistent.launch_persistent
-    monkeypatch.setattr(persistent, "launch_persistent", lambda *a, **k: launches.append(1) or real(*a, **k))
+    real = affine.launch_persistent
+    monkeypatch.setattr(affine, "launch_persistent", lambda *a, **k: launches.append(1) or real(*a, **k))
     gen = torch.Generator().manual_seed(hash((lt, ht, ds, dt, t)) % 2**31)
     bsz, hs, s, n_src = 2, 2, 23, 2
     src = [torch.randn(bsz, hs, s, ds, generator=gen).to(src_dtype) for _ in range(n_src)]
