@@ -8,8 +8,10 @@ Rows (all measured in the same process, median of --repeats after warm-up, CUDA 
 flushed between runs):
 - apply: KV cache shapes of real model pairs (random data, random head-local maps with k = 1
   source layer per target layer, a cross-tokenizer-like alignment with NATIVE rows):
-    fused     map_layers for keys + values: every layer of the cache in 2 launches, called from
-              Python (host overhead included), and replayed from a CUDA graph (GPU time alone);
+    tiled, persistent
+              map_layers for keys + values with each apply kernel (kernels.affine.APPLY_KERNEL):
+              every layer of the cache in 2 launches, called from Python (host overhead
+              included), and replayed from a CUDA graph (GPU time alone);
     copy      torch copy of a buffer moving the same bytes (read + write) as `fused` must;
     torch     the PyTorch reference path (per target layer) on the GPU;
     fullhead  map_fullhead per target layer, k = 4 source layers, keys + values;
@@ -17,11 +19,12 @@ flushed between runs):
               sdpa), i.e. what translation replaces.
 - accuracy: one layer of each pair, fused vs torch vs a float64 reference.
 - stats: ridge statistics for 500 x 1024 tokens at Qwen3-14B -> Qwen3-32B shapes (all 64 target
-  layers, keys and values): SufficientStats.update fused (Triton) vs materialised (PyTorch),
-  measured on --stats-seqs sequences and scaled.
+  layers, keys and values): SufficientStats.update fused (Triton, each precision mode and Gram
+  tile, also replayed from a CUDA graph; a sweep of token splits) vs materialised (PyTorch),
+  measured on --stats-seqs sequences and scaled; errors of layer 0's moments vs float64.
 Time to first token through generate() lives in benchmarks/gpu_ttft.py.
 
-Bytes counted for `fused`: the source rows of every source head read (once), the target cache
+Bytes counted for the apply kernels: the source rows of every source head read (once), the target cache
 written, the first halves of the rope tables and the weights (once each).
 """
 
@@ -87,6 +90,10 @@ QWEN25_15B = Side("Qwen2.5-1.5B", 28, 2, 128)
 GEMMA2_2B = Side("Gemma-2-2B", 26, 4, 256)
 QWEN3_14B = Side("Qwen3-14B", 40, 8, 128)
 QWEN3_32B = Side("Qwen3-32B", 64, 8, 128)
+# The apply kernels compared side by side (kernels/affine.py's tiled one, kernels/persistent.py);
+# map_layers uses DEFAULT_KERNEL afterwards.
+KERNELS = ("tiled", "persistent")
+DEFAULT_KERNEL = "persistent"
 PAIRS = [
     (QWEN25_7B, QWEN25_15B, (1024, 4096, 16384, 32768)),
     (QWEN25_15B, GEMMA2_2B, (1024, 4096, 16384, 32768)),
@@ -296,6 +303,24 @@ def accuracy(kernels, case: Case) -> dict:
 # stats
 
 
+# (programs per SM, fewest token blocks per program) of the statistics kernel's token splits
+SPLIT_SWEEP = ((1, 8), (2, 32), (8, 2), (16, 1))
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (run twice first: compilation, allocations); returns its replay."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke: bool) -> list[dict]:
     """Fused vs materialised SufficientStats for all target layers (keys + values), scaled."""
     src, tgt = (Side("s", 3, 2, 64), Side("t", 2, 2, 64)) if smoke else (QWEN3_14B, QWEN3_32B)
@@ -320,34 +345,73 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
         for kind in "kv"
     }
 
-    def run(backend):  # each target layer reads its own source layer (head-local, k = 1)
+    def run(backend, precision="tf32x3"):  # each target layer reads its own source layer (k = 1)
         for l in range(tgt.layers):
-            bufs["k"][l].update(keys[layer_of[l]], rows, heads, ys, None, cos, sin, backend=backend)
-            bufs["v"][l].update(keys[layer_of[l]], rows, heads, ys, backend=backend)
+            src_l = keys[layer_of[l]]
+            bufs["k"][l].update(src_l, rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
+            bufs["v"][l].update(src_l, rows, heads, ys, backend=backend, precision=precision)
+
+    # float64 moments of layer 0's keys (X gathered and un-rotated in float64): the accuracy yardstick
+    x = keys[0].double()[:, heads[:, 0]]  # [B, Ht, T, Ds] (rows are 0..T-1 with two -1 up front)
+    half = src.head_dim // 2
+    c, s_ = cos[..., :half].double()[:, None], sin[..., :half].double()[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    x = torch.cat((x1 * c + x2 * s_, x2 * c - x1 * s_), -1) / (c * c + s_ * s_).repeat(1, 1, 1, 2)
+    idx = rows[0].clamp(min=0)
+    keep = rows[0] >= 0
+    xg = x[:, :, idx][:, :, keep].permute(1, 0, 2, 3).reshape(tgt.kv_heads, -1, src.head_dim)
+    yg = ys.double()[:, :, keep].permute(1, 0, 2, 3).reshape(tgt.kv_heads, -1, tgt.head_dim)
+    exact_xtx, exact_xty = xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ yg
+
+    def errors(backend, precision="tf32x3"):
+        st = kernels.SufficientStats.zeros(tgt.kv_heads, src.head_dim, tgt.head_dim, device=device)
+        st.update(keys[0], rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
+        return {
+            "xtx_err": float((st.xtx - exact_xtx).norm() / exact_xtx.norm()),
+            "xty_err": float((st.xty - exact_xty).norm() / exact_xty.norm()),
+        }
 
     out = []
-    for backend, label in (("triton", "fused"), ("torch", "materialised")):
-        ms = timer(lambda b=backend: run(b), repeats=3)
-        out.append(
-            {
-                "path": label,
-                "ms_per_batch": ms,
-                "seqs_per_batch": seqs,
-                "scaled_s": ms / 1e3 * total_seqs / seqs,
-            }
-        )
-    # accuracy of the fused statistics on the last update, layer 0 keys
-    a = kernels.SufficientStats.zeros(tgt.kv_heads, src.head_dim, tgt.head_dim, device=device)
-    b = kernels.SufficientStats.zeros(tgt.kv_heads, src.head_dim, tgt.head_dim, device=device)
-    a.update(keys[0], rows, heads, ys, None, cos, sin, backend="triton")
-    b.update(keys[0], rows, heads, ys, None, cos, sin, backend="torch")
-    out[0]["xtx_rel_diff"] = float((a.xtx - b.xtx).norm() / b.xtx.norm())
-    out[0]["xty_rel_diff"] = float((a.xty - b.xty).norm() / b.xty.norm())
+    stats_mod = kernels.stats
+    default_chunk = stats_mod._CHUNK
+    for tile in (64, 128):
+        stats_mod._CHUNK = tile  # the Gram tile edge: 64 (per rope half) or 128 (whole head)
+        for precision in stats_mod.PRECISIONS:
+            try:
+                ms = timer(lambda p=precision: run("triton", p), repeats=3)
+                row = {"path": "fused", "precision": precision, "tile": tile, "ms_per_batch": ms}
+                if device.type == "cuda":  # the same 128 updates replayed from a CUDA graph: GPU time
+                    row["graph_ms"] = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
+                row.update(errors("triton", precision))
+            except Exception as e:
+                row = {"error": f"fused {precision} tile {tile}: {type(e).__name__}: {e}"[:300]}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    stats_mod._CHUNK = default_chunk
+    # Token splits (programs per tile, adding with float64 atomics), default tile: what bounds the kernel
+    default_splits = stats_mod.SPLITS
+    for splits in SPLIT_SWEEP if device.type == "cuda" else ():
+        stats_mod.SPLITS = splits
+        for precision in ("tf32x3", "bf16"):
+            try:
+                ms = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
+                row = {"path": f"fused, splits {splits}", "precision": precision, "tile": default_chunk,
+                       "ms_per_batch": ms, "graph_ms": ms}  # fmt: skip
+            except Exception as e:
+                row = {"error": f"fused {precision} splits {splits}: {type(e).__name__}: {e}"[:300]}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    stats_mod.SPLITS = default_splits
+    ms = timer(lambda: run("torch"), repeats=3)
+    out.append({"path": "materialised", "ms_per_batch": ms, **errors("torch")})
     flops = (
         2 * tgt.layers * tgt.kv_heads * seqs * tokens * (src.head_dim**2 + src.head_dim * tgt.head_dim) * 2
     )
     for row in out:
-        row["tflops"] = flops / (row["ms_per_batch"] * 1e-3) / 1e12
+        if "error" not in row:
+            row["seqs_per_batch"] = seqs
+            row["scaled_s"] = row["ms_per_batch"] / 1e3 * total_seqs / seqs
+            row["tflops"] = flops / (row["ms_per_batch"] * 1e-3) / 1e12
     return out
 
 
@@ -429,6 +493,9 @@ def main() -> None:
     ap.add_argument("--stats-seqs", type=int, default=8, help="sequences per statistics batch (timed)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the native prefill column")
     ap.add_argument("--no-stats", action="store_true", help="skip the fitting statistics rows")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the torch and full-head columns")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts for every pair")
+    ap.add_argument("--pair", nargs="+", default=None, help="only pairs whose name contains one of these")
     ap.add_argument(
         "--budget-s", type=float, default=420, help="start no prefill model after this many seconds"
     )
@@ -465,27 +532,37 @@ def main() -> None:
     print(json.dumps(info), flush=True)
 
     apply_rows, acc_rows = [], []
+    affine = kernels.affine
     for src, tgt, token_counts in pairs:
-        for t in token_counts:
+        if args.pair and not any(f in f"{src.name} -> {tgt.name}" for f in args.pair):
+            continue
+        for t in args.tokens or token_counts:
             row = {"pair": f"{src.name} -> {tgt.name}", "tokens": t}
             try:
                 case = Case(src, tgt, t, device)
                 row["MB"] = case.bytes_moved() / 1e6
-                row["fused_ms"] = timer(lambda c=case: c.fused(kernels))
                 row["copy_ms"] = copy_time(timer, case.bytes_moved(), device)
-                if device.type == "cuda":
-                    row["graph_ms"] = timer(case.graphed(kernels))
-                kernel_ms = row.get("graph_ms", row["fused_ms"])
-                row["frac_of_copy"] = row["copy_ms"] / kernel_ms
-                row["GBps"] = case.bytes_moved() / (kernel_ms * 1e-3) / 1e9
-                row["torch_ms"] = timer(lambda c=case: c.fused(kernels, backend="torch"), repeats=3)
-                full = FullHead(case, device)
-                row["fullhead_ms"] = timer(lambda f=full: f(kernels), repeats=3)
-                if t == token_counts[0]:
-                    acc_rows.append({"pair": row["pair"], **accuracy(kernels, case)})
-                del case, full
+                for kernel in KERNELS:  # old (tiled) and new (persistent) apply kernels, same inputs
+                    affine.APPLY_KERNEL = kernel
+                    row[f"{kernel}_ms"] = timer(lambda c=case: c.fused(kernels))
+                    if device.type == "cuda":
+                        row[f"{kernel}_graph_ms"] = timer(case.graphed(kernels))
+                    kernel_ms = row.get(f"{kernel}_graph_ms", row[f"{kernel}_ms"])
+                    row[f"{kernel}_frac_of_copy"] = row["copy_ms"] / kernel_ms
+                    row[f"{kernel}_GBps"] = case.bytes_moved() / (kernel_ms * 1e-3) / 1e9
+                    if t == (args.tokens or token_counts)[0]:
+                        acc_rows.append({"pair": row["pair"], "kernel": kernel, **accuracy(kernels, case)})
+                affine.APPLY_KERNEL = DEFAULT_KERNEL
+                row["fused_ms"] = row[f"{DEFAULT_KERNEL}_ms"]
+                if not args.no_baselines:
+                    row["torch_ms"] = timer(lambda c=case: c.fused(kernels, backend="torch"), repeats=3)
+                    full = FullHead(case, device)
+                    row["fullhead_ms"] = timer(lambda f=full: f(kernels), repeats=3)
+                    del full
+                del case
             except Exception as e:  # keep the other rows
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
+            affine.APPLY_KERNEL = DEFAULT_KERNEL
             print(json.dumps(row), flush=True)
             apply_rows.append(row)
             if device.type == "cuda":
@@ -493,6 +570,7 @@ def main() -> None:
     if device.type == "cuda":
         best = kernels.affine._KERNEL.autotuned
         info["autotune"] = {str(k): str(v) for k, v in best.cache.items()}
+        info["persistent_tuning"] = {str(k): str(v) for k, v in kernels.persistent.TUNING.items()}
 
     stats = []
     try:
@@ -542,50 +620,54 @@ def render(info, apply_rows, acc_rows, stats) -> str:
         )
     lines += [
         "",
-        "| pair (bf16) | tokens | MB moved | fused ms | fused, CUDA graph ms | GB/s (graph) "
-        "| copy ms (same bytes) | graph / copy bw | torch ms | torch / fused | full-head k=4 ms "
-        "| full-head / fused | prefill ms | prefill / fused |",
+        "| pair (bf16) | tokens | MB moved | copy ms (same bytes) | tiled ms | tiled, graph ms "
+        "| tiled / copy bw | persistent ms | persistent, graph ms | persistent / copy bw "
+        "| persistent speed-up (graph) | torch ms | full-head k=4 ms | prefill ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in apply_rows:
         if "error" in r:
             lines.append(f"| {r['pair']} | {r['tokens']} | error: {r['error']} |")
             continue
-        pre = r.get("prefill_ms")
+        old = r.get("tiled_graph_ms", r["tiled_ms"])
+        new = r.get("persistent_graph_ms", r["persistent_ms"])
         lines.append(
-            f"| {r['pair']} | {r['tokens']} | {r['MB']:.1f} | {fmt(r['fused_ms'])} "
-            f"| {fmt(r.get('graph_ms'))} | {r['GBps']:.0f} | "
-            f"{fmt(r['copy_ms'])} | {r['frac_of_copy']:.0%} | {fmt(r['torch_ms'], '.2f')} | "
-            f"{r['torch_ms'] / r['fused_ms']:.1f}x | {fmt(r['fullhead_ms'], '.2f')} | "
-            f"{r['fullhead_ms'] / r['fused_ms']:.1f}x | {fmt(pre, '.2f')} | "
-            f"{'-' if pre is None else format(pre / r['fused_ms'], '.0f') + 'x'} |"
+            f"| {r['pair']} | {r['tokens']} | {r['MB']:.1f} | {fmt(r['copy_ms'])} | {fmt(r['tiled_ms'])} "
+            f"| {fmt(r.get('tiled_graph_ms'))} | {r['tiled_frac_of_copy']:.0%} | {fmt(r['persistent_ms'])} "
+            f"| {fmt(r.get('persistent_graph_ms'))} | {r['persistent_frac_of_copy']:.0%} | {old / new:.2f}x "
+            f"| {fmt(r.get('torch_ms'), '.2f')} | {fmt(r.get('fullhead_ms'), '.2f')} "
+            f"| {fmt(r.get('prefill_ms'), '.2f')} |"
         )
     lines += [
         "",
-        "| accuracy, layer 0 keys (bf16 out) | fused rel. err | torch rel. err | ratio (rule: <= 2) |",
-        "|---|---:|---:|---:|",
+        "| accuracy, layer 0 keys (bf16 out) | kernel | kernel rel. err | torch rel. err "
+        "| ratio (rule: <= 2) |",
+        "|---|---|---:|---:|---:|",
     ]
     for a in acc_rows:
-        lines.append(f"| {a['pair']} | {a['fused_err']:.2e} | {a['torch_err']:.2e} | {a['ratio']:.2f} |")
+        lines.append(
+            f"| {a['pair']} | {a['kernel']} | {a['fused_err']:.2e} | {a['torch_err']:.2e} "
+            f"| {a['ratio']:.2f} |"
+        )
     lines += [
         "",
-        "| fitting statistics, Qwen3-14B -> Qwen3-32B, 64 layers K+V | ms per batch | sequences per batch "
-        "| 500 x 1024 tokens (scaled), s | TFLOP/s |",
-        "|---|---:|---:|---:|---:|",
+        "| fitting statistics, Qwen3-14B -> Qwen3-32B, 64 layers K+V | precision | tile | ms per batch "
+        "| CUDA graph ms "
+        "| sequences per batch | 500 x 1024 tokens (scaled), s | TFLOP/s | vs materialised "
+        "| xtx rel. err vs float64 | xty rel. err vs float64 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in stats:
-        if "error" in s:
-            lines.append(f"| error: {s['error']} |")
+    base = next((x["ms_per_batch"] for x in stats if x.get("path") == "materialised"), None)
+    for x in stats:
+        if "error" in x:
+            lines.append(f"| error: {x['error']} |")
             continue
+        speed = "-" if base is None else f"{base / x['ms_per_batch']:.1f}x"
         lines.append(
-            f"| {s['path']} | {s['ms_per_batch']:.1f} | {s['seqs_per_batch']} | {s['scaled_s']:.2f} "
-            f"| {s['tflops']:.1f} |"
-        )
-    if len(stats) == 2 and "error" not in stats[0] and "error" not in stats[1]:
-        speedup = stats[1]["ms_per_batch"] / stats[0]["ms_per_batch"]
-        lines.append(
-            f"\nfused statistics: {speedup:.1f}x faster than materialised; relative difference "
-            f"xtx {stats[0]['xtx_rel_diff']:.1e}, xty {stats[0]['xty_rel_diff']:.1e}"
+            f"| {x['path']} | {x.get('precision', 'float32')} | {x.get('tile', '-')} "
+            f"| {x['ms_per_batch']:.1f} | {fmt(x.get('graph_ms'), '.1f')} "
+            f"| {x['seqs_per_batch']} | {x['scaled_s']:.2f} | {x['tflops']:.1f} | {speed} "
+            f"| {fmt(x.get('xtx_err'), '.1e')} | {fmt(x.get('xty_err'), '.1e')} |"
         )
     lines += ["", "Time to first token through generate(): see benchmarks/gpu_ttft.py (not measured here)."]
     return "\n".join(lines) + "\n"

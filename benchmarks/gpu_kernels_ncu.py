@@ -2,10 +2,11 @@
 
     ncu --nvtx --nvtx-include "profile/" --clock-control none --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \\
-        python3 benchmarks/gpu_kernels_ncu.py --tokens 4096
+        python3 benchmarks/gpu_kernels_ncu.py --tokens 4096 --kernel persistent
 
-Qwen2.5-7B -> Qwen2.5-1.5B cache shapes, head-local maps (benchmarks/gpu_kernels.py's Case). The
-kernel runs once outside the range first (autotuning, compilation), so ncu reads only the two
+Qwen2.5-7B -> Qwen2.5-1.5B cache shapes, head-local maps (benchmarks/gpu_kernels.py's Case), with
+the persistent apply kernel (kernels/persistent.py) or the tiled one (`--kernel tiled`). The
+kernel runs once outside the range first (tuning, compilation), so ncu reads only the two
 launches of the chosen configuration.
 """
 
@@ -20,8 +21,11 @@ from gpu_kernels import QWEN25_7B, QWEN25_15B, Case, import_kernels
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--kernel", default="persistent", choices=("tiled", "persistent"),
+                        help="the apply kernel profiled (kernels.affine.APPLY_KERNEL)")  # fmt: skip
     args = parser.parse_args()
     kernels = import_kernels()
+    kernels.affine.APPLY_KERNEL = args.kernel
     for tokens in args.tokens:
         case = Case(QWEN25_7B, QWEN25_15B, tokens, torch.device("cuda"))
         case.fused(kernels)

@@ -23,7 +23,8 @@ or, when every head reads the same inputs (full-head), of several heads, which t
 gathered, un-rotated X (a GEMM tile). Every layer of a cache is one launch. Arithmetic: gathered
 rows are cast to float32; dot products run on tensor cores in TF32 for bf16 outputs (well below
 bf16 rounding) and 3xTF32 for fp16/fp32 outputs (about float32). Triton needs power-of-two head
-dims >= 32; other dims use the reference.
+dims >= 32; other dims use the reference. Calls with one input slot per head run by default on
+the persistent kernel of `bridgecache.kernels.persistent` instead (same function; APPLY_KERNEL).
 
 Knows nothing about models, bridges or which source heads feed which target head.
 """
@@ -44,6 +45,7 @@ from ._dispatch import (
     resolve_backend,
     source_view,
 )
+from .persistent import launch_persistent, supports_persistent
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
@@ -295,6 +297,11 @@ def launch_affine(
     n_layers, n_heads, n = heads.shape
     dt = out.shape[-1]
     t = rows.shape[1]
+    if APPLY_KERNEL == "persistent" and supports_persistent(ds, dt, n):
+        launch_persistent(
+            view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, resolved=_RESOLVED
+        )
+        return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
         while heads_per_program * 2 <= min(n_heads, _TILE_N // dt):
@@ -343,6 +350,12 @@ def launch_affine(
 
 # Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs).
 _RESOLVED: dict[tuple, dict] = {}
+
+# Which kernel runs the calls it supports: "persistent" (kernels/persistent.py: weights kept on
+# chip across token blocks, one input slot) or "tiled" (this module's kernel, every call).
+# The persistent one is the default: 1.26-1.51x faster on an H200 at the same accuracy
+# (docs/benchmarks_gpu_kernels.md, issue 14).
+APPLY_KERNEL = "persistent"
 
 # False routes eager calls through the torch custom op and the autotuner on every call, as before
 # launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).

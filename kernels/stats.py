@@ -23,17 +23,23 @@ Knows nothing about models, layers, bridges or how the statistics are solved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend, source_view
 from .affine import source_tables, unrope_halves
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
-__all__ = ["SufficientStats", "accumulate_stats", "stats_reference"]
+__all__ = ["PRECISIONS", "SufficientStats", "accumulate_stats", "stats_reference"]
+
+# The Triton kernel's dot products: 3xTF32 (about float32; the default), TF32 (10-bit mantissas),
+# bfloat16 operands (8-bit mantissas); all sum in float32 and add to the float32/64 buffers.
+PRECISIONS = ("tf32x3", "tf32", "bf16")
 
 
 @dataclass
@@ -89,9 +95,12 @@ class SufficientStats:
         src_sin: torch.Tensor | None = None,
         *,
         backend: str | None = None,
+        precision: str = "tf32x3",
     ) -> SufficientStats:
         """Add one chunk of rows (see `accumulate_stats`); returns self."""
-        accumulate_stats(self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend)
+        accumulate_stats(
+            self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend, precision=precision
+        )
         return self
 
 
@@ -106,6 +115,7 @@ def accumulate_stats(
     src_sin: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    precision: str = "tf32x3",
 ) -> None:
     """Add the regression rows of one chunk to `stats`, in place.
 
@@ -121,7 +131,12 @@ def accumulate_stats(
         src_cos, src_sin: [B, Hs_total, S, Ds] or [B, S, Ds] float32 to un-rotate source keys;
             None for values.
         backend: "triton" | "torch" | None (auto: Triton on CUDA).
+        precision: the Triton kernel's products (PRECISIONS): "tf32x3" (default, about float32),
+            "tf32" or "bf16" (faster, coarser: docs/benchmarks_gpu_kernels.md has the accuracy
+            table). The PyTorch reference always forms float32 products.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layers = [src] if isinstance(src, torch.Tensor) else list(src)
     bsz, hs, s, ds = layers[0].shape
     n_heads, n = heads.shape
@@ -159,17 +174,13 @@ def accumulate_stats(
     if rows.numel() == 0 or s == 0:
         return
     choice = resolve_backend(backend, stats.xtx.device)
-    _stats_op(
-        layers,
-        rows,
-        heads,
-        y,
-        weights,
-        src_cos,
-        src_sin,
-        choice,
+    # The custom op is what torch.compile / export (and fake tensors) trace; eager calls skip its dispatch.
+    traced = torch.compiler.is_compiling() or is_fake(stats.xtx)
+    run = _stats_op if traced else _run_stats
+    run(
+        layers, rows, heads, y, weights, src_cos, src_sin, choice, precision,
         *(getattr(stats, f.name) for f in fields(stats)),
-    )
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,12 +244,11 @@ def _table_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk(k, HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr):
-    """X chunk k = (input slot, half, c): (slot, half, dims within the half [C], their columns in
-    [0, p), valid dims)."""
-    slot = k // (2 * NC)
-    half = (k // NC) % 2
+    """X chunk k = (input slot, block c of its 2 * HALF_S dims): (slot, dims within the slot's
+    head [C], their columns in [0, p), valid dims)."""
+    slot = k // NC
     d = (k % NC) * C + tl.arange(0, C)
-    return slot, half, d, slot * 2 * HALF_S + half * HALF_S + d, d < HALF_S
+    return slot, d, slot * 2 * HALF_S + d, d < 2 * HALF_S
 
 
 def _x_chunk(
@@ -248,21 +258,23 @@ def _x_chunk(
     HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr,
 ):  # fmt: skip
     """Un-rotated X chunk k of head h at source rows `row` [BLOCK_T]: float32 [BLOCK_T, C], 0
-    where not ok."""
-    slot, half, d, _, dm = _chunk(k, HALF_S, C, NC)
+    where not ok. A chunk may span both rope halves: each dim d reads its partner d +- HALF_S."""
+    slot, d, _, dm = _chunk(k, HALF_S, C, NC)
     v = tl.load(heads_ptr + h * hd_h + slot * hd_j)
     lay = v // HS
     hd = v % HS
     x_row = src_ptr + tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
     m = ok[:, None] & dm[None, :]
-    own = tl.load(x_row[:, None] + half * HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
+    own = tl.load(x_row[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if SRC_ROPE:
-        partner = tl.load(x_row[:, None] + (1 - half) * HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
-        t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
+        second = d >= HALF_S
+        partner_d = tl.where(second, d - HALF_S, d + HALF_S)
+        partner = tl.load(x_row[:, None] + partner_d[None, :], mask=m, other=0.0).to(tl.float32)
+        t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + (d % HALF_S)[None, :]
         cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
         sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-        sign = 1.0 - 2.0 * half  # u1 = (x1 c + x2 s) / r,  u2 = (x2 c - x1 s) / r
-        own = (own * cs + sign * partner * sn) / (cs * cs + sn * sn)
+        sign = tl.where(second, -1.0, 1.0)  # u1 = (x1 c + x2 s) / r,  u2 = (x2 c - x1 s) / r
+        own = (own * cs + sign[None, :] * partner * sn) / (cs * cs + sn * sn)
     return own
 
 
@@ -277,7 +289,7 @@ def _stats_kernel(
     xtx_ptr, xty_ptr, sx_ptr, sy_ptr, syy_ptr, sw_ptr,
     T, HS, P, DT, NXC, n_blocks, blocks_per_split,
     HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr, HAS_W: tl.constexpr,
-    ATOMIC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+    ATOMIC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # tile = (i, j, h): X chunk i against X chunk j >= i, or against Y chunk j - NXC, of head h
     tile = tl.program_id(0)
@@ -313,12 +325,20 @@ def _stats_kernel(
             m = ok[:, None] & (dy < DT)[None, :]
             xj = tl.load(y_ptr + b * y_b + h * y_h + offs_t[:, None] * y_t + dy[None, :], mask=m, other=0.0)
             xj = xj.to(tl.float32)
+        elif jx == i:  # a diagonal tile: one gather serves both sides
+            xj = xi
         else:
             xj = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
                           sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, jx, b, row, ok, HS,
                           HALF_S, C, NC, SRC_ROPE)  # fmt: skip
         xw = xi * w[:, None]
-        acc = tl.dot(tl.trans(xw), xj, acc, input_precision=PRECISION)
+        if PRECISION == "bf16" and INTERPRET:  # the interpreter's bf16 dot is wrong: round, then dot
+            a = tl.trans(xw.to(tl.bfloat16).to(tl.float32))
+            acc = tl.dot(a, xj.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
+        elif PRECISION == "bf16":  # bfloat16 operands (8 bits of mantissa), float32 sums
+            acc = tl.dot(tl.trans(xw.to(tl.bfloat16)), xj.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(tl.trans(xw), xj, acc, input_precision=PRECISION)
         sum_xi += tl.sum(xw, axis=0)
         yw = xj * w[:, None]
         sum_yj += tl.sum(yw, axis=0)
@@ -326,7 +346,7 @@ def _stats_kernel(
         sum_w += w
 
     buf = xtx_ptr.dtype.element_ty
-    _, _, _, cols_i, mi = _chunk(i, HALF_S, C, NC)
+    _, _, cols_i, mi = _chunk(i, HALF_S, C, NC)
     if is_y:
         my = dy < DT
         _add(
@@ -339,7 +359,7 @@ def _stats_kernel(
             _add(sy_ptr + h * DT + dy, sum_yj.to(buf), my, ATOMIC)
             _add(syy_ptr + h * DT + dy, sum_yyj.to(buf), my, ATOMIC)
     else:
-        _, _, _, cols_j, mj = _chunk(jx, HALF_S, C, NC)
+        _, _, cols_j, mj = _chunk(jx, HALF_S, C, NC)
         m2 = mi[:, None] & mj[None, :]
         _add(xtx_ptr + h * P * P + cols_i[:, None] * P + cols_j[None, :], acc.to(buf), m2, ATOMIC)
         if j != i:  # mirror into the lower triangle
@@ -364,7 +384,16 @@ def _add(ptr, val, mask, ATOMIC: tl.constexpr):
 
 _KERNEL = LazyKernel(_stats_kernel, helpers=(_chunk, _x_chunk, _add))
 _BLOCK_T = 64
+_CHUNK = 128
 _INTERPRET_BLOCK_T = 16
+_INTERPRET_CHUNK = 32
+# Token splits per tile: about SPLITS[0] programs per SM, each at least SPLITS[1] token blocks.
+SPLITS = (2, 8)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tiles(nxc: int, nyc: int, g: int, n_heads: int, device) -> torch.Tensor:
@@ -377,9 +406,10 @@ def _tiles(nxc: int, nyc: int, g: int, n_heads: int, device) -> torch.Tensor:
 _TILES_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits: int | None = None) -> None:
+def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits: int | None = None,
+                 precision: str = "tf32x3") -> None:  # fmt: skip
     """Run the Triton kernel; arguments as the operator's. splits: programs per tile along the
-    tokens (None: enough to fill the GPU); > 1 makes them add with atomics."""
+    tokens (None: about two per SM); > 1 makes them add with atomics. precision: see PRECISIONS."""
     xtx = bufs[0]
     view = source_view(layers)
     src = view.base
@@ -387,20 +417,22 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
     n_heads, n = heads.shape
     t, dt = rows.shape[1], y.shape[-1]
     half_s = ds // 2
-    c = min(next_pow2(max(half_s, 16)), 64)
-    nc = -(-half_s // c)
-    nxc, nyc = n * 2 * nc, -(-dt // c)
+    interp = src.device.type != "cuda" or interpreting()
+    # [C, C] tiles of the Gram matrix: whole heads up to 128 dims (one gather and un-rotation of X
+    # per tile row); in the interpreter at most 32, so tiles also split a head at its rope halves
+    c = min(next_pow2(max(ds, 16)), _INTERPRET_CHUNK if interp else _CHUNK)
+    nc = -(-ds // c)
+    nxc, nyc = n * nc, -(-dt // c)
     g = xtx.shape[0]
     key = (nxc, nyc, g, n_heads, xtx.device)
     if key not in _TILES_CACHE:
         _TILES_CACHE[key] = _tiles(nxc, nyc, g, n_heads, xtx.device)
     tiles = _TILES_CACHE[key]
-    interp = src.device.type != "cuda" or interpreting()
     block_t = _INTERPRET_BLOCK_T if interp else _BLOCK_T
     n_blocks = bsz * -(-t // block_t)
-    if splits is None:
-        sms = 1 if interp else torch.cuda.get_device_properties(src.device).multi_processor_count
-        splits = max(1, min(-(-4 * sms // tiles.shape[0]), n_blocks // 4))
+    if splits is None:  # programs per SM, each at least a few token blocks (its atomic adds)
+        sms = 1 if interp else _sm_count(src.device)
+        splits = max(1, min(-(-SPLITS[0] * sms // tiles.shape[0]), n_blocks // SPLITS[1]))
     per_split = -(-n_blocks // splits)
     splits = -(-n_blocks // per_split)
     src_rope, has_w = src_cos is not None, weights is not None
@@ -419,7 +451,7 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
     with device_of(src):
         _KERNEL[(tiles.shape[0], splits)](
             *args, HALF_S=half_s, C=c, NC=nc, SRC_ROPE=src_rope, HAS_W=has_w, ATOMIC=splits > 1,
-            PRECISION="tf32x3", BLOCK_T=block_t, num_warps=4,
+            PRECISION=precision, BLOCK_T=block_t, INTERPRET=interp, num_warps=8 if c >= 128 else 4,
         )  # fmt: skip
 
 
@@ -428,8 +460,8 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
 
 _SCHEMA = (
     "(Tensor[] src, Tensor rows, Tensor heads, Tensor y, Tensor? weights, Tensor? src_cos, Tensor? src_sin, "
-    "str backend, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, Tensor(e!) sum_yy, "
-    "Tensor(f!) sum_w) -> ()"
+    "str backend, str precision, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, "
+    "Tensor(e!) sum_yy, Tensor(f!) sum_w) -> ()"
 )
 
 
@@ -447,6 +479,7 @@ def _stats_op(
     src_cos: torch.Tensor | None,
     src_sin: torch.Tensor | None,
     backend: str,
+    precision: str,
     xtx: torch.Tensor,
     xty: torch.Tensor,
     sum_x: torch.Tensor,
@@ -454,15 +487,22 @@ def _stats_op(
     sum_yy: torch.Tensor,
     sum_w: torch.Tensor,
 ) -> None:
-    bufs = (xtx, xty, sum_x, sum_y, sum_yy, sum_w)
+    _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision,
+               xtx, xty, sum_x, sum_y, sum_yy, sum_w)  # fmt: skip
+
+
+def _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision, *bufs) -> None:
+    """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
     if backend == "torch":
         stats_reference(src, rows, heads, y, weights, src_cos, src_sin, *bufs)
         return
     if len({t.stride() for t in src}) > 1:
         src = [t.contiguous() for t in src]
-    launch_stats(src, rows, heads, y, weights, src_cos, src_sin, bufs)
+    launch_stats(src, rows, heads, y, weights, src_cos, src_sin, bufs, precision=precision)
 
 
 @_stats_op.register_fake
-def _(src, rows, heads, y, weights, src_cos, src_sin, backend, xtx, xty, sum_x, sum_y, sum_yy, sum_w):
+def _(
+    src, rows, heads, y, weights, src_cos, src_sin, backend, precision, xtx, xty, sum_x, sum_y, sum_yy, sum_w
+):
     return None

@@ -252,3 +252,59 @@ def test_map_layers_writes_a_slice_of_a_larger_buffer_with_shared_heads():
     assert err_torch <= REF_TOL[torch.bfloat16], err_torch
     assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
     assert bool((buffer[..., :front, :] == 7.0).all())
+
+
+# The persistent kernel (kernels/persistent.py) on the calls it takes: one input slot per head.
+# Lt, Ht, shared heads, Ds -> Dt, T, source dtype, out dtype, keys, per-head source tables
+PERSISTENT_CASES = [
+    (2, 2, False, 64, 256, 21, torch.bfloat16, torch.bfloat16, True, False),
+    (2, 3, True, 64, 64, 29, torch.float32, torch.float16, False, False),
+    (2, 2, False, 256, 32, 21, torch.bfloat16, torch.float32, True, True),
+]
+
+
+@pytest.mark.parametrize("lt, ht, shared, ds, dt, t, src_dtype, out_dtype, keys, per_head", PERSISTENT_CASES)
+def test_persistent_kernel_matches_float64(monkeypatch, lt, ht, shared, ds, dt, t, src_dtype, out_dtype, keys,
+                                           per_head):  # fmt: skip
+    """Every layer in one launch, three programs whose shares of the work items cross units (layer,
+    head group, column block); several column blocks (Dt 256), head groups with a masked head
+    (shared, Ht 3), per-layer target tables, per-head source tables."""
+    from bridgecache.kernels import affine
+
+    launches = []
+    monkeypatch.setattr(affine, "APPLY_KERNEL", "persistent")
+    real = affine.launch_persistent
+    monkeypatch.setattr(affine, "launch_persistent", lambda *a, **k: launches.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(hash((lt, ht, ds, dt, t)) % 2**31)
+    bsz, hs, s, n_src = 2, 2, 23, 2
+    src = [torch.randn(bsz, hs, s, ds, generator=gen).to(src_dtype) for _ in range(n_src)]
+    rows = random_rows(bsz, t, s, gen)
+    heads = torch.randint(0, n_src * hs, (lt, 1 if shared else ht, 1), generator=gen).expand(lt, ht, 1)
+    weight = torch.randn(lt, ht, ds, dt, generator=gen) / ds**0.5
+    bias = torch.randn(lt, ht, dt, generator=gen)
+    sc5 = ss5 = tc = ts = flat = None
+    if keys:
+        if per_head:
+            sc, ss = rope_tables(bsz, n_src * hs, s, ds, gen=gen)
+            sc5, ss5, flat = sc.unflatten(1, (n_src, hs)), ss.unflatten(1, (n_src, hs)), (sc, ss)
+        else:
+            sc, ss = rope_tables(bsz, s, ds, gen=gen)
+            sc5, ss5 = sc, ss
+            flat = (sc[:, None].expand(bsz, n_src * hs, s, ds), ss[:, None].expand(bsz, n_src * hs, s, ds))
+        tc, ts = rope_tables(lt, bsz, t, dt, gen=gen)  # per target layer
+    both = torch.cat(src, dim=1)
+    ref = torch.stack(
+        [
+            float64_map(both, rows, heads[i], weight[i], bias[i], *(flat or (None, None)),
+                        None if tc is None else tc[i], None if ts is None else ts[i])
+            for i in range(lt)
+        ]
+    )  # fmt: skip
+
+    def run(backend, out):
+        return map_layers(on_device(*src), *on_device(rows, heads, weight, bias, sc5, ss5, tc, ts),
+                          out_dtype=out_dtype, backend=backend, out=out)  # fmt: skip
+
+    got = check(run, ref, (lt, bsz, ht, t, dt), out_dtype)
+    assert launches, "the persistent kernel did not run"
+    assert (got[:, :, :, 0] == 0).all() and (got[:, :, :, 1::7] == 0).all()  # rows -1 are zero

@@ -43,7 +43,7 @@ def test_opcheck_accumulate_stats():
     src, rows, heads, *_ = small_inputs()
     stats = SufficientStats.zeros(3, 32, 16)
     y = torch.randn(1, 3, 5, 16)
-    args = ([src], rows, heads, y, torch.rand(1, 3, 5), None, None, "torch",
+    args = ([src], rows, heads, y, torch.rand(1, 3, 5), None, None, "torch", "tf32x3",
             stats.xtx, stats.xty, stats.sum_x, stats.sum_y, stats.sum_yy, stats.sum_w)  # fmt: skip
     torch.library.opcheck(torch.ops.bridgecache.accumulate_stats.default, args)
 

@@ -189,3 +189,27 @@ def test_zeros_shapes_and_checks():
         stats.update(src, rows, heads, y, torch.ones(1, 4, 3))
     with pytest.raises(ValueError, match="stats.xtx"):
         stats.update(src[..., :64], rows, heads, y)
+
+
+def test_precision_modes_trade_accuracy_as_documented():
+    """bf16 operands: Gram matrices within bfloat16 rounding (~1e-3..1e-2) of float64, clearly
+    coarser than the default 3xTF32; an unknown mode is refused by name."""
+    gen = torch.Generator().manual_seed(23)
+    bsz, hs, s, ds, t, dt = 1, 2, 13, 32, 19, 32
+    src = torch.randn(bsz, hs, s, ds, generator=gen)  # float32: its rounding to bf16 shows
+    rows = torch.randint(0, s, (bsz, t), generator=gen)
+    heads = torch.tensor([[1]])
+    y = torch.randn(bsz, 1, t, dt, generator=gen)
+    cos, sin = rope_tables(bsz, s, ds, gen=gen)
+    ref = float64_moments(src, rows, heads, y, None, cos, sin, False)
+    args = [x.to(DEVICE) for x in (src, rows, heads, y)]
+    errs = {}
+    for mode in ("tf32x3", "bf16"):
+        stats = SufficientStats.zeros(1, ds, dt, device=DEVICE)
+        stats.update(*args, None, cos.to(DEVICE), sin.to(DEVICE), backend="triton", precision=mode)
+        errs[mode] = max(rel_err(stats.xtx, ref["xtx"]), rel_err(stats.xty, ref["xty"]))
+        assert rel_err(stats.sum_x, ref["sum_x"]) < 1e-5  # sums stay float32 in every mode
+    assert errs["tf32x3"] < 1e-5, errs
+    assert 1e-4 < errs["bf16"] < 1e-2, errs
+    with pytest.raises(ValueError, match="precision must be one of"):
+        SufficientStats.zeros(1, ds, dt).update(src, rows, heads, y, precision="fp8")
