@@ -280,8 +280,12 @@ def _plots(records: list[dict], directory: Path) -> None:
     for r in records:
         by_pair.setdefault(r["pair"], []).append(r)
     for pair, rs in by_pair.items():
-        fig, axes = plt.subplots(1, len(rs), figsize=(5.2 * len(rs), 4.2), squeeze=False)
-        for ax, r in zip(axes[0], rs):
+        cols = min(2, len(rs))
+        rows = math.ceil(len(rs) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 5.2 * rows), squeeze=False)
+        for ax in axes.flat[len(rs) :]:
+            ax.set_visible(False)
+        for ax, r in zip(axes.flat, rs):
             s0 = r["variants"][0]
             ppl = s0["task"] == "ppl"
             curves: dict[str, list[tuple[float, float, tuple]]] = {}
@@ -306,11 +310,11 @@ def _plots(records: list[dict], directory: Path) -> None:
                 ax.axhline(100 * s0["acc_no_context"], color="grey", linestyle=":", label="no context")
                 ax.set_ylabel("accuracy (%)")
             ax.axvline(25, color="red", alpha=0.3, label="25% cost goal")
-            ax.set_xlabel("handoff compute: native work + choosing tokens (% of target prefill FLOPs)")
+            ax.set_xlabel("handoff FLOPs: native work + choosing tokens (% of target prefill)")
             ax.set_title(f"{r['task']} (n={s0['n']})")
             ax.grid(alpha=0.3)
-        for ax in axes[0]:
-            ax.legend(fontsize=7, loc="lower right")
+        for ax in axes.flat[: len(rs)]:
+            ax.legend(fontsize=6.5, loc="best", framealpha=0.8)
         fig.suptitle(f"{pair}: quality vs native compute ({rs[0]['date']})")
         fig.tight_layout()
         fig.savefig(directory / f"dial_{pair}.png", dpi=110)
