@@ -96,7 +96,7 @@ def refine_bridge(
     options: of `train_refinement` (lr, loss, batch, rows_per_context, validate_every, seed).
     `bridge` is not modified; an existing refinement is replaced (training starts from the closed form).
     """
-    contexts = _contexts(bridge, texts, source_tokenizer, target_tokenizer)[:max_texts]
+    contexts = _contexts(bridge, texts, source_tokenizer, target_tokenizer, max_texts)
     return train_refinement(
         bridge, source, target, contexts, rank=rank, steps=steps, progress=progress, **options
     )
@@ -164,7 +164,9 @@ def train_refinement(
         "validation_loss_refined": after,
         "train_seconds": round(time.perf_counter() - started, 1),
     }
-    refined = dataclasses.replace(closed, layers=layers, refinement=description if any(kept) else {})
+    refinement = description if any(kept) else {}
+    calibration = dict(closed.calibration)
+    refined = dataclasses.replace(closed, layers=layers, refinement=refinement, calibration=calibration)
     if any(kept):
         refined.refinement["rank"] = rank
     return refined
@@ -180,10 +182,10 @@ def _check_options(*, rank, steps, lr, loss, batch, rows) -> None:
         raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
 
 
-def _contexts(bridge, texts, source_tokenizer, target_tokenizer) -> list:
-    """(source_ids, target_ids, alignment) triples from `texts` (see `refine_bridge`)."""
+def _contexts(bridge, texts, source_tokenizer, target_tokenizer, limit: int) -> list:
+    """Up to `limit` (source_ids, target_ids, alignment) triples from `texts` (see `refine_bridge`)."""
     if texts is not None and all(isinstance(t, tuple) for t in texts):
-        return list(texts)
+        return list(texts)[:limit]
     if source_tokenizer is None or target_tokenizer is None:
         raise ValueError("refining on texts needs source_tokenizer and target_tokenizer")
     policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
@@ -203,13 +205,14 @@ def _contexts(bridge, texts, source_tokenizer, target_tokenizer) -> list:
             heldout_every=recipe.get("heldout_every", 8),
             seed=recipe.get("seed", 0),
         )
-        return [_context(s, source_tokenizer, target_tokenizer, policy) for s in seqs if not s.heldout]
+        training = [s for s in seqs if not s.heldout][:limit]
+        return [_context(s, source_tokenizer, target_tokenizer, policy) for s in training]
     if not all(isinstance(t, str) for t in texts):
         raise ValueError("texts must be strings or (source_ids, target_ids, alignment) tuples, not a mix")
     if policy is None and not same_tokenizer(source_tokenizer, target_tokenizer):
         raise ValueError("the bridge maps one tokenization (policy 'identity'); the tokenizers differ")
     out = []
-    for text in texts:
+    for text in texts[:limit]:
         if policy is None:
             ids = torch.as_tensor(target_tokenizer(text)["input_ids"], dtype=torch.long)[None]
             out.append((ids, ids, None))
@@ -230,7 +233,9 @@ def _prepare(closed, source, target, context, rows_per_context: int) -> list[_La
     from bridgecache.cache import BridgedCache
 
     source_ids, target_ids, alignment = context
-    cache = BridgedCache(closed, capture_kv(source, source_ids), target, target_ids, alignment=alignment)
+    # The decoders alone: their KV and queries are the models', without the vocabulary projection.
+    source_kv = capture_kv(source.get_decoder(), source_ids)
+    cache = BridgedCache(closed, source_kv, target, target_ids, alignment=alignment)
     tr = cache.translator  # the row plan, native head rows and rope tables of this context
     first, prefix = tr.native_prefix, tr.prefix_length
     if prefix - first < 3:
@@ -238,7 +243,7 @@ def _prepare(closed, source, target, context, rows_per_context: int) -> list[_La
     rows = torch.linspace(first + 1, prefix - 1, min(rows_per_context, prefix - first - 1))
     rows = rows.round().long().unique()
     with QueryRecorder(target, rows) as recorder:  # every column, sliding layers too
-        native = capture_kv(target, target_ids[:, :prefix])
+        native = capture_kv(target.get_decoder(), target_ids[:, :prefix])
     device = torch.device("cpu")
     columns = torch.arange(prefix)
     out = []
