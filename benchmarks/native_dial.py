@@ -108,7 +108,7 @@ def run(args) -> None:
     bridge = Bridge.from_pretrained(args.bridge)
     target, target_tok = load_model(target_name)
     source, source_tok = load_model(source_name)
-    variants = [Variant(bridge, **parse_variant(spec)) for spec in args.variants]
+    variants = [Variant(bridge, label=args.label, **parse_variant(spec)) for spec in args.variants]
     controls = ControlScores(args.controls or cache_root() / "quality" / "controls.json")
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
@@ -120,7 +120,8 @@ def run(args) -> None:
             source, source_tok, target, target_tok, items, task, variants, controls=controls
         )
         summaries = [
-            summarise(evaluation, v, source=source_name, target=target_name, data=data) | {"spec": spec}
+            summarise(evaluation, v, source=source_name, target=target_name, data=data)
+            | {"spec": f"{args.label}:{spec}" if args.label else spec}
             for v, spec in zip(variants, args.variants)
         ]
         record = {
@@ -265,6 +266,7 @@ def main() -> None:
     r.add_argument("--limit", type=int, default=48)
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
+    r.add_argument("--label", help="names this bridge's variants apart from another bridge's (e.g. refined)")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--controls", type=Path)
     r.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")

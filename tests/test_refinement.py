@@ -71,12 +71,13 @@ def test_refinement_at_zero_is_exactly_the_closed_form(family, full_head):
     bridge = _poor_bridge(model, full_head=full_head)
     zero = _with_random_refinement(bridge, zero_up=True)
     live = _with_random_refinement(bridge, zero_up=False)
-    for (k0, v0), (k1, v1), (k2, v2) in zip(
-        _cache_kv(bridge, model, ids), _cache_kv(zero, model, ids), _cache_kv(live, model, ids)
-    ):
+    closed = _cache_kv(bridge, model, ids)
+    every_row = max(k.shape[2] for k, _ in closed)  # sliding layers keep only their window
+    for (k0, v0), (k1, v1), (k2, v2) in zip(closed, _cache_kv(zero, model, ids), _cache_kv(live, model, ids)):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
         assert not torch.equal(k0, k2) and not torch.equal(v0, v2)  # a nonzero residual does change them
-        assert torch.equal(k0[:, :, :1], k2[:, :, :1])  # the native sink row is never refined
+        if k0.shape[2] == every_row:
+            assert torch.equal(k0[:, :, :1], k2[:, :, :1])  # the native sink row is never refined
 
 
 @pytest.mark.parametrize("full_head", [False, True])
