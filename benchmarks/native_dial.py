@@ -113,7 +113,8 @@ def run(args) -> None:
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
         out = args.raw / args.tag / args.pair / f"{task_name}.json"
-        task, items = load_items(data, None, target_tok, args.limit)
+        task, items = load_items(data, None, target_tok, args.offset + args.limit)
+        items = items[args.offset :]  # a later slice of the same items (runs too long to do at once)
         print(f"{args.pair} {data}: {len(items)} items x {len(variants)} variants", flush=True)
         start = time.perf_counter()
         evaluation = evaluate(
@@ -130,6 +131,7 @@ def run(args) -> None:
             "task": task_name,
             "bridge": str(args.bridge),
             "threads": args.threads,
+            "offset": args.offset,
             "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv),
             "wall_s": time.perf_counter() - start,
@@ -264,6 +266,7 @@ def main() -> None:
     r.add_argument("--bridge", required=True, type=Path)
     r.add_argument("--tasks", nargs="+", default=["facts-choice-512"])
     r.add_argument("--limit", type=int, default=48)
+    r.add_argument("--offset", type=int, default=0, help="skip the first N items (evaluate a later slice)")
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
     r.add_argument("--label", help="names this bridge's variants apart from another bridge's (e.g. refined)")
