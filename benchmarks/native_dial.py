@@ -266,7 +266,13 @@ def main() -> None:
     r.add_argument("--bridge", required=True, type=Path)
     r.add_argument("--tasks", nargs="+", default=["facts-choice-512"])
     r.add_argument("--limit", type=int, default=48)
-    r.add_argument("--offset", type=int, default=0, help="skip the first N items (evaluate a later slice)")
+    r.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="skip the first N of offset+limit items; builtin: item sets depend on their count, so a "
+        "slice is not the same items as that range of a larger run",
+    )
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
     r.add_argument("--label", help="names this bridge's variants apart from another bridge's (e.g. refined)")

@@ -7,8 +7,9 @@ Reads every `facts-choice-512.json` under --runs (slices written with `--offset`
 tags and labels), puts each variant's per-item picks back at their item numbers, and prints per
 variant: items, accuracy and retention (bridged / native) with 95% bootstrap intervals
 (`bridgecache.evaluation.metrics.choice_metrics`). With --baseline (another run's JSON, e.g. the
-closed-form bridge's variants), each variant is also compared on exactly the items both measured:
-the paired difference in accuracy with its 95% bootstrap interval.
+closed-form bridge's variants), each variant is also compared on exactly the items both measured
+(same item numbers, answers and context lengths; otherwise no comparison is printed): the paired
+difference in accuracy with its 95% bootstrap interval.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def _metrics(items: list[dict]) -> dict:
     return choice_metrics(picks, [it["answer"] for it in items], [5] * len(items))
 
 
+def _same(a: dict | None, b: dict) -> bool:
+    """Whether two per-item records are of the same item (answer and context length agree)."""
+    return a is not None and (a["answer"], a["context_tokens"]) == (b["answer"], b["context_tokens"])
+
+
 def _paired(a: list[dict], b: list[dict]) -> tuple[float, tuple[float, float]]:
     from bridgecache.evaluation.metrics import bootstrap_ci
 
@@ -67,7 +73,7 @@ def main() -> None:
         m = _metrics(items)
         versus = ""
         base_spec = spec.split(":", 1)[-1]
-        if base_spec in baseline and all(i in baseline[base_spec] for i in numbers):
+        if base_spec in baseline and all(_same(baseline[base_spec].get(i), by_item[i]) for i in numbers):
             diff, interval = _paired(items, [baseline[base_spec][i] for i in numbers])
             versus = f"{100 * diff:+.1f} points {ci(interval)} vs {base_spec}"
         print(
