@@ -126,14 +126,16 @@ def run(args) -> None:
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
         out = args.raw / args.tag / args.pair / f"{task_name}.json"
-        task, items = load_items(data, None, target_tok, args.limit)
+        task, items = load_items(data, None, target_tok, args.offset + args.limit)
+        items = items[args.offset :]  # a later slice of the same items (runs too long to do at once)
         print(f"{args.pair} {data}: {len(items)} items x {len(variants)} variants", flush=True)
         start = time.perf_counter()
         evaluation = evaluate(
             source, source_tok, target, target_tok, items, task, variants, controls=controls
         )
         summaries = [
-            summarise(evaluation, v, source=source_name, target=target_name, data=data) | {"spec": spec}
+            summarise(evaluation, v, source=source_name, target=target_name, data=data)
+            | {"spec": f"{args.label}:{spec}" if args.label else spec}
             for v, spec in zip(variants, args.variants)
         ]
         record = {
@@ -143,6 +145,7 @@ def run(args) -> None:
             "task": task_name,
             "bridge": str(args.bridge),
             "threads": args.threads,
+            "offset": args.offset,
             "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv),
             "wall_s": time.perf_counter() - start,
@@ -229,7 +232,10 @@ def merged(records: list[dict]) -> list[dict]:
             out[key] = {**r, "variants": [], "tags": []}
         out[key]["tags"].append(r["tag"])
         for s in r["variants"]:
-            s = dict(s, tag=r["tag"], label=r.get("label"), guide=guide_cost(r, s))
+            label = r.get("label")
+            s = dict(s, tag=r["tag"], label=label, guide=guide_cost(r, s))
+            if label and s["spec"].startswith(f"{label}:"):  # runs that wrote "label:spec"
+                s["spec"] = s["spec"][len(label) + 1 :]
             s["cost"] = s["native_cost_fraction"] + s["guide"]
             out[key]["variants"].append(s)
     return list(out.values())
@@ -332,9 +338,18 @@ def main() -> None:
     r.add_argument("--bridge", required=True, type=Path)
     r.add_argument("--tasks", nargs="+", default=["facts-choice-512"])
     r.add_argument("--limit", type=int, default=48)
+    r.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="skip the first N of offset+limit items; builtin: item sets depend on their count, so a "
+        "slice is not the same items as that range of a larger run",
+    )
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
-    r.add_argument("--label", help="names this bridge in tables and plots (e.g. a larger calibration)")
+    r.add_argument(
+        "--label", help="names this bridge in tables and plots (e.g. refined, a larger calibration)"
+    )
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--controls", type=Path)
     r.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")

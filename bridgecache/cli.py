@@ -2,6 +2,7 @@
 
 bridgecache demo                       a real handoff between two built-in models, on CPU (bridgecache.demo)
 bridgecache fit --source A --target B  fit and save a bridge
+bridgecache refine --bridge DIR --out D train the optional low-rank refinement of a bridge
 bridgecache eval --bridge DIR ...      measure a bridge with the field's protocols + controls
 bridgecache inspect BRIDGE             what a bridge maps, its size, per-layer scores (--plot FILE)
 bridgecache export-builtin DIR [NAME]  ship a fitted bridge inside the package (float16)
@@ -22,6 +23,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from bridgecache.demo import add_demo_command
     from bridgecache.evaluation.cli import add_eval_command
     from bridgecache.fitting.cli import add_fit_command
+    from bridgecache.fitting.refine_cli import add_refine_command
 
     parser = argparse.ArgumentParser(
         prog="bridgecache",
@@ -31,6 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_demo_command(sub)
     add_fit_command(sub)
+    add_refine_command(sub)
     add_eval_command(sub)
     add_inspect_command(sub)
     add_export_command(sub)

@@ -26,11 +26,14 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
     """Whether `translator` (a BridgedCache's) can translate its layers in groups.
 
     one_launch: True / False force it on / off where possible; None: on for CUDA targets. Never
-    for key-normed targets (their keys are rescaled per layer), sources whose layers keep different
+    for refined bridges (a trained residual per layer), key-normed targets (their keys are
+    rescaled per layer), sources whose layers keep different
     rows or have different layouts, or targets spread over several devices.
     """
     if one_launch is False or (one_launch is None and translator.home_device.type != "cuda"):
         return False
+    if any(getattr(layer, "refinement", None) is not None for layer in translator.bridge.layers):
+        return False  # the stacked kernels know no trained residual: translate layer by layer
     scales = translator.key_norm_scales
     if scales is not None and any(s is not None for s in scales):
         return False

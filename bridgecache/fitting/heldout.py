@@ -54,7 +54,9 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     totals = torch.zeros(len(modules), dtype=torch.float64)
     counts = torch.zeros(len(modules), dtype=torch.float64)
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
-        cache = BridgedCache(bridge, capture_kv(source, source_ids), target, target_ids, alignment=alignment)
+        # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
+        source_kv = capture_kv(source.get_decoder(), source_ids)
+        cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment)
         cache.materialize()
         prefix, first = cache.get_seq_length(), cache.translator.native_prefix
         if prefix - first < 2:
@@ -63,7 +65,8 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
         rows = rows.unique()
         native = DynamicCache()
         with QueryRecorder(target, rows) as recorder:
-            target(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(target, native))
+            decoder = target.get_decoder()
+            decoder(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(decoder, native))
         for i, module in enumerate(modules):
             bridged_k, bridged_v = cache.layers[i].keys, cache.layers[i].values
             columns = torch.arange(prefix - bridged_k.shape[2], prefix)

@@ -133,6 +133,12 @@ def bridge_fingerprint(bridge) -> str:
     for layer in bridge.layers:
         for tensor in (layer.inputs, layer.key_weight, layer.key_bias, layer.value_weight, layer.value_bias):
             digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        refinement = getattr(layer, "refinement", None)
+        if refinement is not None:  # a refined bridge translates other KV: another namespace
+            for tensor in refinement.tensors().values():
+                digest.update(
+                    tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                )
     return digest.hexdigest()
 
 
