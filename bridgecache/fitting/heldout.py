@@ -87,7 +87,25 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
 def score_bridge(bridge, source, target, source_tokenizer, target_tokenizer, progress: bool = True) -> dict:
     """Score `bridge` on the held-out sequences of its own calibration recipe; stores and returns
     `bridge.calibration["heldout_scores"]` = {"attention_cosine": [...], "mean": x, "sequences": n}."""
+    contexts = recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=True)
+    scores = attention_cosine(bridge, source, target, contexts, progress=progress)
+    finite = [s for s in scores if s == s]
+    result = {
+        "attention_cosine": scores,
+        "mean": round(sum(finite) / len(finite), 4) if finite else float("nan"),
+        "sequences": len(contexts),
+    }
+    bridge.calibration["heldout_scores"] = result
+    return result
+
+
+def recipe_contexts(bridge, source_tokenizer, target_tokenizer, *, heldout: bool) -> list[tuple]:
+    """The held-out (or the training) sequences of the bridge's own calibration recipe, each as
+    (source_ids [1, S], target_ids [1, T], alignment or None)."""
     c = bridge.calibration
+    missing = [k for k in ("num_sequences", "seq_len", "domain") if k not in c]
+    if missing:
+        raise ValueError(f"the bridge records no calibration recipe ({missing} missing): pass texts")
     policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
     seqs, _ = calibration_sequences(
         source_tokenizer,
@@ -100,16 +118,7 @@ def score_bridge(bridge, source, target, source_tokenizer, target_tokenizer, pro
         heldout_every=c.get("heldout_every", 8),
         seed=c.get("seed", 0),
     )
-    contexts = [_context(s, source_tokenizer, target_tokenizer, policy) for s in seqs if s.heldout]
-    scores = attention_cosine(bridge, source, target, contexts, progress=progress)
-    finite = [s for s in scores if s == s]
-    result = {
-        "attention_cosine": scores,
-        "mean": round(sum(finite) / len(finite), 4) if finite else float("nan"),
-        "sequences": len(contexts),
-    }
-    bridge.calibration["heldout_scores"] = result
-    return result
+    return [_context(s, source_tokenizer, target_tokenizer, policy) for s in seqs if s.heldout == heldout]
 
 
 def _context(seq, source_tokenizer, target_tokenizer, policy):

@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 
 from bridgecache.capture import capture_kv
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
-from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
-from bridgecache.fitting.heldout import _context, _outputs
+from bridgecache.fitting.calibration import same_tokenizer
+from bridgecache.fitting.heldout import _outputs, recipe_contexts
 from bridgecache.keynorm import key_norm_scales, project_to_key_norm
 from bridgecache.refinement import LayerRefinement
 from bridgecache.rope import rotate
@@ -190,23 +190,7 @@ def _contexts(bridge, texts, source_tokenizer, target_tokenizer, limit: int) -> 
         raise ValueError("refining on texts needs source_tokenizer and target_tokenizer")
     policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
     if texts is None:
-        recipe = bridge.calibration
-        missing = [k for k in ("num_sequences", "seq_len", "domain") if k not in recipe]
-        if missing:
-            raise ValueError(f"the bridge records no calibration recipe ({missing} missing): pass texts")
-        seqs, _ = calibration_sequences(
-            source_tokenizer,
-            target_tokenizer,
-            num_sequences=recipe["num_sequences"],
-            seq_len=recipe["seq_len"],
-            domain=recipe["domain"],
-            policy=policy,
-            native_head=bridge.native_head,
-            heldout_every=recipe.get("heldout_every", 8),
-            seed=recipe.get("seed", 0),
-        )
-        training = [s for s in seqs if not s.heldout][:limit]
-        return [_context(s, source_tokenizer, target_tokenizer, policy) for s in training]
+        return recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=False)[:limit]
     if not all(isinstance(t, str) for t in texts):
         raise ValueError("texts must be strings or (source_ids, target_ids, alignment) tuples, not a mix")
     if policy is None and not same_tokenizer(source_tokenizer, target_tokenizer):
