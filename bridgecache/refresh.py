@@ -390,6 +390,11 @@ def target_guided(prompt_ids: torch.Tensor, last_queries: int | None = None):
         prefix = tr.prefix_length
         device = tr.target_positions.device
         query = torch.cat([target_ids[:, prefix:].to(device), prompt_ids.to(device, torch.long)], dim=1)
+        if any(window is not None for window in tr.windows):  # its layers keep only a window
+            raise ValueError(
+                "refresh_by='target' reads every cached column of every layer; this target has "
+                "sliding-window layers: use refresh_by='source' or 'deviation'"
+            )
         layers = list(cache.layers)
         scores.flops = reading_flops(target.config, query.shape[1], prefix)  # for cache.report()
         return source_attention_scores(

@@ -226,3 +226,19 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
     )
     assert result.cache.report().tokens_refreshed == len(result.cache.translated_positions)
     assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
+
+
+def test_target_guided_choice_refuses_sliding_window_targets_by_name():
+    from bridgecache.refresh import target_guided
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (1, 20))
+    with pytest.raises(ValueError, match="sliding-window layers: use refresh_by='source'"):
+        BridgedCache(
+            Bridge.identity(model),
+            capture_kv(model, ids),
+            model,
+            ids,
+            refresh=0.3,
+            refresh_by=target_guided(torch.randint(3, 300, (1, 3))),
+        )
