@@ -98,6 +98,12 @@ def test_a_bridge_fitted_before_recipes_ships_with_a_rebuilt_recipe(pair, fitted
         infer_recipe(old)
 
 
+def test_the_statistics_precision_is_part_of_the_recipe(fitted):
+    bridge, _ = fitted
+    assert recipe_of(bridge)["stats_precision"] == "tf32x3"  # the exact mode unless asked otherwise
+    assert "--stats-precision tf32x3" in recipe_command(recipe_of(bridge), "out")
+
+
 def test_recipe_command_names_every_setting_it_needs(fitted):
     command = recipe_command(recipe_of(fitted[0]), out="out")
     assert command.startswith("bridgecache fit --source smollm2-135m --target qwen2.5-coder-0.5b")

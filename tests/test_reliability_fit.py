@@ -132,6 +132,10 @@ def test_fit_api_checks_its_options_before_reading_text(model_dirs):
         fit_bridge(model, other, tok, tok, layers_k=9)
     with pytest.raises(ValueError, match=r"lam is -1.0; expected a finite number > 0"):
         fit_bridge(model, other, tok, tok, lam=-1.0)
+    with pytest.raises(
+        ValueError, match=r"stats_precision is 'fp8'; expected one of \('tf32x3', 'tf32', 'bf16'\)"
+    ):
+        fit_bridge(model, other, tok, tok, stats_precision="fp8")
 
 
 def test_an_existing_bridge_is_kept_unless_force(model_dirs, tmp_path, capsys):

@@ -25,6 +25,7 @@ _OPTIONS = {
     "domain": "--domain",
     "alignment_policy": "--alignment-policy",
     "key_scale": "--key-scale",
+    "stats_precision": "--stats-precision",
     "lam": "--lam",
     "native_head": "--native-head",
     "seed": "--seed",

@@ -63,6 +63,13 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
         choices=["variance", "none"],
         help="variance (default): stretch mapped keys to the target keys' spread (sharper attention)",
     )
+    fit.add_argument(
+        "--stats-precision",
+        default="tf32x3",
+        choices=["tf32x3", "tf32", "bf16"],
+        help="products of the fused statistics kernel on CUDA: tf32x3 (default, about float32) or the "
+        "faster, less exact tf32 / bf16 (docs/benchmarks_gpu_kernels.md); the CPU path is float64",
+    )
     fit.add_argument("--lam", type=float, default=1e-2, help="ridge strength relative to the data scale")
     fit.add_argument("--native-head", type=int, default=1, help="target positions computed natively")
     fit.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -146,6 +153,7 @@ def run_fit(args) -> int:
         layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,
         alignment_policy=args.alignment_policy, key_scale=args.key_scale,
         native_head=args.native_head, seed=args.seed, source_name=args.source, target_name=args.target,
+        stats_precision=args.stats_precision,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     try:

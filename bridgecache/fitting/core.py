@@ -108,8 +108,9 @@ class LayerAccumulator:
     """
 
     def __init__(self, layer: int, inputs: torch.Tensor, src_heads: int, src_dim: int, tgt_dim: int,
-                 weighted: bool, device=None):  # fmt: skip
+                 weighted: bool, device=None, *, precision: str = "tf32x3"):  # fmt: skip
         self.layer = layer
+        self.precision = precision  # of the fused statistics kernel (CUDA)
         self.inputs = inputs
         self.used = sorted({int(s) for s in inputs[..., 0].flatten()})
         position = {s: i for i, s in enumerate(self.used)}
@@ -138,13 +139,14 @@ class LayerAccumulator:
             src = [src_layers[s].to(device) for s in self.used]  # stacked on the head axis
             y = tgt_layers[self.layer][:, :, tgt].to(device)  # [1, Ht, n, Dt]
             if seq.heldout:
-                accumulate(self.heldout[kind], src, rows, self.heads, y)
+                accumulate(self.heldout[kind], src, rows, self.heads, y, precision=self.precision)
             elif not self.weighted:
-                accumulate(self.train[kind], src, rows, self.heads, y)
+                accumulate(self.train[kind], src, rows, self.heads, y, precision=self.precision)
             elif weights is None:
                 raise ValueError("attention-weighted fitting needs key_weights and value_weights")
             else:
-                self.train[kind].add(src, rows, self.heads, y, weights[self.layer][:, :, tgt].to(device))
+                r = weights[self.layer][:, :, tgt].to(device)
+                self.train[kind].add(src, rows, self.heads, y, r, precision=self.precision)
 
     def training_moments(self, kind: str) -> SufficientStats:
         """The statistics the map is solved from (attention-weighted when asked for)."""

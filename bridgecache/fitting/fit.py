@@ -66,6 +66,7 @@ def fit_layer_maps(
     device=None,
     probe_sequences: SequenceSource | None = None,
     key_scale: str = DEFAULT_KEY_SCALE,
+    stats_precision: str = "tf32x3",
 ) -> tuple[list[LayerMap], dict]:
     """Fit one LayerMap per target layer from streamed paired KV.
 
@@ -73,6 +74,9 @@ def fit_layer_maps(
     probe_sequences: what the layer-probe pass streams (default: `sequences`; a subset is cheaper).
     key_scale: "variance" stretches key predictions to the target keys' spread, "none" keeps
         the ridge solution (see bridgecache.fitting.ridge).
+    stats_precision: the products of the fused statistics kernel on CUDA ("tf32x3", about
+        float32; "tf32" or "bf16", faster and less exact: docs/benchmarks_gpu_kernels.md has the
+        error and speed of each). The CPU path computes in float64 whatever it says.
     Returns the layer maps and a JSON-able description (layer scores, support, shrinkage).
     """
     if method not in DEFAULT_K:
@@ -117,7 +121,10 @@ def fit_layer_maps(
         inputs = match_heads(support, hs, ht, None if scores is None else scores.head)
 
     weighted = weighting == "attention"
-    accs = [LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device) for t in range(lt)]
+    accs = [
+        LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device, precision=stats_precision)
+        for t in range(lt)
+    ]
     rows, shift = {"train": 0, "heldout": 0}, None
     for seq in sequences(weighted):
         rows["heldout" if seq.heldout else "train"] += int(seq.tgt_rows.numel())
@@ -161,6 +168,7 @@ def fit_bridge(
     source_name: str | None = None,
     target_name: str | None = None,
     score_heldout: bool = True,
+    stats_precision: str = "tf32x3",
 ) -> Bridge:
     """Fit a Bridge from `source_model` to `target_model` on calibration text.
 
@@ -182,6 +190,7 @@ def fit_bridge(
         identity_if_same: the same model on both sides gives the exact identity bridge.
         score_heldout: measure attention-output cosine per target layer on the held-out
             sequences (bridgecache.fitting.heldout; what the quality gate reads).
+        stats_precision: products of the fused statistics kernel on CUDA (see fit_layer_maps).
     """
     source_spec = model_spec(source_model, source_tokenizer, name=source_name)
     target_spec = model_spec(target_model, target_tokenizer, name=target_name)
@@ -196,6 +205,7 @@ def fit_bridge(
         native_head=native_head,
         heldout_every=heldout_every,
         source_layers=source_spec.num_layers,
+        stats_precision=stats_precision,
     )
     tokenizers_match = same_tokenizer(source_tokenizer, target_tokenizer)
     if identity_if_same and tokenizers_match and _same_weights(source_model, target_model):
@@ -228,6 +238,7 @@ def fit_bridge(
         (source_spec.num_layers, source_spec.num_kv_heads, source_spec.head_dim),
         (target_spec.num_layers, target_spec.num_kv_heads, target_spec.head_dim),
         method, layers_k, layer_support, lam, weighting, device, probes, key_scale,
+        stats_precision=stats_precision,
     )  # fmt: skip
     calibration = {
         "text": "bridgecache.text",
@@ -258,6 +269,7 @@ def fit_bridge(
             "heldout_every": heldout_every,
             "boundaries": boundaries,
             "probe_subset": probe_subset,
+            "stats_precision": stats_precision,
             "identity_if_same": identity_if_same,
             "seed": seed,
         },

@@ -20,6 +20,7 @@ __all__ = ["check_fit_options", "check_model_reference"]
 
 METHODS = ("fullhead", "cachebridge")
 DOMAINS = ("prose", "code", "mixed")
+STATS_PRECISIONS = ("tf32x3", "tf32", "bf16")  # bridgecache.kernels.stats.PRECISIONS
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -35,6 +36,7 @@ def check_fit_options(
     native_head: int = 1,
     heldout_every: int = 8,
     source_layers: int | None = None,
+    stats_precision: str = "tf32x3",
 ) -> None:
     """Raise ValueError for the first option outside its range (names as in `fit_bridge`)."""
     if method not in METHODS:
@@ -53,6 +55,10 @@ def check_fit_options(
     if alignment_policy is not None and alignment_policy not in POLICIES:
         _bad("alignment_policy", alignment_policy, f"one of {POLICIES}")
     _int_at_least("heldout_every", heldout_every, 1)
+    if stats_precision not in STATS_PRECISIONS:
+        _bad(
+            "stats_precision", stats_precision, f"one of {STATS_PRECISIONS} (docs/benchmarks_gpu_kernels.md)"
+        )
 
 
 def check_model_reference(name: str, builtin_names) -> str | None:

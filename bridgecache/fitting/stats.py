@@ -77,10 +77,10 @@ class WeightedMoments:
         z = lambda: torch.zeros(heads, dtype=torch.float64, device=device)  # noqa: E731
         return cls(zeros(heads, p, d, shared, device), zeros(heads, p, d, False, device), z(), z(), z())
 
-    def add(self, src, rows, heads, y, r) -> None:
+    def add(self, src, rows, heads, y, r, precision: str = "tf32x3") -> None:
         """Add a chunk (arguments as `accumulate`; r: [batch, heads, n] raw weights >= 0)."""
-        accumulate(self.plain, src, rows, heads, y)
-        accumulate(self.by_r, src, rows, heads, y, r)
+        accumulate(self.plain, src, rows, heads, y, precision=precision)
+        accumulate(self.by_r, src, rows, heads, y, r, precision=precision)
         r = r.double()
         self.n += r.shape[0] * r.shape[2]
         self.sum_r += r.sum((0, 2))
