@@ -31,9 +31,9 @@ from bridgecache.bridge import Bridge, LayerMap
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
+from bridgecache.guides import target_guided
 from bridgecache.handoff import source_guided_scores
 from bridgecache.modelinfo import model_spec
-from bridgecache.refresh import target_guided
 
 CONFIGS = {  # Qwen2.5-Coder-1.5B and -0.5B (config.json of the published models)
     "qwen2.5-coder-1.5b": dict(

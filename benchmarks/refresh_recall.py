@@ -39,8 +39,9 @@ from bridgecache.bridge import Bridge  # noqa: E402
 from bridgecache.capture import capture_kv  # noqa: E402
 from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
+from bridgecache.guides import attention_maps, scores_on_target  # noqa: E402
 from bridgecache.handoff import align_context, source_rows  # noqa: E402
-from bridgecache.refresh import attention_maps, refresh_budget, scores_on_target, select_columns  # noqa: E402
+from bridgecache.refresh import refresh_budget, select_columns  # noqa: E402
 from bridgecache.zoo import load_model, load_tokenizer  # noqa: E402
 
 

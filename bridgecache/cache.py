@@ -34,15 +34,11 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.gate import HandoffReport, QualityPolicy, handoff_flops, layer_scores, prefill_flops
 from bridgecache.graphs import check_graphs_apply
 from bridgecache.grouped import LayerGroups, groups_apply
+from bridgecache.guides import deviation_scores
 from bridgecache.keynorm import key_norm_scales
 from bridgecache.modelinfo import model_spec
 from bridgecache.native import native_layer_kv, resolve_native_layers
-from bridgecache.refresh import (
-    deviation_scores,
-    refresh_budget,
-    refresh_columns,
-    select_columns,
-)
+from bridgecache.refresh import refresh_budget, refresh_columns, select_columns
 from bridgecache.rope import RopeTables
 from bridgecache.rows import leading_native, plan_rows, pool_source
 from bridgecache.source import SourceKV, _check_mask, as_source, position_ids_from_mask
@@ -208,7 +204,7 @@ class BridgedCache(DynamicCache):
             a [batch, target tokens] tensor of scores (higher first), e.g. from
             `bridgecache.handoff.source_guided_scores` (the source's attention from the prompt),
             or a scorer called with (target, this cache, target_ids) once the native layers are
-            set, e.g. `bridgecache.refresh.target_guided(prompt_ids)` (the target's own
+            set, e.g. `bridgecache.guides.target_guided(prompt_ids)` (the target's own
             attention from the prompt over the translated cache).
         check_layer: the deviation check's layer (default 1, as CacheBlend).
         min_quality: quality gate (bridgecache.gate): layers whose held-out score is below it

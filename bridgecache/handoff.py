@@ -93,7 +93,7 @@ def source_guided_scores(
     source's tokens; None: the context's last tokens) falls on it: `BridgedCache(refresh_by=...)`.
 
     target_ids [1, T], source_ids [1, S]: the context in each model's tokens (batch 1).
-    reduce, after, spread, last_queries: see bridgecache.refresh.source_guided_scores. None
+    reduce, after, spread, last_queries: see bridgecache.guides.source_guided_scores. None
     (default): with a prompt, reduce="max", after=4 (the largest attention any layer, head and
     prompt token gives a token, reaching the 4 tokens after it: it picked the answers' tokens
     best on held-out fact questions, benchmarks/refresh_recall.py); without one, "sum" and 0
@@ -102,7 +102,7 @@ def source_guided_scores(
     prompted = query_ids is not None and query_ids.shape[1] > 0
     reduce = reduce or ("max" if prompted else "sum")
     after = (4 if prompted else 0) if after is None else after
-    from bridgecache.refresh import source_guided_scores as scores_from_source
+    from bridgecache.guides import source_guided_scores as scores_from_source
     from bridgecache.source import as_source
 
     return scores_from_source(
@@ -196,7 +196,7 @@ def handoff(
         query = source_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         refresh_by = source_guided_scores(source, source_cache, alignment, target_ids, source_ids, query)
     if by in ("target", "source+target"):
-        from bridgecache.refresh import blend_scores, target_guided
+        from bridgecache.guides import blend_scores, target_guided
 
         scorer = target_guided(prompt_ids)
         refresh_by = scorer if by == "target" else blend_scores(refresh_by, scorer)

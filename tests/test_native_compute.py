@@ -12,8 +12,9 @@ from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 from bridgecache.gate import QualityPolicy, prefill_flops
+from bridgecache.guides import source_attention_scores
 from bridgecache.native import native_layer_kv, resolve_native_layers
-from bridgecache.refresh import refresh_budget, select_columns, source_attention_scores
+from bridgecache.refresh import refresh_budget, select_columns
 
 
 def _noisy_bridge(model, scale: float = 0.5, seed: int = 0) -> Bridge:
@@ -195,7 +196,7 @@ def test_source_attention_scores_match_the_models_own_attention():
 
 def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
     from bridgecache.gate import reading_fraction
-    from bridgecache.refresh import blend_scores, target_guided
+    from bridgecache.guides import blend_scores, target_guided
 
     model = tiny_model("llama")  # eager attention: output_attentions is the reference
     context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
@@ -232,7 +233,7 @@ def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache()
 
 
 def test_spread_reaches_neighbours_of_what_the_source_attended_to():
-    from bridgecache.refresh import source_guided_scores
+    from bridgecache.guides import source_guided_scores
     from bridgecache.source import as_source
 
     model = tiny_model("llama")
@@ -316,8 +317,8 @@ def test_refresh_reads_grouped_translation_like_per_layer_translation():
 
 
 def test_handoff_scores_default_to_the_measured_rule_per_case():
+    from bridgecache.guides import source_guided_scores
     from bridgecache.handoff import source_guided_scores as handoff_scores
-    from bridgecache.refresh import source_guided_scores
     from bridgecache.source import as_source
 
     model = tiny_model("llama")

@@ -154,7 +154,7 @@ def test_refresh_keeps_the_source_cache_untouched():
 
 
 def test_source_attention_scores_follow_a_sliding_source_window():
-    from bridgecache.refresh import source_attention_scores
+    from bridgecache.guides import source_attention_scores
 
     model = tiny_model("gemma3")  # eager attention: output_attentions is the reference
     context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
@@ -229,7 +229,7 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
 
 
 def test_target_guided_choice_refuses_sliding_window_targets_by_name():
-    from bridgecache.refresh import target_guided
+    from bridgecache.guides import target_guided
 
     model = tiny_model("gemma3")
     ids = torch.randint(3, 300, (1, 20))

@@ -36,8 +36,8 @@ from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
 from bridgecache.gate import reading_fraction
+from bridgecache.guides import blend_scores, target_guided
 from bridgecache.handoff import source_guided_scores
-from bridgecache.refresh import blend_scores, target_guided
 
 __all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
 
