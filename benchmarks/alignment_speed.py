@@ -58,7 +58,7 @@ def prefill_seconds(name: str, ids: list[int]) -> float:
     """One forward pass of the target over the ids (after a 64-token warm-up), fp32 on CPU."""
     import torch
 
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
 
     model, _ = load_model(name)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="also time the target's prefill")
     args = parser.parse_args()
 
-    from bridgecache.zoo import load_tokenizer
+    from bridgecache.models.zoo import load_tokenizer
 
     if args.prefill:
         import torch

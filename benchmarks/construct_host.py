@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_ttft import random_headlocal_bridge  # noqa: E402
 
-from bridgecache.cache import BridgedCache  # noqa: E402
+from bridgecache.runtime.cache import BridgedCache  # noqa: E402
 
 
 def config(heads: int, kv_heads: int, layers: int, head_dim: int) -> Qwen2Config:

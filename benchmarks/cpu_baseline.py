@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
+from bridgecache.models.zoo import BUILTIN_MODELS, cache_root, load_model
 from bridgecache.text import token_sequences
-from bridgecache.zoo import BUILTIN_MODELS, cache_root, load_model
 
 
 def _timed_load_in_subprocess(name: str, home: Path) -> float:
     """Seconds for load_model(name) in a fresh interpreter with BRIDGECACHE_HOME=home."""
     code = (
-        "import time; t = time.perf_counter(); from bridgecache.zoo import load_model; "
+        "import time; t = time.perf_counter(); from bridgecache.models.zoo import load_model; "
         f"load_model({name!r}); print(time.perf_counter() - t)"
     )
     env = dict(os.environ, BRIDGECACHE_HOME=str(home))

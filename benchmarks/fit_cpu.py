@@ -36,7 +36,7 @@ def worker(args) -> None:
     import torch
 
     from bridgecache.fitting import fit_bridge
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
 
     torch.set_num_threads(args.threads)
     source, source_tok = load_model(args.source)
@@ -133,7 +133,7 @@ def main() -> int:
         worker(args)
         return 0
 
-    from bridgecache.zoo import cache_root
+    from bridgecache.models.zoo import cache_root
 
     results = []
     for method in args.methods:

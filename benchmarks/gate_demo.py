@@ -39,12 +39,12 @@ def main() -> None:
 
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
     from bridgecache.evaluation import evaluate, load_items, summarise
     from bridgecache.evaluation.runner import Variant
     from bridgecache.fitting.heldout import score_bridge
-    from bridgecache.gate import layer_scores
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
+    from bridgecache.runtime.gate import layer_scores
 
     torch.set_num_threads(1)
     good = Bridge.from_pretrained(args.bridge)

@@ -23,10 +23,10 @@ import torch
 from gpu_ttft import random_headlocal_bridge
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache.batch import left_pad
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.batch import left_pad
+from bridgecache.runtime.cache import BridgedCache
 
 SHAPES = {  # Qwen2.5-1.5B -> Qwen2.5-0.5B
     "source": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),

@@ -27,13 +27,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache.bridge import Bridge, LayerMap
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
-from bridgecache.guides import target_guided
-from bridgecache.handoff import source_guided_scores
-from bridgecache.modelinfo import model_spec
+from bridgecache.kv.capture import capture_kv
+from bridgecache.models.spec import model_spec
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.guides import target_guided
+from bridgecache.runtime.handoff import source_guided_scores
 
 CONFIGS = {  # Qwen2.5-Coder-1.5B and -0.5B (config.json of the published models)
     "qwen2.5-coder-1.5b": dict(

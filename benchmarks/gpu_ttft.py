@@ -14,8 +14,8 @@ CacheBridge paper (`--pairs`). Rows, per context length, all measured side by si
 - bridged: BridgedCache construction (plan + 1-token native head) + generate(max_new_tokens=1),
   i.e. translation of every layer + the held-back token's forward, by two paths:
   one-launch = the default on CUDA, one launch per group of layers for keys and one for values
-  (bridgecache.grouped); graph = `cuda_graph=True`, the same translation replayed from a CUDA
-  graph captured once per shape (bridgecache.graphs);
+  (bridgecache.runtime.grouped); graph = `cuda_graph=True`, the same translation replayed from a CUDA
+  graph captured once per shape (bridgecache.runtime.graphs);
 - construct: BridgedCache(...) alone; translate: construct + materialize(), CUDA-synchronised;
 - host: the same call's CPU time before it returns (no synchronisation; the GPU runs behind),
   less construct, per target layer: what the lazy path adds to each layer's forward;
@@ -40,10 +40,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config, Qwen3Config
 
-from bridgecache.bridge import Bridge, LayerMap
-from bridgecache.cache import BridgedCache
+from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
-from bridgecache.modelinfo import model_spec
+from bridgecache.models.spec import model_spec
+from bridgecache.runtime.cache import BridgedCache
 
 QWEN25 = {
     "qwen2.5-1.5b": dict(
@@ -220,7 +220,7 @@ def measure_compiled(target, bridge, kv, ids, device, repeats, static, max_cache
     cache (fixed shapes at every length: one compiled graph per pair), warm."""
     from transformers import StaticCache  # here: construct_host.py imports this module on older trees
 
-    from bridgecache.static import fill_static
+    from bridgecache.runtime.static import fill_static
 
     n = ids.shape[1]
     prefix = DynamicCache()

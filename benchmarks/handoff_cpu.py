@@ -20,13 +20,13 @@ import time
 
 import torch
 
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.cached import bridge_for
-from bridgecache.handoff import align_context
+from bridgecache.kv.capture import capture_kv
+from bridgecache.models.zoo import load_model
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.handoff import align_context
 from bridgecache.text import text_chunks
-from bridgecache.zoo import load_model
 
 
 def context_of_length(tokenizer, n_tokens: int) -> str:

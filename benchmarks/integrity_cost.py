@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from bridgecache import zoo
-from bridgecache.fingerprint import weight_fingerprint
-from bridgecache.manifest import is_current, verify_folder
+from bridgecache.models import zoo
+from bridgecache.models.fingerprint import weight_fingerprint
+from bridgecache.models.manifest import is_current, verify_folder
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ ACK = "I have read it and will keep it in mind."
 
 def drift(source, target, bridge, items, turns, *, source_tokenizer, target_tokenizer, max_new_tokens=32):
     """{"bridged"|"native": {k: correct count}} over `items` after k further turns, for each k in turns."""
-    from bridgecache.conversation import Conversation
+    from bridgecache.runtime.conversation import Conversation
 
     correct = {kind: dict.fromkeys(turns, 0) for kind in ("bridged", "native")}
     for item in items:

@@ -110,11 +110,11 @@ _COLORS = {
 def run(args) -> None:
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.cli.evaluate import _json_safe
     from bridgecache.evaluation import evaluate, load_items, summarise
-    from bridgecache.evaluation.cli import _json_safe
     from bridgecache.evaluation.runner import ControlScores, Variant
-    from bridgecache.zoo import cache_root, load_model
+    from bridgecache.models.zoo import cache_root, load_model
 
     torch.set_num_threads(args.threads)
     source_name, target_name = PAIRS[args.pair]
@@ -200,8 +200,8 @@ def guide_cost(record: dict, s: dict) -> float:
 
     from bridgecache.evaluation.builtin import builtin_items
     from bridgecache.evaluation.prompts import _plain_prompt
-    from bridgecache.gate import reading_fraction
-    from bridgecache.zoo import load_tokenizer, model_dir
+    from bridgecache.models.zoo import load_tokenizer, model_dir
+    from bridgecache.runtime.gate import reading_fraction
 
     source_name, target_name = PAIRS[record["pair"]]
     configs = {name: AutoConfig.from_pretrained(model_dir(name)) for name in (source_name, target_name)}
@@ -329,7 +329,7 @@ def _plots(records: list[dict], directory: Path) -> None:
 
 
 def main() -> None:
-    from bridgecache.zoo import cache_root
+    from bridgecache.models.zoo import cache_root
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(required=True)

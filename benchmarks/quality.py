@@ -40,7 +40,7 @@ METHODS = ("fullhead", "cachebridge")
 
 
 def _default_raw() -> Path:
-    from bridgecache.zoo import cache_root
+    from bridgecache.models.zoo import cache_root
 
     return cache_root() / "quality"
 
@@ -61,7 +61,7 @@ def _parse_fit(options: list[str]) -> dict:
 
 
 def _bridge_dir(pair: str, method: str, fit: dict) -> Path:
-    from bridgecache.zoo import cache_root
+    from bridgecache.models.zoo import cache_root
 
     digest = hashlib.sha256(json.dumps(fit, sort_keys=True).encode()).hexdigest()[:8]
     return cache_root() / "bridges" / "quality" / f"{pair}-{method}-{digest}"
@@ -69,7 +69,7 @@ def _bridge_dir(pair: str, method: str, fit: dict) -> Path:
 
 def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     """(bridge, directory): the given directory, the cached fit, or a fresh fit (then cached)."""
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
     from bridgecache.fitting import fit_bridge
 
     source, source_tok, target, target_tok = models
@@ -98,9 +98,9 @@ def _finite(values) -> list:
 def run(args) -> None:
     import torch
 
+    from bridgecache.cli.evaluate import _json_safe
     from bridgecache.evaluation import Variant, evaluate, load_items, summarise
-    from bridgecache.evaluation.cli import _json_safe
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
 
     torch.set_num_threads(args.threads)
     source_name, target_name = PAIRS[args.pair]

@@ -29,12 +29,12 @@ def main() -> None:
 
     import torch
 
-    from bridgecache.bridge import Bridge
-    from bridgecache.cache import BridgedCache
-    from bridgecache.capture import capture_kv
+    from bridgecache.bridge.maps import Bridge
     from bridgecache.compat import cache_kwargs
+    from bridgecache.kv.capture import capture_kv
+    from bridgecache.models.zoo import load_model
+    from bridgecache.runtime.cache import BridgedCache
     from bridgecache.text import token_sequences
-    from bridgecache.zoo import load_model
 
     torch.set_num_threads(args.threads)
     model, tok = load_model("gemma3-270m")

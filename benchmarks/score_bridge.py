@@ -23,9 +23,9 @@ def main() -> None:
 
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
     from bridgecache.fitting.heldout import score_bridge
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
 
     torch.set_num_threads(args.threads)
     bridge = Bridge.from_pretrained(args.bridge)

@@ -7,7 +7,7 @@ predicts x W_h + b_h. A refinement adds
 
 to the predicted keys (before RoPE is re-applied and before a key-norm projection) and values.
 B starts at zero, so an untrained refinement is exactly the closed form. Training lives in
-`bridgecache.fitting.refine`; `bridgecache.translate` applies it (on the PyTorch path: the fused
+`bridgecache.fitting.refine`; `bridgecache.runtime.translate` applies it (on the PyTorch path: the fused
 kernels do not know it).
 
 Knows tensors only: nothing about models, tokenizers, caches or files.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from bridgecache.rope import rotate_half
+from bridgecache.kv.rope import rotate_half
 
 __all__ = ["REFINE_FIELDS", "LayerRefinement", "gather_inputs", "refinement_shapes"]
 

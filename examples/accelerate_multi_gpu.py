@@ -11,7 +11,7 @@ GPUs: the source sits on the first of its GPUs and the target is spread over all
 device_map="auto". With several GPUs per process the target's layers sit on several devices, and
 each translated layer lands on the device of its own target layer. A process answers its requests
 in batches of --batch-size, sorted by length so a batch holds contexts of similar lengths
-(`bridgecache.batch.handoff_batch`: the source reads the batch's contexts in one forward pass, one
+(`bridgecache.runtime.batch.handoff_batch`: the source reads the batch's contexts in one forward pass, one
 BridgedCache translates every row, the target answers them in one generate()). The main process
 gathers the results and prints the throughput of each process.
 
@@ -33,7 +33,7 @@ from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from bridgecache import Bridge, fit_bridge, load_model, load_tokenizer
-from bridgecache.batch import handoff_batch
+from bridgecache.runtime.batch import handoff_batch
 from bridgecache.text import text_chunks
 
 PROMPT = "\n\nIn one sentence, the text above is about"

@@ -16,7 +16,7 @@ import time
 import torch
 
 from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
-from bridgecache.handoff import align_context
+from bridgecache.runtime.handoff import align_context
 
 CONTEXT = (
     "The lighthouse keeper of Port Ellis kept a logbook in which every ship was written down. "

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
-from bridgecache.handoff import align_context
+from bridgecache.runtime.handoff import align_context
 
 ADJECTIVES = ["Silver", "Red", "Little", "Northern", "Swift", "Old", "Golden", "Quiet"]
 BIRDS = ["Heron", "Kestrel", "Osprey", "Plover", "Tern", "Puffin", "Curlew", "Wren"]

@@ -21,8 +21,8 @@ import argparse
 import torch
 
 from bridgecache import Bridge, fit_bridge, load_model
-from bridgecache.artifacts.builtin import builtin_names
-from bridgecache.conversation import Conversation
+from bridgecache.bridge.builtin import builtin_names
+from bridgecache.runtime.conversation import Conversation
 
 LOG = (
     "Harbour log, Port Ellis. On the night of the storm three ships passed: the Marigold, carrying "

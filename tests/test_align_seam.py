@@ -1,4 +1,4 @@
-"""bridgecache.align (gather_rows, pair_rows, target_rows) against a float64 loop reference."""
+"""bridgecache.kv.align (gather_rows, pair_rows, target_rows) against a float64 loop reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridgecache.align import gather_rows, pair_rows, target_rows
+from bridgecache.kv.align import gather_rows, pair_rows, target_rows
 from tokenalign import NATIVE, Alignment, TokenSpans, match
 
 

@@ -17,14 +17,14 @@ from huggingface_hub.file_download import repo_folder_name
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, SpecMismatchError, handoff
-from bridgecache.artifacts import builtin
-from bridgecache.artifacts.export import export_builtin
-from bridgecache.artifacts.recipe import RecipeError, infer_recipe, recipe_command, recipe_of
-from bridgecache.artifacts.summary import feed_matrix
+from bridgecache.bridge import builtin
+from bridgecache.bridge.export import export_builtin
+from bridgecache.bridge.recipe import RecipeError, infer_recipe, recipe_command, recipe_of
+from bridgecache.bridge.summary import feed_matrix
 from bridgecache.cli import main
 from bridgecache.fitting import fit_bridge
 from bridgecache.fitting.refit import refit
-from bridgecache.zoo import BUILTIN_MODELS, load_model
+from bridgecache.models.zoo import BUILTIN_MODELS, load_model
 
 PAIR = "smollm2-135m->qwen2.5-coder-0.5b"  # zoo names recorded on tiny models: nothing is fetched
 FIT = dict(method="cachebridge", num_sequences=4, seq_len=40, heldout_every=2, progress=False)

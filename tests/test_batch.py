@@ -8,9 +8,9 @@ import torch
 from test_tokenalign import byte_bpe, sp_bpe  # noqa: F401  (fixtures: toy tokenizers, no download)
 from tiny_models import tiny_model
 
-from bridgecache.batch import handoff_batch, left_pad
-from bridgecache.bridge import Bridge
-from bridgecache.handoff import handoff
+from bridgecache.bridge.maps import Bridge
+from bridgecache.runtime.batch import handoff_batch, left_pad
+from bridgecache.runtime.handoff import handoff
 
 CONTEXTS = ["hello world the world", "the hello", "hello the world hello world the hello the", "world"]
 PROMPT = " the"
@@ -18,7 +18,7 @@ PROMPT = " the"
 
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_launch, monkeypatch):  # noqa: F811
-    import bridgecache.batch as batch_module
+    import bridgecache.runtime.batch as batch_module
 
     model = tiny_model("qwen2")
     bridge = Bridge.identity(model)
@@ -39,7 +39,7 @@ def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_lau
 
 def test_batched_handoff_across_tokenizers_equals_one_by_one(byte_bpe, sp_bpe):  # noqa: F811
     """Per-row alignments; the sources differ in length (source padding), the targets do not (a
-    row with more target padding widens the batch's native head: see bridgecache.batch)."""
+    row with more target padding widens the batch's native head: see bridgecache.runtime.batch)."""
     model = tiny_model("llama")
     bridge = Bridge.identity(model)
     contexts = ["hello world", "the world", "hello the"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
+from bridgecache.bridge.maps import Bridge, BridgeFormatError, LayerMap
 from bridgecache.fitting import PairedKV, fit_layer_maps
-from bridgecache.modelinfo import SpecMismatchError, model_spec
+from bridgecache.models.spec import SpecMismatchError, model_spec
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +159,8 @@ def test_layer_map_dataclass_fields():
 
 @pytest.mark.real_model
 def test_tokenizer_fingerprint_is_remembered_until_the_vocabulary_changes(monkeypatch):
-    from bridgecache.modelinfo import tokenizer_fingerprint
-    from bridgecache.zoo import load_tokenizer
+    from bridgecache.models.spec import tokenizer_fingerprint
+    from bridgecache.models.zoo import load_tokenizer
 
     tokenizer, fresh = load_tokenizer("smollm2-135m"), load_tokenizer("smollm2-135m")
     reads = []

@@ -7,12 +7,12 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
-from bridgecache.modelinfo import SpecMismatchError
-from bridgecache.source import KVFileError, load_kv, save_kv
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.source import KVFileError, load_kv, save_kv
+from bridgecache.models.spec import SpecMismatchError
+from bridgecache.runtime.cache import BridgedCache
 
 
 def _generate(model, ids, cache=None, **kwargs):
@@ -207,7 +207,7 @@ def test_a_sliding_window_source_cache_that_lacks_rows_gets_a_clear_error():
 def test_alignment_policies_read_the_source_rows_they_name(policy):
     import dataclasses
 
-    from bridgecache.rope import RopeTables, rotate
+    from bridgecache.kv.rope import RopeTables, rotate
     from tokenalign import NATIVE, Alignment
 
     model = tiny_model("llama")

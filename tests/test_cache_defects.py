@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, tiny_model
 
-from bridgecache.bridge import Bridge, LayerMap
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
-from bridgecache.modelinfo import model_spec
+from bridgecache.kv.capture import capture_kv
+from bridgecache.models.spec import model_spec
+from bridgecache.runtime.cache import BridgedCache
 
 
 def _generate(model, ids, cache=None, **kwargs):
@@ -195,7 +195,7 @@ def test_eval_scoring_works_on_a_one_token_context():
 
 
 def test_handoff_of_an_empty_or_one_token_context_continues_like_the_target():
-    from bridgecache.handoff import handoff
+    from bridgecache.runtime.handoff import handoff
 
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     bridge = Bridge.identity(model)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bridgecache.capture import capture_kv
-from bridgecache.modelinfo import model_spec
-from bridgecache.rope import RopeTables, rotate, unrotate
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.rope import RopeTables, rotate, unrotate
+from bridgecache.models.spec import model_spec
 
 
 def _roundtrip_error(model, ids, mask=None) -> float:

@@ -6,8 +6,10 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache import cli, demo, fitting, zoo
-from bridgecache.bridge import Bridge
+from bridgecache import cli, fitting
+from bridgecache.bridge.maps import Bridge
+from bridgecache.cli import demo
+from bridgecache.models import zoo
 
 
 def _byte_tokenizer():
@@ -79,7 +81,7 @@ def test_bridge_for_keys_its_cache_on_the_fit_settings(monkeypatch, tmp_path):
 
 
 def test_handoff_keeps_a_pad_id_of_0(monkeypatch):
-    from bridgecache.handoff import handoff
+    from bridgecache.runtime.handoff import handoff
 
     model, tok = tiny_model("qwen2"), _byte_tokenizer()
     assert tok.pad_token_id == 0

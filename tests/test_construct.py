@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
-from bridgecache.keynorm import key_norm_scales
+from bridgecache.bridge.maps import Bridge
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.keynorm import key_norm_scales
+from bridgecache.runtime.cache import BridgedCache
 
 
 def _cache(model, ids):

@@ -16,12 +16,12 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, tiny_model
 
-from bridgecache.bridge import Bridge
+from bridgecache.bridge.maps import Bridge
 from bridgecache.cli import main
 from bridgecache.evaluation import ChoiceItem, EvaluationError, PplItem, Variant, evaluate, summarise
 from bridgecache.evaluation.builtin import CONTINUATION_TOKENS, builtin_items
 from bridgecache.evaluation.prompts import Prompts
-from bridgecache.modelinfo import model_spec
+from bridgecache.models.spec import model_spec
 from bridgecache.text import documents
 
 VOCAB = 258  # 256 bytes + <s> + </s>

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
-from bridgecache.capture import capture_kv
 from bridgecache.fitting.attention import QueryRecorder, attention_modules, boundary_rows, layer_weights
-from bridgecache.rope import RopeTables
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.rope import RopeTables
 
 
 def test_boundary_rows_are_log_spaced_and_skip_native_head():

@@ -168,7 +168,7 @@ def test_cross_family_fit_end_to_end_excludes_native_head():
 
 @pytest.mark.real_model
 def test_real_model_self_fit_and_identity(smollm2, tmp_path):
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
 
     model, tok = smollm2
     assert fit_bridge(model, model, tok, tok, progress=False).method == "identity"

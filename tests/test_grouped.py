@@ -8,11 +8,11 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge, LayerMap
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
-from bridgecache.modelinfo import model_spec
+from bridgecache.kv.capture import capture_kv
+from bridgecache.models.spec import model_spec
+from bridgecache.runtime.cache import BridgedCache
 
 
 def _generate(model, ids, cache=None, **kwargs):

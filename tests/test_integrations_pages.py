@@ -10,9 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.integrations.pages import (
     EngineMismatchError,
     PageFormatError,
@@ -23,6 +21,8 @@ from bridgecache.integrations.pages import (
     page_keys,
     publish,
 )
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +157,8 @@ def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_re
 def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_path):
     from tiny_models import byte_tokenizer
 
-    from bridgecache.handoff import context_ids
     from bridgecache.integrations.pages import publish_context
+    from bridgecache.runtime.handoff import context_ids
 
     source, target, bridge, _ = handoff
     tok = byte_tokenizer()

@@ -16,11 +16,11 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.integrations.pages import EngineMismatchError, publish
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 
 sglang = pytest.importorskip("sglang", reason="SGLang's storage code is needed (.ci/run installs it)")
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402

@@ -13,13 +13,13 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.integrations import _vllm_api
 from bridgecache.integrations.pages import EngineMismatchError, publish
 from bridgecache.integrations.vllm import VLLM_INSTALLED, BridgedKVConnector, KVConnectorRole
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 
 BLOCK = 4
 TOKENS = 25

@@ -6,8 +6,8 @@ import torch
 from tiny_models import tiny_model
 
 from bridgecache import Bridge, BridgedCache, capture_kv
-from bridgecache.keynorm import key_norm_scales, project_to_key_norm
-from bridgecache.rope import RopeTables, unrotate
+from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
+from bridgecache.kv.rope import RopeTables, unrotate
 
 
 def _normed_keys(scale: torch.Tensor, shape=(2, 3, 7), seed=0) -> torch.Tensor:

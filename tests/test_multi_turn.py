@@ -16,8 +16,8 @@ import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, load_model
-from bridgecache.conversation import Conversation
 from bridgecache.fitting import fit_bridge
+from bridgecache.runtime.conversation import Conversation
 
 ROOT = Path(__file__).resolve().parents[1]
 ZEPHYR = (

@@ -7,14 +7,14 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
-from bridgecache.gate import QualityPolicy, prefill_flops
-from bridgecache.guides import source_attention_scores
-from bridgecache.native import native_layer_kv, resolve_native_layers
-from bridgecache.refresh import refresh_budget, select_columns
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.gate import QualityPolicy, prefill_flops
+from bridgecache.runtime.guides import source_attention_scores
+from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
+from bridgecache.runtime.refresh import refresh_budget, select_columns
 
 
 def _noisy_bridge(model, scale: float = 0.5, seed: int = 0) -> Bridge:
@@ -195,8 +195,8 @@ def test_source_attention_scores_match_the_models_own_attention():
 
 
 def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
-    from bridgecache.gate import reading_fraction
-    from bridgecache.guides import blend_scores, target_guided
+    from bridgecache.runtime.gate import reading_fraction
+    from bridgecache.runtime.guides import blend_scores, target_guided
 
     model = tiny_model("llama")  # eager attention: output_attentions is the reference
     context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
@@ -233,8 +233,8 @@ def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache()
 
 
 def test_spread_reaches_neighbours_of_what_the_source_attended_to():
-    from bridgecache.guides import source_guided_scores
-    from bridgecache.source import as_source
+    from bridgecache.kv.source import as_source
+    from bridgecache.runtime.guides import source_guided_scores
 
     model = tiny_model("llama")
     context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 3))
@@ -280,7 +280,7 @@ def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridg
 def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_by):
     from tiny_models import byte_tokenizer
 
-    from bridgecache.handoff import handoff
+    from bridgecache.runtime.handoff import handoff
 
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     context, prompt = "the hello world of the bridged cache", " said"
@@ -317,9 +317,9 @@ def test_refresh_reads_grouped_translation_like_per_layer_translation():
 
 
 def test_handoff_scores_default_to_the_measured_rule_per_case():
-    from bridgecache.guides import source_guided_scores
-    from bridgecache.handoff import source_guided_scores as handoff_scores
-    from bridgecache.source import as_source
+    from bridgecache.kv.source import as_source
+    from bridgecache.runtime.guides import source_guided_scores
+    from bridgecache.runtime.handoff import source_guided_scores as handoff_scores
 
     model = tiny_model("llama")
     context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 3))

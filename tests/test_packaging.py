@@ -72,7 +72,7 @@ def test_both_kernels_packages_import_side_by_side(hf_kernels, tmp_path):
 
 @pytest.mark.real_model
 def test_gguf_model_loads_and_generates_with_both_installed(hf_kernels, tmp_path, smollm2):
-    from bridgecache.zoo import cache_root
+    from bridgecache.models.zoo import cache_root
 
     gguf = cache_root() / "gguf" / "smollm2-135m.gguf"
     code = f"""

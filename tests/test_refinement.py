@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import tiny_model
 
 from bridgecache import Bridge, BridgedCache, capture_kv
-from bridgecache.bridge import BridgeFormatError, LayerMap
+from bridgecache.bridge.maps import BridgeFormatError, LayerMap
 from bridgecache.fitting.heldout import attention_cosine
 from bridgecache.fitting.refine import refine_bridge, strip_refinement, train_refinement
 from bridgecache.integrations.pages import bridge_fingerprint
@@ -241,7 +241,7 @@ def test_refine_cli_checks_its_arguments_before_loading(tmp_path, capsys):
 
 
 def test_a_refined_bridge_is_not_exported_as_builtin(tmp_path):
-    from bridgecache.artifacts.export import export_builtin
+    from bridgecache.bridge.export import export_builtin
 
     _, _, directory = _refined_tiny(tmp_path)
     with pytest.raises(ValueError, match="refined bridge"):

@@ -13,10 +13,10 @@ from test_tokenalign import byte_bpe, sp_bpe  # noqa: F401  (fixtures: toy token
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 
 WINDOW = 8
 
@@ -154,7 +154,7 @@ def test_refresh_keeps_the_source_cache_untouched():
 
 
 def test_source_attention_scores_follow_a_sliding_source_window():
-    from bridgecache.guides import source_attention_scores
+    from bridgecache.runtime.guides import source_attention_scores
 
     model = tiny_model("gemma3")  # eager attention: output_attentions is the reference
     context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
@@ -170,7 +170,7 @@ def test_source_attention_scores_follow_a_sliding_source_window():
 def test_handoff_refreshes_a_sliding_window_target_by_default():
     from tiny_models import byte_tokenizer
 
-    from bridgecache.handoff import handoff
+    from bridgecache.runtime.handoff import handoff
 
     model, tok = tiny_model("gemma3"), byte_tokenizer()
     bridge = _noisy_bridge(model)
@@ -191,7 +191,7 @@ def test_handoff_refreshes_a_sliding_window_target_by_default():
 
 
 def test_refresh_columns_asks_for_the_columns_a_sliding_layer_dropped():
-    from bridgecache.refresh import refresh_columns
+    from bridgecache.runtime.refresh import refresh_columns
 
     model = tiny_model("gemma3")
     ids = torch.randint(3, 300, (1, 30))
@@ -207,7 +207,7 @@ def test_refresh_columns_asks_for_the_columns_a_sliding_layer_dropped():
 
 
 def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate(byte_bpe, sp_bpe):  # noqa: F811
-    from bridgecache.handoff import handoff
+    from bridgecache.runtime.handoff import handoff
 
     model = tiny_model("gemma3")
     context, prompt = "hello world the world, the hello of the world: hello there, world", " the"
@@ -229,7 +229,7 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
 
 
 def test_target_guided_choice_refuses_sliding_window_targets_by_name():
-    from bridgecache.guides import target_guided
+    from bridgecache.runtime.guides import target_guided
 
     model = tiny_model("gemma3")
     ids = torch.randint(3, 300, (1, 20))

@@ -12,11 +12,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning
+from bridgecache.bridge.maps import Bridge, BridgeFormatError, WeightMismatchWarning
 from bridgecache.files import STAGING_PREFIX, current_umask
-from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.fitting import PairedKV, fit_layer_maps
-from bridgecache.modelinfo import SpecMismatchError, model_spec
+from bridgecache.models.fingerprint import weight_fingerprint
+from bridgecache.models.spec import SpecMismatchError, model_spec
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_a_save_that_fails_midway_leaves_the_old_bridge_and_nothing_else(fitted,
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("bridgecache.bridge.save_file", disk_full)
+    monkeypatch.setattr("bridgecache.bridge.maps.save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         fitted.save_pretrained(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, tiny_model
 
-from bridgecache import zoo
-from bridgecache.bridge import Bridge
+from bridgecache.bridge.maps import Bridge
 from bridgecache.cli import main
 from bridgecache.files import STAGING_PREFIX, current_umask
 from bridgecache.fitting import fit_bridge
+from bridgecache.models import zoo
 
 
 @pytest.fixture(autouse=True)
@@ -192,7 +192,7 @@ def test_a_destination_broken_during_the_fit_keeps_the_work(model_dirs, tmp_path
 
 
 def test_demo_with_a_bridge_uses_the_bridges_models(model_dirs, tmp_path, capsys, monkeypatch):
-    from bridgecache.modelinfo import model_spec
+    from bridgecache.models.spec import model_spec
 
     model, tok = zoo.load_model(model_dirs[0])
     Bridge.identity(model_spec(model, tok, name=model_dirs[0])).save_pretrained(tmp_path / "b")

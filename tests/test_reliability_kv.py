@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from bridgecache.files import current_umask
-from bridgecache.source import KVFileError, _kv_digest, load_kv, save_kv
+from bridgecache.kv.source import KVFileError, _kv_digest, load_kv, save_kv
 
 
 def _kv(layers: int = 2, tokens: int = 5):

@@ -1,4 +1,4 @@
-"""Static-cache handoffs (bridgecache.static): an identity bridge copied into a transformers
+"""Static-cache handoffs (bridgecache.runtime.static): an identity bridge copied into a transformers
 StaticCache gives the target's own greedy tokens, eager and through a traced (torch.compile)
 forward; a refill keeps the buffers' addresses; wrong shapes and sliding-window targets are refused."""
 
@@ -9,9 +9,9 @@ import torch
 from tiny_models import tiny_model
 from transformers import StaticCache
 
-from bridgecache.bridge import Bridge
-from bridgecache.cache import BridgedCache
-from bridgecache.capture import capture_kv
+from bridgecache.bridge.maps import Bridge
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 
 NEW = 6
 

@@ -92,4 +92,4 @@ def test_the_graph_sees_lazy_imports():
     graph = _graph()
     assert "bridgecache.fitting.fit" in graph["bridgecache.fitting"]  # a package re-export
     assert "bridgecache.evaluation.builtin" in graph["bridgecache.evaluation.data"]
-    assert "bridgecache.zoo" in graph["bridgecache.evaluation.cli"]  # imported inside a function
+    assert "bridgecache.models.zoo" in graph["bridgecache.cli.evaluate"]  # imported inside a function

@@ -31,7 +31,7 @@ DIRECTIONS = [(a, b) for a in NAMES for b in NAMES if a != b]  # all six, both w
 @cache
 def tokenizer(name: str):
     """Loaded once per session (a function, not a fixture: hypothesis prints fixture arguments)."""
-    from bridgecache.zoo import load_tokenizer
+    from bridgecache.models.zoo import load_tokenizer
 
     return load_tokenizer(name)
 

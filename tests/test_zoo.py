@@ -9,8 +9,8 @@ import zipfile
 import pytest
 import torch
 
-from bridgecache import zoo
-from bridgecache.zoo import BuiltinModel, ZooError
+from bridgecache.models import zoo
+from bridgecache.models.zoo import BuiltinModel, ZooError
 
 
 def _record_hash(data: bytes) -> str:

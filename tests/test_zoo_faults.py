@@ -22,9 +22,9 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from bridgecache import zoo
-from bridgecache.manifest import MANIFEST, STAMP, is_current, verify_folder
-from bridgecache.zoo import BuiltinModel, ZooError
+from bridgecache.models import zoo
+from bridgecache.models.manifest import MANIFEST, STAMP, is_current, verify_folder
+from bridgecache.models.zoo import BuiltinModel, ZooError
 
 SEED = 7
 PARTS = [b"GGUF" + bytes([SEED]) + bytes(range(200)), bytes(range(50, 250)) * 2, b"the end"]
@@ -209,7 +209,7 @@ def test_a_kill_at_any_point_heals_on_the_next_load(fake, tmp_path, monkeypatch,
 def test_a_kill_while_stamping_a_verified_folder_heals(fake, tmp_path, monkeypatch):
     folder = zoo.model_dir("fake")
     (folder / "config.json").touch()  # a changed mtime: the next load re-hashes and re-stamps
-    import bridgecache.manifest as manifest
+    import bridgecache.models.manifest as manifest
 
     _killed_at(monkeypatch, manifest, "_write_json", call=1, before=True)
     _assert_working_and_clean(tmp_path)

@@ -14,7 +14,7 @@ Modules, one job each:
     chat.py       `align_chat`: each model's own chat template, scaffolding NATIVE
 
 tokenalign knows nothing about KV caches, models or torch: it sees text and tokenizers only.
-bridgecache reads alignments through `bridgecache.align` (gather_rows, pair_rows).
+bridgecache reads alignments through `bridgecache.kv.align` (gather_rows, pair_rows).
 """
 
 from .alignment import NATIVE, POLICIES, Alignment

@@ -5,7 +5,7 @@ An item is read in three parts:
     prompt   what the target then reads natively: "" (ppl) or "\\nQuestion: {q}\\nAnswer:" (choice)
     scored   the strings whose log-likelihood is measured: the continuation, or " {choice}" each
 Plain: the context is `tokenizer(context)` (with the model's own BOS where it adds one), in each
-    model's own tokenization, as `bridgecache.handoff` feeds it; across tokenizers
+    model's own tokenization, as `bridgecache.runtime.handoff` feeds it; across tokenizers
     `tokenalign.align` pairs them.
 Chat (`chat=True`): the context is the first user message in each model's own chat template
     (`tokenalign.align_chat`; template scaffolding is computed by the target); the prompt is a second
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.evaluation.items import ChoiceItem, EvaluationError, PplItem
-from bridgecache.handoff import context_ids, same_tokenization
+from bridgecache.runtime.handoff import context_ids, same_tokenization
 
 __all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from bridgecache.capture import capture_kv
 from bridgecache.evaluation.controls import ControlScores
 from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
-from bridgecache.gate import reading_fraction
-from bridgecache.guides import blend_scores, target_guided
-from bridgecache.handoff import source_guided_scores
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.gate import reading_fraction
+from bridgecache.runtime.guides import blend_scores, target_guided
+from bridgecache.runtime.handoff import source_guided_scores
 
 __all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from bridgecache.cache import BridgedCache
 from bridgecache.compat import cache_kwargs
+from bridgecache.runtime.cache import BridgedCache
 
 __all__ = ["Prefix", "native_prefix", "bridged_prefix", "score"]
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from bridgecache.rope import rotate
+from bridgecache.kv.rope import rotate
 
 __all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
 

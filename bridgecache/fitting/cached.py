@@ -18,16 +18,16 @@ def bridge_for(source_name: str, target_name: str, method: str, source=None, tar
     fit_kwargs (see `bridgecache.fitting.fit_bridge`) are part of the cache key: a bridge fitted
     with other settings is never returned for these.
     """
-    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import Bridge
     from bridgecache.fitting import fit_bridge
-    from bridgecache.zoo import cache_root, load_model
+    from bridgecache.models.zoo import cache_root, load_model
 
     directory = cache_root() / "bridges" / _bridge_dir_name(source_name, target_name, method, fit_kwargs)
     if (directory / "bridge.json").exists():
         return Bridge.from_pretrained(directory)
     source, source_tok = (source, None) if source is not None else load_model(source_name)
     target, target_tok = (target, None) if target is not None else load_model(target_name)
-    from bridgecache.zoo import load_tokenizer
+    from bridgecache.models.zoo import load_tokenizer
 
     source_tok = source_tok or load_tokenizer(source_name)
     target_tok = target_tok or load_tokenizer(target_name)

@@ -2,7 +2,7 @@
 
 Same tokenizer (equal fingerprints): windows of `seq_len` tokens from `bridgecache.text`, fed to
 both models; the pairing is the identity alignment. Different tokenizers: text chunks aligned
-with `tokenalign.align`, paired with `bridgecache.align.pair_rows` (policy "mean": target rows
+with `tokenalign.align`, paired with `bridgecache.kv.align.pair_rows` (policy "mean": target rows
 paired with source rows pooled over each target token's span). If the target's tokenizer
 adds a BOS token, every target sequence starts with it (as at inference); it is never fitted.
 Target rows < native_head are removed from the pairing (the target computes them itself).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bridgecache.modelinfo import tokenizer_fingerprint
+from bridgecache.models.spec import tokenizer_fingerprint
 from bridgecache.text import text_chunks, token_sequences
 
 __all__ = ["CalibSequence", "calibration_sequences", "same_tokenizer"]
@@ -28,7 +28,7 @@ class CalibSequence:
     """source_ids [S], target_ids [T] int64; src_rows, tgt_rows int64 [n]: the pairs to fit.
 
     pool: for policy "mean", the alignment whose spans pool the source rows into one row per
-    target token (`bridgecache.align.gather_rows`); src_rows then index those pooled rows.
+    target token (`bridgecache.kv.align.gather_rows`); src_rows then index those pooled rows.
     """
 
     source_ids: torch.Tensor
@@ -90,7 +90,7 @@ def _same(tokenizer, n: int, seq_len: int, domain: str, native_head: int, seed: 
 
 def _cross(src_tok, tgt_tok, n, seq_len, domain, policy, native_head, seed) -> list[CalibSequence]:
     import tokenalign
-    from bridgecache.align import pair_rows, target_rows
+    from bridgecache.kv.align import pair_rows, target_rows
 
     # ~4 characters per token is generous for prose and code; the target ids are cut at seq_len.
     texts = text_chunks(domain, "calib", n, chars=seq_len * 6, seed=seed)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bridgecache.bridge import LayerMap
+from bridgecache.bridge.maps import LayerMap
 from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
 from bridgecache.fitting.support import ProbeMoments

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bridgecache.bridge import Bridge, LayerMap
-from bridgecache.fingerprint import weight_fingerprint
+from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
 from bridgecache.fitting.options import check_fit_options
@@ -33,7 +32,8 @@ from bridgecache.fitting.support import (
     score_probes,
     top_layers,
 )
-from bridgecache.modelinfo import model_spec
+from bridgecache.models.fingerprint import weight_fingerprint
+from bridgecache.models.spec import model_spec
 
 __all__ = [
     "fit_bridge",

@@ -5,7 +5,7 @@ reads the context natively; at up to 32 query rows per layer, its own queries at
 own keys/values and (b) to the bridged keys/values of the same context, and the cosine between
 the two attention outputs is averaged over rows and query heads. Full-Head's study found this
 predicts transfer quality far better than key R^2 (r = +0.57 vs -0.20). The quality gate
-(bridgecache.gate) reads the result from `bridge.calibration["heldout_scores"]`.
+(bridgecache.runtime.gate) reads the result from `bridge.calibration["heldout_scores"]`.
 
 Knows models and bridges; tokenizers only through `bridgecache.fitting.calibration`.
 """
@@ -16,10 +16,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from bridgecache.capture import capture_kv
 from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
 from bridgecache.fitting.calibration import calibration_sequences
+from bridgecache.kv.capture import capture_kv
 
 __all__ = ["attention_cosine", "score_bridge"]
 
@@ -48,7 +48,7 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     contexts: (source_ids [1, S], target_ids [1, T], alignment or None) triples.
     Returns a list of floats, one per target layer (1.0 = the bridged cache attends exactly alike).
     """
-    from bridgecache.cache import BridgedCache
+    from bridgecache.runtime.cache import BridgedCache
 
     modules = attention_modules(target)
     totals = torch.zeros(len(modules), dtype=torch.float64)

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from bridgecache.capture import capture_kv
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
 from bridgecache.fitting.calibration import same_tokenizer
 from bridgecache.fitting.heldout import _outputs, recipe_contexts
-from bridgecache.keynorm import key_norm_scales, project_to_key_norm
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
+from bridgecache.kv.rope import rotate
 from bridgecache.refinement import LayerRefinement
-from bridgecache.rope import rotate
-from bridgecache.translate import LayerPlan, closed_form_parts, layer_sources
+from bridgecache.runtime.translate import LayerPlan, closed_form_parts, layer_sources
 
 __all__ = ["LOSSES", "refine_bridge", "strip_refinement", "train_refinement"]
 
@@ -214,7 +214,7 @@ def _contexts(bridge, texts, source_tokenizer, target_tokenizer, limit: int) -> 
 @torch.no_grad()
 def _prepare(closed, source, target, context, rows_per_context: int) -> list[_LayerData] | None:
     """Every layer's training tensors for one context (CPU, float32); None if it is too short."""
-    from bridgecache.cache import BridgedCache
+    from bridgecache.runtime.cache import BridgedCache
 
     source_ids, target_ids, alignment = context
     # The decoders alone: their KV and queries are the models', without the vocabulary projection.

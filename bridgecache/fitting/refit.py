@@ -1,11 +1,11 @@
 """Fit a bridge again from the recipe it records (`bridgecache fit --recipe`).
 
-Knows fit_bridge's arguments; the recipe itself is described by bridgecache.artifacts.recipe.
+Knows fit_bridge's arguments; the recipe itself is described by bridgecache.bridge.recipe.
 """
 
 from __future__ import annotations
 
-from bridgecache.artifacts.recipe import RecipeError
+from bridgecache.bridge.recipe import RecipeError
 from bridgecache.fitting.fit import fit_bridge
 
 __all__ = ["refit"]

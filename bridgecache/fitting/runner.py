@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from bridgecache.capture import capture_kv
 from bridgecache.fitting.attention import QueryRecorder, boundary_rows, layer_weights
 from bridgecache.fitting.calibration import CalibSequence
 from bridgecache.fitting.core import PairedKV
+from bridgecache.kv.capture import capture_kv
 
 __all__ = ["paired_kv"]
 
@@ -51,7 +51,7 @@ def paired_kv(
         src_keys = tgt_keys if src is tgt else [src.unrotated_keys(layer) for layer in range(src.num_layers)]
         src_values = [v.float() for v in src.values]
         if seq.pool is not None:  # policy "mean": one pooled source row per target token
-            from bridgecache.align import gather_rows
+            from bridgecache.kv.align import gather_rows
 
             src_keys = [gather_rows(k, seq.pool) for k in src_keys]
             src_values = [gather_rows(v, seq.pool) for v in src_values]

@@ -468,9 +468,9 @@ def publish_context(
 
     The engine's prompt must start with `target_tokenizer(context)`'s ids. publish_kwargs: salt,
     dtype, model_name, accept (see `publish`)."""
-    from bridgecache.cache import BridgedCache
-    from bridgecache.capture import capture_kv
-    from bridgecache.handoff import align_context
+    from bridgecache.kv.capture import capture_kv
+    from bridgecache.runtime.cache import BridgedCache
+    from bridgecache.runtime.handoff import align_context
 
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
     if source_cache is None:

@@ -1,0 +1,18 @@
+"""Bridges: per-layer affine maps from a source model's KV to a target model's, as files to share.
+
+    maps      Bridge and LayerMap, saving and loading (safetensors + JSON, never pickle)
+    format    validation of `bridge.json`: every field's type and range
+    resolve   what `Bridge.from_pretrained` was given -> a local bridge directory
+    builtin   bridges shipped inside the package, their model fingerprints, model checks
+    export    ship a fitted bridge inside the package (float16)
+    recipe    the fit arguments a bridge records
+    hub       download from / upload to the Hugging Face Hub
+    card      README.md with YAML front matter beside every saved bridge
+    summary   repr, notebook markdown, the `inspect` report and its plot
+
+Knows models' identities (bridgecache.models); nothing about KV, caches or fitting.
+"""
+
+from bridgecache.bridge.maps import Bridge, BridgeFormatError, LayerMap, WeightMismatchWarning
+
+__all__ = ["Bridge", "BridgeFormatError", "LayerMap", "WeightMismatchWarning"]

@@ -1,0 +1,478 @@
+"""Bridge: the per-layer affine maps that turn a source model's KV into a target model's.
+
+A `Bridge` holds one `LayerMap` per target layer plus the identity (`ModelSpec`) of both models,
+the method that fitted it, the token-alignment policy and a description of the calibration data.
+It is a container: fitting lives in `bridgecache.fitting`, application in `bridgecache.runtime.translate`.
+
+Files: `bridge.safetensors` (tensors) + `bridge.json` (metadata, per-tensor shape/dtype/sha256).
+Loading validates everything against the metadata and names the field that is wrong. No pickle.
+
+This module knows nothing about tokenizers, calibration text or how the maps were fitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from bridgecache.bridge.format import METHODS, BridgeFormatError, check_bridge_json
+from bridgecache.files import staged_directory
+from bridgecache.models.fingerprint import weight_fingerprint
+from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
+from bridgecache.refinement import REFINE_FIELDS, LayerRefinement, refinement_shapes
+
+__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
+
+FORMAT_VERSION = 1
+_JSON, _TENSORS = "bridge.json", "bridge.safetensors"
+_FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
+
+
+class WeightMismatchWarning(UserWarning):
+    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
+
+
+@dataclass
+class LayerMap:
+    """Affine maps of one target layer: Y_hat = X W + b per target head, keys un-rotated.
+
+    inputs: int64 [tgt_heads, n_in, 2], the (source layer, source head) of each input slot.
+        X_h = concat over slots of those source rows: [tokens, n_in * src_dim].
+    key_weight, value_weight: float32 [tgt_heads, n_in * src_dim, tgt_dim].
+    key_bias, value_bias: float32 [tgt_heads, tgt_dim].
+    r2_key, r2_value: held-out R^2 (NaN when not measured, e.g. the identity).
+    refinement: an optional trained low-rank residual on top of the maps (bridgecache.refinement).
+    """
+
+    source_layers: list[int]
+    inputs: torch.Tensor
+    key_weight: torch.Tensor
+    key_bias: torch.Tensor
+    value_weight: torch.Tensor
+    value_bias: torch.Tensor
+    r2_key: float = math.nan
+    r2_value: float = math.nan
+    refinement: LayerRefinement | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        extra = [] if self.refinement is None else list(self.refinement.tensors().values())
+        maps = (self.key_weight, self.key_bias, self.value_weight, self.value_bias)
+        return sum(t.numel() for t in (*maps, *extra))
+
+    @property
+    def nbytes(self) -> int:
+        extra = [] if self.refinement is None else list(self.refinement.tensors().values())
+        return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in _FIELDS), *extra))
+
+
+@dataclass
+class Bridge:
+    """Everything needed to map a source model's KV cache into a target model's cache space.
+
+    method: "fullhead" | "cachebridge" | "identity".
+    alignment_policy: "identity" (same tokenizer) or a tokenalign policy name.
+    native_head: positions [0, native_head) the target computes itself (excluded from fitting).
+    layers: one LayerMap per target layer.
+    calibration: JSON-able description of the calibration data and fit settings.
+    fingerprints: {"source": ..., "target": ...} weight fingerprints at fit time
+        (`bridgecache.models.fingerprint`); empty for the identity and for older bridge files.
+    refinement: JSON-able description of the trained refinement (bridgecache.fitting.refine);
+        empty when no layer has one.
+    """
+
+    source: ModelSpec
+    target: ModelSpec
+    method: str
+    alignment_policy: str
+    layers: list[LayerMap]
+    native_head: int = 1
+    calibration: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
+    refinement: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown bridge method {self.method!r}; expected one of {METHODS}")
+        if len(self.layers) != self.target.num_layers:
+            raise ValueError(
+                f"{len(self.layers)} layer maps for a target with {self.target.num_layers} layers"
+            )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def identity(cls, model, tokenizer=None, native_head: int = 1) -> Bridge:
+        """The exact identity bridge of a model onto itself (W = I, b = 0; no regression)."""
+        spec = model if isinstance(model, ModelSpec) else model_spec(model, tokenizer)
+        heads, dim = spec.num_kv_heads, spec.head_dim
+        eye = torch.eye(dim).expand(heads, dim, dim).contiguous()
+        layers = []
+        for layer in range(spec.num_layers):
+            inputs = torch.stack([torch.full((heads,), layer), torch.arange(heads)], dim=-1)
+            layers.append(
+                LayerMap(
+                    source_layers=[layer],
+                    inputs=inputs.unsqueeze(1).long(),
+                    key_weight=eye.clone(),
+                    key_bias=torch.zeros(heads, dim),
+                    value_weight=eye.clone(),
+                    value_bias=torch.zeros(heads, dim),
+                )
+            )
+        return cls(spec, spec, "identity", "identity", layers, native_head, {"description": "exact identity"})
+
+    # ------------------------------------------------------------------ checks and sizes
+
+    def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:
+        """Raise SpecMismatchError naming each field where the given models differ from the bridge's.
+
+        Given models (not specs), their weights are compared with the fingerprints recorded at
+        fit time: a mismatch (e.g. a fine-tuned copy) warns (WeightMismatchWarning), or raises
+        SpecMismatchError under `strict=True`.
+        """
+        self.source.check(_as_spec(source_model_or_spec), "source")
+        self.target.check(_as_spec(target_model_or_spec), "target")
+        for role, model in (("source", source_model_or_spec), ("target", target_model_or_spec)):
+            _check_fingerprint(self.fingerprints.get(role), model, role, strict)
+
+    def num_parameters(self) -> int:
+        """Coefficients of all maps (weights and biases, keys and values)."""
+        return sum(layer.num_parameters for layer in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes of all tensors (weights, biases and input tables)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def summary(self) -> str:
+        """A per-layer table: source layers, inputs per head, parameters, held-out R^2 of K and V."""
+        lines = [
+            f"bridge {self.source.name} -> {self.target.name}  method={self.method}  "
+            f"alignment={self.alignment_policy}  native_head={self.native_head}",
+            f"{'layer':>5}  {'source layers':<18}{'n_in':>5}{'params':>12}{'R2 K':>9}{'R2 V':>9}",
+        ]
+        for i, layer in enumerate(self.layers):
+            src = ",".join(str(s) for s in layer.source_layers)
+            lines.append(
+                f"{i:>5}  {src:<18}{layer.inputs.shape[1]:>5}{layer.num_parameters:>12,}"
+                f"{_fmt(layer.r2_key):>9}{_fmt(layer.r2_value):>9}"
+            )
+        r2k = [x.r2_key for x in self.layers if not math.isnan(x.r2_key)]
+        r2v = [x.r2_value for x in self.layers if not math.isnan(x.r2_value)]
+        mean_k = sum(r2k) / len(r2k) if r2k else math.nan
+        mean_v = sum(r2v) / len(r2v) if r2v else math.nan
+        lines.append(
+            f"{'mean':>5}  {'':<18}{'':>5}{self.num_parameters():>12,}{_fmt(mean_k):>9}{_fmt(mean_v):>9}"
+        )
+        lines.append(f"mapper size: {self.nbytes():,} bytes")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ files
+
+    def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
+        """Write bridge.safetensors + bridge.json into `directory` (created if needed).
+
+        The files are staged in a hidden folder and renamed into place (a reader or a crash
+        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
+        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
+        """
+        directory = Path(directory)
+        if not overwrite and (directory / _JSON).exists():
+            raise FileExistsError(f"{directory} already holds a bridge; refusing to overwrite it")
+        tensors, described = {}, {}
+        for i, layer in enumerate(self.layers):
+            for name in _FIELDS:
+                t = getattr(layer, name).detach().cpu().contiguous()
+                tensors[f"layers.{i}.{name}"] = t
+                described[f"layers.{i}.{name}"] = {
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "sha256": _tensor_sha(t),
+                }
+            if layer.refinement is not None:
+                for name, t in layer.refinement.tensors().items():
+                    t = t.detach().cpu().contiguous()
+                    tensors[f"layers.{i}.refinement.{name}"] = t
+                    described[f"layers.{i}.refinement.{name}"] = {
+                        "shape": list(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "sha256": _tensor_sha(t),
+                    }
+        meta = {
+            "format": "bridgecache.bridge",
+            "format_version": FORMAT_VERSION,
+            "source": self.source.to_dict(),
+            "target": self.target.to_dict(),
+            "method": self.method,
+            "alignment_policy": self.alignment_policy,
+            "native_head": self.native_head,
+            "calibration": self.calibration,
+            "layers": [
+                {
+                    "source_layers": list(layer.source_layers),
+                    "inputs": layer.inputs.tolist(),
+                    "r2_key": _json_float(layer.r2_key),
+                    "r2_value": _json_float(layer.r2_value),
+                }
+                for layer in self.layers
+            ],
+            "tensors": described,
+        }
+        if self.fingerprints:
+            meta["fingerprints"] = dict(self.fingerprints)
+        refined = [i for i, layer in enumerate(self.layers) if layer.refinement is not None]
+        if refined:
+            rank = self.layers[refined[0]].refinement.rank
+            meta["refinement"] = {**self.refinement, "rank": rank, "layers": refined}
+        from bridgecache.bridge.card import write_card
+
+        with staged_directory(directory) as staging:
+            save_file(tensors, str(staging / _TENSORS))
+            (staging / _JSON).write_text(json.dumps(meta, indent=1))
+            write_card(self, staging)  # README.md: the bridge card
+        return directory
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload this bridge (files + card) to a Hub repo; see `bridgecache.bridge.hub.push_to_hub`."""
+        from bridgecache.bridge.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
+    def __repr__(self) -> str:
+        from bridgecache.bridge.summary import short_summary
+
+        return short_summary(self)
+
+    def _repr_markdown_(self) -> str:
+        from bridgecache.bridge.summary import markdown_summary
+
+        return markdown_summary(self)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", **hub_kwargs
+    ) -> Bridge:
+        """Load and validate a bridge; any inconsistency raises BridgeFormatError.
+
+        name_or_path: a bridge directory, "builtin:SOURCE->TARGET" (shipped with bridgecache) or a
+            Hub repo id "org/name" (hub_kwargs: revision, cache_dir, token, local_files_only).
+        Stored float16/bfloat16 maps are upcast to float32.
+        """
+        from bridgecache.bridge.resolve import check_fingerprints, resolve_bridge
+
+        directory = resolve_bridge(name_or_path, **hub_kwargs)
+        meta = _read_json(directory / _JSON)
+        tensors = _read_tensors(directory / _TENSORS)
+        _check_tensors(meta, tensors, directory)
+        try:
+            source, target = ModelSpec.from_dict(meta["source"]), ModelSpec.from_dict(meta["target"])
+        except (KeyError, TypeError) as err:
+            raise BridgeFormatError(
+                f"{directory / _JSON}: field 'source'/'target' is not a model spec ({err})"
+            ) from err
+        layers = []
+        for i, entry in enumerate(meta["layers"]):
+            where = f"{directory / _JSON}: layers[{i}]"
+            t = {name: _as_fp32(tensors[f"layers.{i}.{name}"]).to(device) for name in _FIELDS}
+            if t["inputs"].tolist() != _get(entry, "inputs", where):
+                raise BridgeFormatError(
+                    f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
+                )
+            refinement = None
+            if i in meta.get("refinement", {}).get("layers", []):
+                prefix = f"layers.{i}.refinement."
+                refinement = LayerRefinement(
+                    **{name: _as_fp32(tensors[prefix + name]).to(device) for name in REFINE_FIELDS}
+                )
+            layers.append(
+                LayerMap(
+                    source_layers=[int(s) for s in _get(entry, "source_layers", where)],
+                    r2_key=_from_json_float(_get(entry, "r2_key", where)),
+                    r2_value=_from_json_float(_get(entry, "r2_value", where)),
+                    refinement=refinement,
+                    **t,
+                )
+            )
+        bridge = cls(
+            source=source,
+            target=target,
+            method=meta["method"],
+            alignment_policy=meta["alignment_policy"],
+            layers=layers,
+            native_head=meta["native_head"],
+            calibration=meta["calibration"],
+            fingerprints=meta.get("fingerprints", {}),
+            refinement={k: v for k, v in meta.get("refinement", {}).items() if k != "layers"},
+        )
+        _check_layer_shapes(bridge, directory)
+        check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
+        return bridge
+
+
+# ---------------------------------------------------------------------- validation helpers
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise BridgeFormatError(f"no bridge metadata at {path} (is this a bridge directory?)")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BridgeFormatError(f"{path} is not valid JSON (truncated or corrupted?): {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != "bridgecache.bridge":
+        raise BridgeFormatError(f"{path}: field 'format' is not 'bridgecache.bridge'")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise BridgeFormatError(
+            f"{path}: field 'format_version' is {meta.get('format_version')!r}; "
+            f"this bridgecache reads {FORMAT_VERSION}"
+        )
+    check_bridge_json(meta, path)
+    return meta
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise BridgeFormatError(f"no bridge tensors at {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise BridgeFormatError(
+            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}"
+        ) from err
+
+
+def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Every described tensor exists with its shape, dtype and sha256; nothing extra."""
+    described = meta["tensors"]
+    expected_names = {f"layers.{i}.{name}" for i in range(len(meta["layers"])) for name in _FIELDS}
+    refined = meta.get("refinement", {}).get("layers", [])
+    expected_names |= {f"layers.{i}.refinement.{name}" for i in refined for name in REFINE_FIELDS}
+    if set(described) != expected_names:
+        raise BridgeFormatError(
+            f"{directory / _JSON}: field 'tensors' does not list one set of maps per layer"
+        )
+    for name in sorted(expected_names):
+        if name not in tensors:
+            raise BridgeFormatError(f"{directory / _TENSORS}: tensor {name!r} is missing")
+        t, want = tensors[name], described[name]
+        if list(t.shape) != want["shape"]:
+            raise BridgeFormatError(
+                f"tensor {name!r}: shape {list(t.shape)} but {_JSON} says {want['shape']}"
+            )
+        if str(t.dtype).removeprefix("torch.") != want["dtype"]:
+            raise BridgeFormatError(f"tensor {name!r}: dtype {t.dtype} but {_JSON} says {want['dtype']}")
+        if _tensor_sha(t) != want["sha256"]:
+            raise BridgeFormatError(
+                f"tensor {name!r}: checksum mismatch (the file was modified or corrupted)"
+            )
+    extra = sorted(set(tensors) - expected_names)
+    if extra:
+        raise BridgeFormatError(f"{directory / _TENSORS}: unexpected tensors {extra[:3]}")
+
+
+def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
+    """The maps' shapes agree with the source and target specs."""
+    src, tgt = bridge.source, bridge.target
+    for i, layer in enumerate(bridge.layers):
+        heads, n_in = layer.inputs.shape[:2]
+        expected = {
+            "inputs": (tgt.num_kv_heads, n_in, 2),
+            "key_weight": (tgt.num_kv_heads, n_in * src.head_dim, tgt.head_dim),
+            "value_weight": (tgt.num_kv_heads, n_in * src.head_dim, tgt.head_dim),
+            "key_bias": (tgt.num_kv_heads, tgt.head_dim),
+            "value_bias": (tgt.num_kv_heads, tgt.head_dim),
+        }
+        for name, shape in expected.items():
+            got = tuple(getattr(layer, name).shape)
+            if got != shape:
+                raise BridgeFormatError(
+                    f"{directory}: layers.{i}.{name} has shape {got}; the specs imply {shape}"
+                )
+        for name in _FIELDS[1:]:
+            if getattr(layer, name).dtype != torch.float32:
+                raise BridgeFormatError(
+                    f"{directory}: layers.{i}.{name} is {getattr(layer, name).dtype}, not float32"
+                )
+        src_layer, src_head = layer.inputs[..., 0], layer.inputs[..., 1]
+        if heads and (int(src_layer.min()) < 0 or int(src_layer.max()) >= src.num_layers):
+            raise BridgeFormatError(
+                f"{directory}: layers.{i}.inputs names a source layer outside the source model"
+            )
+        if heads and (int(src_head.min()) < 0 or int(src_head.max()) >= src.num_kv_heads):
+            raise BridgeFormatError(
+                f"{directory}: layers.{i}.inputs names a source head outside the source model"
+            )
+        if sorted(set(src_layer.flatten().tolist())) != sorted(layer.source_layers):
+            raise BridgeFormatError(f"{directory}: layers.{i}.source_layers disagrees with layers.{i}.inputs")
+        if layer.refinement is not None:
+            rank = bridge.refinement.get("rank")
+            shapes = refinement_shapes(tgt.num_kv_heads, n_in * src.head_dim, rank, tgt.head_dim)
+            for name, shape in shapes.items():
+                got = tuple(getattr(layer.refinement, name).shape)
+                if got != shape:
+                    raise BridgeFormatError(
+                        f"{directory}: layers.{i}.refinement.{name} has shape {got}; "
+                        f"the specs and refinement.rank {rank} imply {shape}"
+                    )
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    # Shipped bridges store their maps in float16/bfloat16; the maps are applied in float32.
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _get(entry, key: str, where: str):
+    if not isinstance(entry, dict) or key not in entry:
+        raise BridgeFormatError(f"{where}: field {key!r} is missing")
+    return entry[key]
+
+
+def _as_spec(model_or_spec) -> ModelSpec:
+    if isinstance(model_or_spec, ModelSpec):
+        return model_or_spec
+    if hasattr(model_or_spec, "config"):
+        return model_spec(model_or_spec)
+    raise SpecMismatchError(
+        f"expected a transformers model or a ModelSpec, got {type(model_or_spec).__name__}"
+    )
+
+
+def _check_fingerprint(recorded: str | None, model_or_spec, role: str, strict: bool) -> None:
+    if recorded is None or isinstance(model_or_spec, ModelSpec):
+        return
+    got = weight_fingerprint(model_or_spec)
+    if got == recorded:
+        return
+    message = (
+        f"the {role} model's weights (fingerprint {got}) are not the ones this bridge was fitted on "
+        f"(expected {recorded}): same architecture, other checkpoint (a fine-tune?); the maps may not fit it"
+    )
+    if strict:
+        raise SpecMismatchError(message)
+    warnings.warn(message, WeightMismatchWarning, stacklevel=3)
+
+
+def _tensor_sha(t: torch.Tensor) -> str:
+    # Hash the raw bytes (any dtype) through a uint8 view; 16 hex digits suffice to catch corruption.
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _json_float(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+def _from_json_float(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.4f}"

@@ -1,0 +1,186 @@
+"""The `bridgecache eval` subcommand: measure a bridge on a data file or a built-in task.
+
+    bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
+                     [--json OUT] [--source NAME --target NAME] [--native-head N] [--native-tail N]
+                     [--no-key-norm] [--chat] [--no-progress] [--native-layers N|L+L+..|all]
+                     [--refresh FRACTION|TOKENS] [--refresh-by deviation|source|target|source+target]
+                     [--min-quality Q] [--controls FILE]
+
+Models come from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in
+name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
+`report.format_table`; --json writes `report.summarise`'s object. Data errors exit with status 2
+and one line naming the file, line and field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+__all__ = ["add_eval_command", "run_eval"]
+
+
+def add_eval_command(subparsers) -> argparse.ArgumentParser:
+    """Register `eval` on the `bridgecache` command's subparsers."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="measure a bridge against native, no-context and unrelated-context controls",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--bridge", required=True, help="bridge directory (bridge.json + bridge.safetensors)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="JSONL file, or builtin:NAME (prose-ppl, code-ppl, facts-choice; -N for N context tokens, "
+        "e.g. builtin:facts-choice-1024)",
+    )
+    parser.add_argument("--task", choices=["ppl", "choice"], help="required for a file; implied by builtin:")
+    parser.add_argument("--limit", type=int, help="evaluate the first N items")
+    parser.add_argument("--json", type=Path, help="write the results (with per-item records) here")
+    parser.add_argument("--source", help="source model (default: the bridge's source)")
+    parser.add_argument("--target", help="target model (default: the bridge's target)")
+    parser.add_argument(
+        "--native-head", type=int, help="context tokens the target computes first (default: the bridge's)"
+    )
+    parser.add_argument(
+        "--native-tail", type=int, default=0, help="context tokens before the held-back one computed natively"
+    )
+    parser.add_argument(
+        "--no-key-norm", action="store_true", help="do not rescale mapped keys onto the target's k_norm"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="read contexts and questions through each model's chat template"
+    )
+    parser.add_argument(
+        "--native-layers",
+        type=native_layers_arg,
+        help="target layers computed natively over the whole context: N (the first N), 0+1+17, or all",
+    )
+    parser.add_argument(
+        "--refresh",
+        type=_refresh,
+        help="context tokens recomputed through every layer: a fraction (0.15) or a token count (64)",
+    )
+    parser.add_argument(
+        "--refresh-by",
+        choices=["deviation", "source", "target", "source+target"],
+        default="source",
+        help="source (default): the tokens the source's attention from the question picks out; "
+        "target: those the target's own attention from the question over the translated cache "
+        "picks out; source+target: both; deviation: translated vs native keys at layer 1 (CacheBlend)",
+    )
+    parser.add_argument(
+        "--min-quality",
+        type=float,
+        help="quality gate: layers whose held-out score is below it run natively; too many fall back",
+    )
+    parser.add_argument(
+        "--controls",
+        type=Path,
+        help="JSON file remembering native/no-context/unrelated scores (later runs repeat only bridged work)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_eval)
+    return parser
+
+
+def native_layers_arg(text: str):
+    """N, L+L+..., or all -> BridgedCache's native_layers."""
+    if text == "all":
+        return text
+    try:
+        return tuple(int(x) for x in text.split("+")) if "+" in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N, a set like 0+1+17, or all") from None
+
+
+def _refresh(text: str):
+    """A fraction in [0, 1] (has a point) or a token count."""
+    try:
+        value = float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a fraction like 0.15 or a token count"
+        ) from None
+    if value < 0 or (isinstance(value, float) and value > 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction lies in [0, 1]; a count is >= 0")
+    return value
+
+
+def _json_safe(value):
+    """NaN -> null, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _short(name: str) -> str:
+    """A model name for people: the directory name of a path."""
+    return Path(name).name if "/" in name and Path(name).exists() else name
+
+
+def run_eval(args) -> int:
+    from bridgecache.bridge.maps import Bridge, BridgeFormatError
+    from bridgecache.evaluation.data import data_task, load_items
+    from bridgecache.evaluation.items import EvaluationError
+    from bridgecache.evaluation.report import format_table, summarise
+    from bridgecache.evaluation.runner import ControlScores, Variant, evaluate
+    from bridgecache.models.zoo import load_model
+
+    def fail(err: Exception) -> int:
+        print(f"bridgecache eval: {err}", file=sys.stderr)
+        return 2
+
+    builtin = args.data.startswith("builtin:")
+    try:  # everything that can be checked before the models load (seconds to minutes)
+        bridge = Bridge.from_pretrained(args.bridge)
+        task = data_task(args.data, args.task)
+        items = None if builtin else load_items(args.data, task, limit=args.limit)[1]
+    except (BridgeFormatError, EvaluationError) as err:
+        return fail(err)
+    source_name = args.source or bridge.source.name
+    target_name = args.target or bridge.target.name
+    target, target_tok = load_model(target_name)
+    source, source_tok = (target, target_tok) if source_name == target_name else load_model(source_name)
+    bridge.check(source, target)
+    head = bridge.native_head if args.native_head is None else args.native_head
+    variant = Variant(
+        bridge,
+        native_head=head,
+        native_tail=args.native_tail,
+        key_norm=not args.no_key_norm,
+        native_layers=args.native_layers,
+        refresh=args.refresh,
+        refresh_by=args.refresh_by,
+        min_quality=args.min_quality,
+    )
+    try:
+        if builtin:
+            items = load_items(args.data, task, target_tok, args.limit)[1]
+        evaluation = evaluate(
+            source, source_tok, target, target_tok, items, task, [variant],
+            chat=args.chat, progress=not args.no_progress, controls=ControlScores(args.controls),
+        )  # fmt: skip
+    except EvaluationError as err:
+        return fail(err)
+    summary = summarise(
+        evaluation,
+        variant,
+        source=_short(source_name),
+        target=_short(target_name),
+        data=args.data,
+        chat=args.chat,
+    )
+    print(format_table(summary))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_json_safe(summary), indent=1))
+        print(f"\nwrote {args.json}")
+    return 0

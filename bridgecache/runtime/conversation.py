@@ -1,0 +1,200 @@
+"""A chat that the target carries on over one cache, after a handoff or from its own prefill.
+
+    chat = Conversation.handoff(source, target, bridge, messages, source_tokenizer=..., target_tokenizer=...)
+    turn = chat.ask("And who towed it in?", max_new_tokens=48)    # appended to the same cache
+    turn = chat.ask("Thanks. What was the Marigold carrying?")
+
+`handoff`: the source has read the earlier turns (`messages`, rendered by ITS chat template); the
+target's cache of the same turns (rendered by the target's template) is translated from it, with
+tokenalign's chat alignment across tokenizers (template scaffolding is computed by the target).
+`native`: the target reads the turns itself (the reference a handoff is measured against).
+Each `ask` renders the whole chat with the target's template plus the generation prompt, keeps
+the cached tokens that the rendering still starts with (crop), feeds the rest and generates:
+earlier turns are never recomputed (only tokens the template renders differently, such as a
+re-tokenized reply, are fed again). `score` measures answer choices the same way and adds nothing
+to the chat.
+
+Knows chat templates (through tokenalign), the cache and generate(); nothing about fitting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from bridgecache.compat import cache_kwargs
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.handoff import same_tokenization
+
+__all__ = ["Conversation", "Turn"]
+
+
+@dataclass
+class Turn:
+    """One user message and the target's reply.
+
+    reused: tokens of the rendering already in the cache; fed: tokens the target read this turn
+    (the rest of the rendering); new_tokens: tokens it generated.
+    """
+
+    question: str
+    answer: str
+    reused: int
+    fed: int
+    new_tokens: int
+    seconds: float
+
+
+@dataclass
+class Conversation:
+    """messages: the chat so far; ids: [1, N] its target rendering (plus generated tokens), of which
+    the first `cache.get_seq_length()` are in `cache`."""
+
+    target: object
+    tokenizer: object
+    messages: list[dict]
+    cache: DynamicCache
+    ids: torch.Tensor
+    turns: list[Turn] = field(default_factory=list)
+
+    @classmethod
+    @torch.no_grad()
+    def handoff(
+        cls,
+        source,
+        target,
+        bridge,
+        messages,
+        *,
+        source_tokenizer,
+        target_tokenizer,
+        native_tail: int = 0,
+        key_norm: bool = True,
+    ) -> Conversation:
+        """The source reads `messages` (its chat template); the target continues on a bridged cache."""
+        from bridgecache.bridge.builtin import check_models
+
+        check_models(bridge, source, target, source_tokenizer, target_tokenizer)
+        messages = [dict(m) for m in messages]
+        same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
+            target_tokenizer, "chat_template", None
+        )
+        if same_template and same_tokenization(source_tokenizer, target_tokenizer):
+            alignment, source_ids = None, _render(messages, target_tokenizer)
+            target_ids = source_ids
+        else:
+            from tokenalign import align_chat
+
+            policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
+            alignment, source_ids, target_ids = align_chat(
+                messages, source_tokenizer, target_tokenizer, policy=policy
+            )
+            source_ids, target_ids = _row(source_ids), _row(target_ids)
+        source_kv = capture_kv(source, source_ids.to(_device(source)))
+        target_ids = target_ids.to(_device(target))
+        cache = BridgedCache(
+            bridge,
+            source_kv,
+            target,
+            target_ids,
+            alignment=alignment,
+            native_tail=native_tail,
+            key_norm=key_norm,
+        )
+        return cls(target, target_tokenizer, messages, cache, target_ids)
+
+    @classmethod
+    def native(cls, target, target_tokenizer, messages) -> Conversation:
+        """The target reads `messages` itself, on its first `ask` (the reference for a handoff)."""
+        messages = [dict(m) for m in messages]
+        ids = _render(messages, target_tokenizer).to(_device(target))
+        return cls(target, target_tokenizer, messages, DynamicCache(config=target.config), ids)
+
+    @torch.no_grad()
+    def ask(self, content: str, **generate_kwargs) -> Turn:
+        """Add a user message, generate the reply on the same cache, add it; returns the Turn."""
+        ids, reused = self._prompt(content)
+        generate_kwargs.setdefault("max_new_tokens", 64)
+        generate_kwargs.setdefault("do_sample", False)
+        pad = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        generate_kwargs.setdefault("pad_token_id", pad)
+        start = time.perf_counter()
+        output = self.target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(self.target, self.cache),
+            **generate_kwargs,
+        )
+        seconds = time.perf_counter() - start
+        new = output[:, ids.shape[1] :]
+        answer = self.tokenizer.decode(new[0], skip_special_tokens=True).strip()
+        self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+        self.ids = output
+        turn = Turn(content, answer, reused, ids.shape[1] - reused, new.shape[1], seconds)
+        self.turns.append(turn)
+        return turn
+
+    @torch.no_grad()
+    def score(self, content: str, replies: list[str]) -> list[float]:
+        """Mean log-likelihood per token of each reply to a user message; the chat is left unchanged
+        (the cache keeps no trace of the message; it may drop tokens the next turn would not reuse)."""
+        from bridgecache.evaluation.scoring import Prefix, score
+
+        ids, reused = self._prompt(content)
+        length = self.cache.get_seq_length()
+        out = self.target(
+            input_ids=ids[:, reused:],
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_kwargs(self.target, self.cache),
+        )
+        prefix = Prefix(self.cache, out.logits[:, -1].float(), ids.shape[1], 0.0)
+        rows = [self.tokenizer(r.strip(), add_special_tokens=False)["input_ids"] for r in replies]
+        scores = [total / count for total, count in score(self.target, prefix.copy(), rows)]
+        _crop(self.cache, length)  # forget the message: the chat is as it was
+        return scores
+
+    def _prompt(self, content: str) -> tuple[torch.Tensor, int]:
+        """The rendering with `content` added and the generation prompt; the cache cropped to the
+        tokens it shares with what is cached. Returns (ids [1, N], tokens reused)."""
+        messages = self.messages + [{"role": "user", "content": content}]
+        ids = _render(messages, self.tokenizer, add_generation_prompt=True).to(self.ids.device)
+        cached = self.cache.get_seq_length()
+        known = self.ids[0, :cached]
+        width = min(len(known), ids.shape[1] - 1)  # at least one token is fed
+        differs = (known[:width] != ids[0, :width]).nonzero()
+        reused = int(differs[0]) if len(differs) else width
+        if reused < cached:
+            _crop(self.cache, reused)  # the template re-rendered something (a reply re-tokenized)
+        return ids, reused
+
+
+def _crop(cache, length: int) -> None:
+    # A negative count removes that many tokens on every transformers 5.x (5.24 rejects a length).
+    removed = cache.get_seq_length() - length
+    if removed > 0:
+        cache.crop(-removed)
+
+
+def _render(messages, tokenizer, add_generation_prompt: bool = False) -> torch.Tensor:
+    """[1, N] the tokenizer's chat-template rendering of `messages` (tokenalign's, for alignment)."""
+    from tokenalign import render_chat
+
+    chat = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
+    return _row(tokenizer(chat.text, add_special_tokens=chat.add_special_tokens)["input_ids"])
+
+
+def _row(ids) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long).reshape(1, -1)
+
+
+def _device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
