@@ -48,9 +48,9 @@ def drift(source, target, bridge, items, turns, *, source_tokenizer, target_toke
         earlier = [{"role": "user", "content": item.context}, {"role": "assistant", "content": ACK}]
         chats = {
             "bridged": Conversation.handoff(
+                bridge,
                 source,
                 target,
-                bridge,
                 earlier,
                 source_tokenizer=source_tokenizer,
                 target_tokenizer=target_tokenizer,

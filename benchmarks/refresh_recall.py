@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bridgecache.runtime.guides import attention_maps, scores_on_target  # noqa: E402
 from native_dial import PAIRS  # noqa: E402
 
 from bridgecache.bridge.maps import Bridge  # noqa: E402
@@ -40,7 +41,6 @@ from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
-from bridgecache.runtime.guides import attention_maps, scores_on_target  # noqa: E402
 from bridgecache.runtime.handoff import align_context, source_rows  # noqa: E402
 from bridgecache.runtime.refresh import refresh_budget, select_columns  # noqa: E402
 

@@ -1,31 +1,59 @@
 """bridgecache: hand one LLM's KV cache to another.
 
-cache = BridgedCache(bridge, source_cache, target, target_ids)
-out = target.generate(target_ids, past_key_values=cache)
+    result = handoff(bridge, source, target, context, prompt, source_tokenizer=s, target_tokenizer=t)
+
+    cache = BridgedCache(bridge, capture_kv(source, source_ids), target, target_ids, source_model=source)
+    out = target.generate(target_ids, past_key_values=cache)
+
+Floors, lower never importing upper: models/ (where a model comes from, what it is) -> bridge/
+(the maps as files) and kv/ (a context's KV, alignment) -> runtime/ (the cache, translation,
+native work, handoffs) -> fitting/ and evaluation/ -> integrations/ -> cli/.
 """
 
-from bridgecache.bridge.maps import Bridge, LayerMap
+from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
 from bridgecache.fitting import fit_bridge
-from bridgecache.kv.capture import CapturedKV, capture_kv
-from bridgecache.kv.source import SourceKV, as_source, load_kv, save_kv
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.source import KVFileError, SourceKV, as_source, load_kv, save_kv
 from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
 from bridgecache.models.zoo import load_model, load_tokenizer
 from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig, QualityPolicy, RefreshConfig
+from bridgecache.runtime.conversation import Conversation, Turn
 from bridgecache.runtime.handoff import HandoffResult, align_context, handoff
+from bridgecache.runtime.report import HandoffReport
+from bridgecache.runtime.selection import (
+    GivenScores,
+    KeyDeviation,
+    SelectionRequest,
+    Selector,
+    SourceAttention,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BatchHandoffResult",
     "Bridge",
+    "BridgeFormatError",
     "BridgedCache",
-    "CapturedKV",
+    "Conversation",
+    "GivenScores",
+    "HandoffConfig",
+    "HandoffReport",
     "HandoffResult",
+    "KVFileError",
+    "KeyDeviation",
     "LayerMap",
     "ModelSpec",
+    "QualityPolicy",
+    "RefreshConfig",
+    "SelectionRequest",
+    "Selector",
+    "SourceAttention",
     "SourceKV",
     "SpecMismatchError",
+    "Turn",
     "align_context",
     "as_source",
     "capture_kv",

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def answer(contexts: list[str]):
         return handoff_batch(
-            source, target, bridge, contexts, PROMPT, source_tokenizer=source_tok,
+            bridge, source, target, contexts, PROMPT, source_tokenizer=source_tok,
             target_tokenizer=target_tok, max_new_tokens=args.max_new_tokens, do_sample=False,
         )  # fmt: skip
 

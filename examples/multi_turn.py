@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. The source has read the earlier turns; the target's cache of them is translated from its KV.
     torch.manual_seed(0)
     chat = Conversation.handoff(
-        source, target, bridge, EARLIER, source_tokenizer=source_tok, target_tokenizer=target_tok
+        bridge, source, target, EARLIER, source_tokenizer=source_tok, target_tokenizer=target_tok
     )
-    handed = chat.cache.get_seq_length()
+    handed = chat.ids.shape[1] - 1  # all but the held-back last token; refreshed at the first question
     print(
-        f"{args.source} read {len(EARLIER)} earlier turns; {args.target} holds {handed} of them, translated"
+        f"{args.source} read {len(EARLIER)} earlier turns; {args.target} holds {handed} of their tokens, "
+        "translated (the first question chooses which to refresh)"
     )
 
     # 2. The target keeps going, turn after turn, on the same cache.

@@ -217,7 +217,7 @@ def test_builtin_refuses_other_models_and_tokenizers(pair, fitted, shipped_root,
     builtin.check_models(bridge, source, target, tok, tok)  # the models it was fitted on
     other_vocab = byte_tokenizer(extra="<extra>")
     with pytest.raises(SpecMismatchError, match="tokenizer"):
-        handoff(source, target, bridge, "some context", source_tokenizer=tok, target_tokenizer=other_vocab)
+        handoff(bridge, source, target, "some context", source_tokenizer=tok, target_tokenizer=other_vocab)
     with pytest.raises(SpecMismatchError, match="target"):
         builtin.check_models(bridge, target=tiny_model("llama"))
 

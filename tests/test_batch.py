@@ -8,6 +8,7 @@ import torch
 from test_tokenalign import byte_bpe, sp_bpe  # noqa: F401  (fixtures: toy tokenizers, no download)
 from tiny_models import tiny_model
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.runtime.batch import handoff_batch, left_pad
 from bridgecache.runtime.handoff import handoff
@@ -23,13 +24,17 @@ def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_lau
     model = tiny_model("qwen2")
     bridge = Bridge.identity(model)
     real = batch_module.BridgedCache
-    monkeypatch.setattr(batch_module, "BridgedCache", lambda *a, **k: real(*a, **k, one_launch=one_launch))
+
+    def with_launch(*args, config=None, **kwargs):
+        return real(*args, config=(config or HandoffConfig()).replace(one_launch=one_launch), **kwargs)
+
+    monkeypatch.setattr(batch_module, "BridgedCache", with_launch)
     kwargs = dict(source_tokenizer=byte_bpe, target_tokenizer=byte_bpe, max_new_tokens=5, do_sample=False)
-    batched = handoff_batch(model, model, bridge, CONTEXTS, PROMPT, **kwargs)
+    batched = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **kwargs)
     assert batched.cache.translator.batch_size == len(CONTEXTS)
     assert (batched.cache.translator.groups is not None) == one_launch
     for b, context in enumerate(CONTEXTS):
-        single = handoff(model, model, bridge, context, PROMPT, **kwargs)
+        single = handoff(bridge, model, model, context, PROMPT, **kwargs)
         assert torch.equal(batched.output_ids[b], single.output_ids[0]), context
         assert batched.texts[b] == single.text
         ids = byte_bpe(context + PROMPT, return_tensors="pt").input_ids
@@ -46,9 +51,9 @@ def test_batched_handoff_across_tokenizers_equals_one_by_one(byte_bpe, sp_bpe): 
     assert len({len(sp_bpe(c).input_ids) for c in contexts}) == 1
     assert len({len(byte_bpe(c).input_ids) for c in contexts}) > 1
     kwargs = dict(source_tokenizer=byte_bpe, target_tokenizer=sp_bpe, max_new_tokens=4, do_sample=False)
-    batched = handoff_batch(model, model, bridge, contexts, PROMPT, **kwargs)
+    batched = handoff_batch(bridge, model, model, contexts, PROMPT, **kwargs)
     for b, context in enumerate(contexts):
-        single = handoff(model, model, bridge, context, PROMPT, **kwargs)
+        single = handoff(bridge, model, model, context, PROMPT, **kwargs)
         assert torch.equal(batched.output_ids[b], single.output_ids[0]), context
 
 
@@ -57,4 +62,4 @@ def test_left_pad_and_bad_input():
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     model = tiny_model("qwen2")
     with pytest.raises(ValueError, match="contexts is empty"):
-        handoff_batch(model, model, Bridge.identity(model), [], source_tokenizer=None, target_tokenizer=None)
+        handoff_batch(Bridge.identity(model), model, model, [], source_tokenizer=None, target_tokenizer=None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
+from bridgecache import GivenScores, HandoffConfig, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
@@ -69,8 +72,7 @@ def test_native_anchors_keep_exactness_and_set_the_prefix_length(native_head, na
         capture_kv(model, ids),
         model,
         ids,
-        native_head=native_head,
-        native_tail=native_tail,
+        config=HandoffConfig(native_head=native_head, native_tail=native_tail),
     )
     assert cache.get_seq_length() == 16 - 1 - native_tail
     assert cache.translated_positions == range(native_head, 16 - 1 - native_tail)
@@ -111,8 +113,8 @@ def test_the_source_cache_is_never_mutated_and_one_bridge_serves_many_caches():
     source_a = DynamicCache()
     model(ids_a, **cache_kwargs(model, source_a))
     snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in source_a.layers]
-    cache_a = BridgedCache(bridge, source_a, model, ids_a)
-    cache_b = BridgedCache(bridge, capture_kv(model, ids_b), model, ids_b)
+    cache_a = BridgedCache(bridge, source_a, model, ids_a, config=HandoffConfig(refresh=None))
+    cache_b = BridgedCache(bridge, capture_kv(model, ids_b), model, ids_b, config=HandoffConfig(refresh=None))
     out_a, out_b = _generate(model, ids_a, cache_a), _generate(model, ids_b, cache_b)
     for layer, (k, v) in zip(source_a.layers, snapshot):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
@@ -161,22 +163,34 @@ def test_bad_inputs_get_errors_that_name_what_is_wrong():
     captured = capture_kv(model, ids)
     bridge = Bridge.identity(model)
     with pytest.raises(SpecMismatchError, match="model_type: expected 'qwen2', got 'llama'"):
-        BridgedCache(bridge, captured, other, ids)
+        BridgedCache(bridge, captured, other, ids, config=HandoffConfig(refresh=None))
     with pytest.raises(ValueError, match="source KV has 2 layers; the bridge's source model has 3"):
-        BridgedCache(bridge, list(zip(captured.keys, captured.values))[:2], model, ids)
+        BridgedCache(
+            bridge,
+            list(zip(captured.keys, captured.values))[:2],
+            model,
+            ids,
+            config=HandoffConfig(refresh=None),
+        )
     with pytest.raises(ValueError, match=r"expected \[batch=1, kv_heads=2, tokens, head_dim=16\]"):
         BridgedCache(
-            bridge, [(k[:, :1], v[:, :1]) for k, v in zip(captured.keys, captured.values)], model, ids
+            bridge,
+            [(k[:, :1], v[:, :1]) for k, v in zip(captured.keys, captured.values)],
+            model,
+            ids,
+            config=HandoffConfig(refresh=None),
         )
     with pytest.raises(ValueError, match=r"expected \[batch=1, tokens\]"):
-        BridgedCache(bridge, captured, model, ids.expand(2, -1))
+        BridgedCache(bridge, captured, model, ids.expand(2, -1), config=HandoffConfig(refresh=None))
     with pytest.raises(ValueError, match="pass an alignment"):
-        BridgedCache(bridge, captured, model, ids[:, :7])
+        BridgedCache(bridge, captured, model, ids[:, :7], config=HandoffConfig(refresh=None))
     long_ids = torch.randint(3, 300, (1, 600))  # max_position_embeddings is 512
     with pytest.raises(ValueError, match="600 target tokens; the target model allows 512"):
-        BridgedCache(bridge, capture_kv(model, long_ids[:, :10]), model, long_ids)
+        BridgedCache(
+            bridge, capture_kv(model, long_ids[:, :10]), model, long_ids, config=HandoffConfig(refresh=None)
+        )
     with pytest.raises(TypeError, match="cannot read source KV from int"):
-        BridgedCache(bridge, 42, model, ids)
+        BridgedCache(bridge, 42, model, ids, config=HandoffConfig(refresh=None))
 
 
 @pytest.mark.real_model
@@ -220,8 +234,15 @@ def test_alignment_policies_read_the_source_rows_they_name(policy):
     alignment = Alignment(index.numpy(), start.numpy(), end.numpy(), num_source=12, policy=policy)
     bridge = dataclasses.replace(Bridge.identity(model), alignment_policy=policy)
     captured = capture_kv(model, source_ids)
-    cache = BridgedCache(bridge, captured, model, target_ids, alignment=alignment, native_head=0)
-    assert cache.translator.native_prefix == 1  # the leading NATIVE token is computed by the target
+    cache = BridgedCache(
+        bridge,
+        captured,
+        model,
+        target_ids,
+        alignment=alignment,
+        config=HandoffConfig(native_head=0, refresh=None),
+    )
+    assert cache.translator.head_end.tolist() == [1]  # the leading NATIVE token is computed by the target
     keys, values = cache.translator.layer(1)
     tables = RopeTables.from_model(model)
     for t in range(1, 6):  # translated positions 1..5 (position 6 is the held-back token)
@@ -235,15 +256,20 @@ def test_alignment_policies_read_the_source_rows_they_name(policy):
         assert torch.allclose(keys[:, :, t], want_k, atol=1e-5)
 
 
-def test_native_head_is_computed_once_per_model_and_head_tokens():
+def test_the_native_work_joins_the_first_forward_of_generate():
+    """Construction runs no target forward; generate() runs as many as without a cache: the native
+    head and the refreshed tokens ride along with its first forward."""
     model = tiny_model("qwen2")
-    bridge = Bridge.identity(model)
+    ids = torch.randint(3, 300, (1, 14))
+    captured = capture_kv(model, ids)
     forwards = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
-    for length in (9, 12):  # two contexts that start with the same token
-        ids = torch.cat([torch.tensor([[5]]), torch.randint(3, 300, (1, length - 1))], dim=1)
-        captured = capture_kv(model, ids)
-        before = len(forwards)
-        cache = BridgedCache(bridge, captured, model, ids)
-        assert len(forwards) - before == (1 if length == 9 else 0)
-        assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+    config = HandoffConfig(refresh=RefreshConfig(4, GivenScores(torch.rand(1, 14))))
+    for bridge in (Bridge.identity(model), dataclasses.replace(Bridge.identity(model), method="fullhead")):
+        cache = BridgedCache(bridge, captured, model, ids, config=config)
+        assert forwards == []
+        bridged = _generate(model, ids, cache).sequences
+        assert len(forwards) == 6  # _generate's max_new_tokens
+        forwards.clear()
+        assert torch.equal(bridged, _generate(model, ids).sequences)
+        forwards.clear()

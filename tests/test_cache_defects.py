@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, tiny_model
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
@@ -44,7 +45,13 @@ def test_a_target_without_layer_types_deeper_than_its_source_gets_all_its_layers
     source = tiny_model("qwen2", num_hidden_layers=2, layer_types=["full_attention"] * 2)
     target = tiny_model("llama")  # 3 layers, no layer_types in its config
     ids = torch.randint(3, 300, (1, 12))
-    cache = BridgedCache(_layerwise_bridge(source, target), capture_kv(source, ids), target, ids)
+    cache = BridgedCache(
+        _layerwise_bridge(source, target),
+        capture_kv(source, ids),
+        target,
+        ids,
+        config=HandoffConfig(refresh=None),
+    )
     assert len(cache.layers) == 3
     out = _generate(target, ids, cache)
     assert out.sequences.shape == (1, 17)
@@ -66,23 +73,28 @@ def test_native_head_is_recomputed_after_the_target_weights_change_in_place():
     model = tiny_model("qwen2")
     bridge = Bridge.identity(model)
     ids = torch.randint(3, 300, (1, 12))
-    BridgedCache(bridge, capture_kv(model, ids), model, ids)  # memoises the native head of ids[:, :1]
+    BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None)
+    )  # memoises the native head of ids[:, :1]
     with torch.no_grad():  # a fine-tuning step or a LoRA merge: same tensors, new values
         for p in model.parameters():
             p.mul_(1.5)
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids)
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None))
     bridged, native = _generate(model, ids, cache), _generate(model, ids)
     assert torch.equal(bridged.sequences, native.sequences)
     assert _max_logit_diff(bridged, native) < 1e-5
     model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids)
+    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None))
     assert _max_logit_diff(_generate(model, ids, cache), _generate(model, ids)) < 1e-5
 
 
 def test_reset_empties_every_layer_translated_or_not():
     model = tiny_model("gemma3")  # sliding and full layers
     ids = torch.randint(3, 300, (1, 14))
-    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    # No native head: nothing is pending, so a layer can be translated on its own.
+    cache = BridgedCache(
+        Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(native_head=0)
+    )
     cache.layers[0]._materialize()  # translate one layer only
     assert cache.materialized_layers == [0]
     cache.reset()
@@ -141,7 +153,13 @@ def test_an_aligned_padded_row_reads_its_own_source_tokens():
         if positions is not None:
             captured = dataclasses.replace(captured, position_ids=positions)
         cache = BridgedCache(
-            bridge, captured, model, target_ids, target_attention_mask=target_mask, alignment=alignments
+            bridge,
+            captured,
+            model,
+            target_ids,
+            target_attention_mask=target_mask,
+            alignment=alignments,
+            config=HandoffConfig(refresh=None),
         )
         rows = cache.translator.rows
         assert rows[0, 5:8].tolist() == [4 + 4, 4 + 5, 4 + 6]  # 4 pads, then source tokens 4..6
@@ -154,10 +172,24 @@ def test_masks_that_are_not_left_padding_or_of_the_wrong_shape_are_refused():
     bridge = Bridge.identity(model)
     captured = capture_kv(model, ids, attention_mask=mask)
     with pytest.raises(ValueError, match=r"target_attention_mask has shape \(2, 15\); expected \(2, 16\)"):
-        BridgedCache(bridge, captured, model, ids, target_attention_mask=mask[:, 1:])
+        BridgedCache(
+            bridge,
+            captured,
+            model,
+            ids,
+            target_attention_mask=mask[:, 1:],
+            config=HandoffConfig(refresh=None),
+        )
     right_padded = mask.flip(-1)
     with pytest.raises(ValueError, match="target_attention_mask row 0 is not left padding"):
-        BridgedCache(bridge, captured, model, ids, target_attention_mask=right_padded)
+        BridgedCache(
+            bridge,
+            captured,
+            model,
+            ids,
+            target_attention_mask=right_padded,
+            config=HandoffConfig(refresh=None),
+        )
     with pytest.raises(ValueError, match="source attention_mask row 0 is not left padding"):
         capture_kv(model, ids, attention_mask=right_padded)
     with pytest.raises(ValueError, match="differs from the attention mask the source KV were captured with"):
@@ -168,6 +200,7 @@ def test_masks_that_are_not_left_padding_or_of_the_wrong_shape_are_refused():
             ids,
             target_attention_mask=mask,
             source_attention_mask=torch.ones_like(mask),
+            config=HandoffConfig(refresh=None),
         )
 
 
@@ -176,7 +209,13 @@ def test_a_context_of_0_or_1_tokens_has_nothing_to_translate_and_the_target_comp
     model = tiny_model("gemma3")
     context = torch.randint(3, 300, (1, tokens))
     prompt = torch.randint(3, 300, (1, 3))
-    cache = BridgedCache(Bridge.identity(model), capture_kv(model, context), model, context, native_tail=4)
+    cache = BridgedCache(
+        Bridge.identity(model),
+        capture_kv(model, context),
+        model,
+        context,
+        config=HandoffConfig(native_tail=4),
+    )
     assert cache.get_seq_length() == 0 and len(cache.translated_positions) == 0
     ids = torch.cat([context, prompt], dim=1)
     bridged, native = _generate(model, ids, cache), _generate(model, ids)
@@ -189,7 +228,9 @@ def test_eval_scoring_works_on_a_one_token_context():
 
     model = tiny_model("llama")
     ids = torch.randint(3, 300, (1, 1))
-    bridged = bridged_prefix(Bridge.identity(model), capture_kv(model, ids), model, ids, native_tail=32)
+    bridged = bridged_prefix(
+        Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(native_tail=32)
+    )
     native = native_prefix(model, ids)
     assert torch.allclose(bridged.last_logits, native.last_logits, atol=1e-5)
 
@@ -201,14 +242,14 @@ def test_handoff_of_an_empty_or_one_token_context_continues_like_the_target():
     bridge = Bridge.identity(model)
     for context in ("", "H"):
         result = handoff(
-            model, model, bridge, context, " said", source_tokenizer=tok, target_tokenizer=tok,
+            bridge, model, model, context, " said", source_tokenizer=tok, target_tokenizer=tok,
             max_new_tokens=4, do_sample=False,
         )  # fmt: skip
         ids = tok(context + " said", return_tensors="pt")["input_ids"]
         native = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
         assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
     with pytest.raises(ValueError, match="context and prompt are both empty"):
-        handoff(model, model, bridge, "", "", source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=2)
+        handoff(bridge, model, model, "", "", source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=2)
 
 
 def test_anchor_counts_out_of_range_get_errors_naming_value_and_range():
@@ -217,14 +258,19 @@ def test_anchor_counts_out_of_range_get_errors_naming_value_and_range():
     bridge, captured = Bridge.identity(model), capture_kv(model, ids)
     for head in (6, 7):
         with pytest.raises(ValueError, match=rf"native_head={head}, .* expected 0 <= native_head <= 5"):
-            BridgedCache(bridge, captured, model, ids, native_head=head)
+            BridgedCache(bridge, captured, model, ids, config=HandoffConfig(native_head=head, refresh=None))
     with pytest.raises(ValueError, match="native_head=-1; expected a count of context tokens >= 0"):
-        BridgedCache(bridge, captured, model, ids, native_head=-1)
+        BridgedCache(bridge, captured, model, ids, config=HandoffConfig(native_head=-1, refresh=None))
     with pytest.raises(ValueError, match="native_tail=-2; expected a count of context tokens >= 0"):
-        BridgedCache(bridge, captured, model, ids, native_tail=-2)
+        BridgedCache(bridge, captured, model, ids, config=HandoffConfig(native_tail=-2, refresh=None))
     # The largest native head is exact: everything before the held-back token is computed natively.
-    cache = BridgedCache(bridge, captured, model, ids, native_head=5)
+    cache = BridgedCache(bridge, captured, model, ids, config=HandoffConfig(native_head=5, refresh=None))
     assert cache.get_seq_length() == 5 and len(cache.translated_positions) == 0
     assert _max_logit_diff(_generate(model, ids, cache), _generate(model, ids)) < 1e-5
     # A native tail longer than the context leaves only the native head in the cache.
-    assert BridgedCache(bridge, captured, model, ids, native_tail=50).get_seq_length() == 1
+    assert (
+        BridgedCache(
+            bridge, captured, model, ids, config=HandoffConfig(native_tail=50, refresh=None)
+        ).get_seq_length()
+        == 1
+    )

@@ -89,9 +89,9 @@ def test_handoff_keeps_a_pad_id_of_0(monkeypatch):
     original = model.generate
     monkeypatch.setattr(model, "generate", lambda **kw: seen.update(kw) or original(**kw))
     handoff(
-        model,
-        model,
         Bridge.identity(model),
+        model,
+        model,
         "Hello",
         source_tokenizer=tok,
         target_tokenizer=tok,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, tiny_model
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.cli import main
 from bridgecache.evaluation import ChoiceItem, EvaluationError, PplItem, Variant, evaluate, summarise
@@ -95,7 +96,7 @@ def gemma():
 
 
 def _run(model, tok, items, task, bridge=None, **kwargs):
-    variant = Variant(bridge or Bridge.identity(model), 1, 0)
+    variant = Variant(bridge or Bridge.identity(model), HandoffConfig(native_head=1, refresh=None))
     ev = evaluate(model, tok, model, tok, items, task, [variant], progress=False, **kwargs)
     return ev, summarise(ev, variant)
 
@@ -148,10 +149,11 @@ def test_key_norm_variants_are_scored_apart_and_the_projection_repairs_short_key
     bridge = Bridge.identity(gemma)
     for layer in bridge.layers:
         layer.key_weight.mul_(0.1)  # keys 10x too short: flatter attention over the context
-    variants = [Variant(bridge, 1, 0), Variant(bridge, 1, 0, key_norm=False)]
+    config = HandoffConfig(native_head=1, refresh=None)
+    variants = [Variant(bridge, config), Variant(bridge, config.replace(key_norm=False))]
     ev = evaluate(gemma, tok, gemma, tok, _ppl_items(gemma, tok), "ppl", variants, progress=False)
     projected, plain = (summarise(ev, v) for v in variants)
-    assert variants[1].name.endswith("key_norm=off") and (projected["key_norm"], plain["key_norm"]) == (
+    assert "key_norm=False" in variants[1].name and (projected["key_norm"], plain["key_norm"]) == (
         True,
         False,
     )
@@ -345,7 +347,8 @@ def test_a_second_run_reads_the_controls_and_scores_the_same(llama, tok, tmp_pat
 
     bridge = Bridge.identity(llama)
     items = _choice_items(llama, tok)
-    variants = [Variant(bridge), Variant(bridge, refresh=0.5, refresh_by="source")]
+    plain = HandoffConfig(refresh=None)
+    variants = [Variant(bridge, plain), Variant(bridge, plain.replace(native_layers=1))]
     path = tmp_path / "controls.json"
     first = evaluate(
         llama, tok, llama, tok, items, "choice", variants, progress=False, controls=ControlScores(path)

@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
@@ -49,10 +50,17 @@ def test_identity_bridge_is_exact_in_one_launch(family):
     ids = torch.randint(3, 300, (2, 25))  # longer than gemma3's sliding window of 8
     mask = torch.ones_like(ids)
     mask[1, :5], ids[1, :5] = 0, 0  # a left-padded row
+    source = capture_kv(model, ids, attention_mask=mask)
+    config = HandoffConfig(key_norm=False, one_launch=True)
     cache = BridgedCache(
-        Bridge.identity(model), capture_kv(model, ids, attention_mask=mask), model, ids,
-        target_attention_mask=mask, source_attention_mask=mask, key_norm=False, one_launch=True,
-    )  # fmt: skip
+        Bridge.identity(model),
+        source,
+        model,
+        ids,
+        target_attention_mask=mask,
+        source_attention_mask=mask,
+        config=config,
+    )
     assert cache.translator.groups is not None
     bridged = _generate(model, ids, cache, attention_mask=mask)
     native = _generate(model, ids, attention_mask=mask)
@@ -75,8 +83,12 @@ def test_one_launch_equals_the_per_layer_path_for_a_random_bridge(family, device
     bridge = _random_bridge(model)
     ids = torch.randint(3, 300, (2, 21), device=device)
     source = capture_kv(model, ids)
-    grouped = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=True).materialize()
-    per_layer = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=False).materialize()
+    grouped = BridgedCache(
+        bridge, source, model, ids, config=HandoffConfig(key_norm=False, one_launch=True, refresh=None)
+    ).materialize()
+    per_layer = BridgedCache(
+        bridge, source, model, ids, config=HandoffConfig(key_norm=False, one_launch=False, refresh=None)
+    ).materialize()
     assert grouped.translator.groups is not None and per_layer.translator.groups is None
     for a, b in zip(grouped.layers, per_layer.layers):
         assert a.keys.shape == b.keys.shape
@@ -87,7 +99,9 @@ def test_one_launch_equals_the_per_layer_path_for_a_random_bridge(family, device
 def test_layers_still_materialise_one_by_one():
     model = tiny_model("llama")
     ids = torch.randint(3, 300, (1, 12))
-    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids, one_launch=True)
+    cache = BridgedCache(
+        Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(one_launch=True)
+    )
     seen_at_layer = []
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(
@@ -101,11 +115,27 @@ def test_one_launch_is_off_where_it_cannot_apply():
     model = tiny_model("gemma3")  # a k_norm target: keys are rescaled per layer
     ids = torch.randint(3, 300, (1, 12))
     source = capture_kv(model, ids)
-    assert BridgedCache(Bridge.identity(model), source, model, ids, one_launch=True).translator.groups is None
+    assert (
+        BridgedCache(
+            Bridge.identity(model), source, model, ids, config=HandoffConfig(one_launch=True)
+        ).translator.groups
+        is None
+    )
     # on CPU the default is per layer
-    assert BridgedCache(Bridge.identity(model), source, model, ids, key_norm=False).translator.groups is None
+    assert (
+        BridgedCache(
+            Bridge.identity(model), source, model, ids, config=HandoffConfig(key_norm=False)
+        ).translator.groups
+        is None
+    )
     # a sliding-window source cache (layers keep different rows) goes per layer
     window_source = DynamicCache(config=model.config)
     model(ids, **cache_kwargs(model, window_source))
-    cache = BridgedCache(Bridge.identity(model), window_source, model, ids, key_norm=False, one_launch=True)
+    cache = BridgedCache(
+        Bridge.identity(model),
+        window_source,
+        model,
+        ids,
+        config=HandoffConfig(key_norm=False, one_launch=True),
+    )
     assert cache.translator.groups is None

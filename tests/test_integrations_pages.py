@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.integrations.pages import (
     EngineMismatchError,
@@ -33,10 +34,10 @@ def handoff():
     return source, target, Bridge.identity(target), ids
 
 
-def _cache(handoff, ids=None, **kwargs):
+def _cache(handoff, ids=None, **config):
     source, target, bridge, default = handoff
     ids = default if ids is None else ids
-    return BridgedCache(bridge, capture_kv(source, ids), target, ids, **kwargs)
+    return BridgedCache(bridge, capture_kv(source, ids), target, ids, config=HandoffConfig(**config))
 
 
 def test_page_keys_chain_full_pages_from_the_seed():

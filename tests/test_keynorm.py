@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tiny_models import tiny_model
 
-from bridgecache import Bridge, BridgedCache, capture_kv
+from bridgecache import Bridge, BridgedCache, HandoffConfig, capture_kv
 from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
 from bridgecache.kv.rope import RopeTables, unrotate
 
@@ -64,8 +64,10 @@ def test_bridged_cache_restores_shrunken_keys_of_a_gemma_target():
     shrunken = Bridge.identity(model)
     for layer_map in shrunken.layers:
         layer_map.key_weight.mul_(0.7)  # a map whose keys are 30% too short, as ridge maps are
-    projected = BridgedCache(shrunken, native, model, ids).materialize()
-    plain = BridgedCache(shrunken, native, model, ids, key_norm=False).materialize()
+    projected = BridgedCache(shrunken, native, model, ids, config=HandoffConfig(refresh=None)).materialize()
+    plain = BridgedCache(
+        shrunken, native, model, ids, config=HandoffConfig(key_norm=False, refresh=None)
+    ).materialize()
     rope = RopeTables.from_model(model)
     cached = ids.shape[1] - 1  # the last token is held back
     for idx in (0, 2):  # a sliding layer (keeps its window) and the full one: different rope bases

@@ -67,11 +67,11 @@ def saved(tmp_path_factory):
 def test_identity_handoff_continues_the_conversation_like_the_target_itself():
     model, tok = tiny_model("qwen2", seed=4, initializer_range=0.2), chat_tokenizer(CHATML)
     bridged = Conversation.handoff(
-        model, model, Bridge.identity(model), EARLIER, source_tokenizer=tok, target_tokenizer=tok
+        Bridge.identity(model), model, model, EARLIER, source_tokenizer=tok, target_tokenizer=tok
     )
     native = Conversation.native(model, tok, EARLIER)
-    handed = bridged.cache.get_seq_length()
-    assert handed == bridged.ids.shape[1] - 1  # all but the held-back last token
+    assert bridged.cache is None  # built by the first question (the source reads it to choose)
+    handed = bridged.ids.shape[1] - 1  # all but the held-back last token
     for k, question in enumerate(["Which ship?", "Who towed it?", "When?"]):
         a, b = bridged.ask(question, **GEN), native.ask(question, **GEN)
         assert a.answer == b.answer and a.new_tokens == b.new_tokens
@@ -97,14 +97,12 @@ def test_cross_template_handoff_reuses_the_translated_turns(saved):
     bridge = Bridge.from_pretrained(saved / "bridge")
     assert bridge.alignment_policy == "last"  # different vocabularies: tokenalign pairs the tokens
     chat = Conversation.handoff(
-        source, target, bridge, EARLIER, source_tokenizer=source_tok, target_tokenizer=target_tok
+        bridge, source, target, EARLIER, source_tokenizer=source_tok, target_tokenizer=target_tok
     )
-    handed = chat.cache.get_seq_length()
     rendered = target_tok.apply_chat_template(EARLIER, tokenize=False)
     assert chat.ids.shape[1] == len(target_tok(rendered, add_special_tokens=False)["input_ids"])
-    assert handed == chat.ids.shape[1] - 1
-    layer = chat.cache.layers[0]
-    assert not layer.is_materialized  # nothing translated before the target reads the cache
+    handed = chat.ids.shape[1] - 1
+    assert chat.cache is None  # nothing translated before the first question
     previous_prompt = 0
     for question in ["Which ship?", "Who towed it?", "When?"]:
         turn = chat.ask(question, **GEN)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
+from bridgecache import GivenScores, HandoffConfig, QualityPolicy, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
-from bridgecache.runtime.gate import QualityPolicy, prefill_flops
-from bridgecache.runtime.guides import source_attention_scores
 from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
-from bridgecache.runtime.refresh import refresh_budget, select_columns
+from bridgecache.runtime.reading import attention_scores
+from bridgecache.runtime.refresh import pending_columns, refresh_budget
+from bridgecache.runtime.report import prefill_flops
+from bridgecache.runtime.selection import SelectionRequest, SourceAttention
 
 
 def _noisy_bridge(model, scale: float = 0.5, seed: int = 0) -> Bridge:
@@ -50,10 +54,20 @@ def test_refreshing_every_token_reproduces_native_prefill(family):
     ids = torch.randint(3, 300, (1, 24))
     bridge = _noisy_bridge(model)
     native_seq, native_logits = _logits(model, ids)
-    poor_seq, poor_logits = _logits(model, ids, BridgedCache(bridge, capture_kv(model, ids), model, ids))
+    poor_seq, poor_logits = _logits(
+        model,
+        ids,
+        BridgedCache(bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None)),
+    )
     assert (poor_logits - native_logits).abs().max() > 1e-2  # the noisy bridge is really wrong
-    for refresh_by in ("deviation", torch.rand(1, 24)):
-        cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=1.0, refresh_by=refresh_by)
+    for refresh_by in ("deviation", GivenScores(torch.rand(1, 24))):
+        cache = BridgedCache(
+            bridge,
+            capture_kv(model, ids),
+            model,
+            ids,
+            config=HandoffConfig(refresh=RefreshConfig(1.0, refresh_by)),
+        )
         assert cache.report().tokens_refreshed == 22  # all but the native sink and the held-back token
         seq, logits = _logits(model, ids, cache)
         assert torch.equal(seq, native_seq)
@@ -64,7 +78,13 @@ def test_refreshing_every_token_reproduces_native_prefill(family):
 def test_all_native_layers_is_exact(family):
     model = tiny_model(family)
     ids = torch.randint(3, 300, (1, 21))  # beyond gemma3's sliding window of 8
-    cache = BridgedCache(_noisy_bridge(model), capture_kv(model, ids), model, ids, native_layers="all")
+    cache = BridgedCache(
+        _noisy_bridge(model),
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(native_layers="all", refresh=None),
+    )
     seq, logits = _logits(model, ids, cache)
     native_seq, native_logits = _logits(model, ids)
     assert torch.equal(seq, native_seq)
@@ -76,8 +96,12 @@ def test_first_native_layers_hold_the_targets_own_kv_and_the_rest_stay_translate
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (1, 18))
     bridge = _noisy_bridge(model)
-    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).materialize()
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, native_layers=2).materialize()
+    plain = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None)
+    ).materialize()
+    cache = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(native_layers=2, refresh=None)
+    ).materialize()
     native = _native_kv(model, ids[:, :17])
     for layer in (0, 1):
         assert torch.allclose(cache.layers[layer].keys, native.layers[layer].keys, atol=1e-6)
@@ -106,16 +130,25 @@ def test_partial_refresh_rewrites_only_the_chosen_rows():
     bridge = _noisy_bridge(model)
     scores = torch.zeros(1, 20)
     scores[0, [4, 9, 13]] = 1.0
-    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).materialize()
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=3, refresh_by=scores)
+    plain = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None)
+    ).materialize()
+    cache = BridgedCache(
+        bridge,
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(refresh=RefreshConfig(3, GivenScores(scores))),
+    )
     assert cache.refreshed_columns.tolist() == [[4, 9, 13]]
     cache.materialize()
     native = _native_kv(model, ids[:, :19])
     chosen = torch.tensor([4, 9, 13])
-    others = torch.tensor([c for c in range(19) if c not in (4, 9, 13)])
+    others = torch.tensor([c for c in range(1, 19) if c not in (4, 9, 13)])  # 0: the native sink
     for layer in range(3):
         new, old = cache.layers[layer].keys, plain.layers[layer].keys
         assert torch.equal(new[:, :, others], old[:, :, others])
+        assert torch.allclose(new[:, :, 0], old[:, :, 0], atol=1e-6)
         assert not torch.allclose(new[:, :, chosen], old[:, :, chosen])
     # layer 0 depends on each token alone: a refreshed row there is the target's own
     assert torch.allclose(cache.layers[0].keys[:, :, chosen], native.layers[0].keys[:, :, chosen], atol=1e-6)
@@ -124,7 +157,13 @@ def test_partial_refresh_rewrites_only_the_chosen_rows():
 def test_identity_bridge_stays_exact_with_refresh():
     model = tiny_model("llama")
     ids = torch.randint(3, 300, (1, 22))
-    cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids, refresh=0.3)
+    cache = BridgedCache(
+        Bridge.identity(model),
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(refresh=RefreshConfig(0.3, "deviation")),
+    )
     seq, logits = _logits(model, ids, cache)
     native_seq, native_logits = _logits(model, ids)
     assert torch.equal(seq, native_seq)
@@ -137,12 +176,24 @@ def test_gate_sends_shallow_low_layers_native_and_falls_back_when_a_deep_one_fai
     bridge = _noisy_bridge(model)
     for layer, score in zip(bridge.layers, (0.5, 0.9, 0.8)):
         layer.r2_value = score
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.6)
+    cache = BridgedCache(
+        bridge,
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(refresh=None, quality=QualityPolicy(0.6)),
+    )
     report = cache.report()
     assert report.layers_native == [0] and report.fallback is None
     assert report.estimated_quality == pytest.approx(0.85)
 
-    cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, min_quality=0.85)
+    cache = BridgedCache(
+        bridge,
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(refresh=None, quality=QualityPolicy(0.85)),
+    )
     report = cache.report()
     assert report.fallback and "deepest at layer 2" in report.fallback
     assert report.layers_translated == []
@@ -163,9 +214,19 @@ def test_report_counts_native_work_against_the_targets_own_prefill():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (1, 40))
     bridge = _noisy_bridge(model)
-    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids).report()
-    refreshed = BridgedCache(bridge, capture_kv(model, ids), model, ids, refresh=0.25).report()
-    everything = BridgedCache(bridge, capture_kv(model, ids), model, ids, native_layers="all").report()
+    plain = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None)
+    ).report()
+    refreshed = BridgedCache(
+        bridge,
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(refresh=RefreshConfig(0.25, "deviation")),
+    ).report()
+    everything = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(native_layers="all", refresh=None)
+    ).report()
     assert 0 < plain.native_cost_fraction < 0.1  # the sink and the held-back token
     assert plain.native_cost_fraction < refreshed.native_cost_fraction < 1.0
     # all 3 layers native: 2 full layers + the last one's k/v projections (its attention and MLP
@@ -179,85 +240,84 @@ def test_source_attention_scores_match_the_models_own_attention():
     context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
     kv = capture_kv(model, context)
     before = [k.clone() for k in kv.keys]
-    scores = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15)
+    first = torch.zeros(1, dtype=torch.long)
+
+    def read(**options):
+        return attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 15, **options)
+
     out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
     expected = sum(a[0, :, 15:, :15].sum((0, 1)) for a in out.attentions)
-    assert torch.allclose(scores[0], expected, atol=1e-4)
+    assert torch.allclose(read(reduce="sum")[0], expected, atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))  # the source cache is untouched
-    last = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, last_queries=2)
     expected_last = sum(a[0, :, 17:, :15].sum((0, 1)) for a in out.attentions)
-    assert torch.allclose(last[0], expected_last, atol=1e-4)
-    peak = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, reduce="max")
+    assert torch.allclose(read(reduce="sum", counted=2)[0], expected_last, atol=1e-4)
     expected_peak = torch.stack([a[0, :, 15:, :15].amax((0, 1)) for a in out.attentions]).amax(0)
-    assert torch.allclose(peak[0], expected_peak, atol=1e-5)
+    assert torch.allclose(read()[0], expected_peak, atol=1e-5)  # "max" by default
     with pytest.raises(ValueError, match="reduce='mean'"):
-        source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 15, reduce="mean")
+        read(reduce="mean")
 
 
-def test_target_guided_scores_are_the_targets_attention_over_the_bridged_cache():
-    from bridgecache.runtime.gate import reading_fraction
-    from bridgecache.runtime.guides import blend_scores, target_guided
+def test_source_attention_reads_left_padded_rows_like_single_ones():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    prompt = torch.randint(3, 300, (2, 3))
+    kv = capture_kv(model, ids, attention_mask=mask)
+    batched = attention_scores(model, kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 12)
+    alone = capture_kv(model, ids[1:, 4:])
+    first = torch.zeros(1, dtype=torch.long)
+    single = attention_scores(model, alone.keys, alone.values, alone.position_ids, first, prompt[1:], 8)
+    assert torch.allclose(batched[1, 4:], single[0], atol=1e-5)
+    assert torch.equal(batched[1, :4], torch.zeros(4))  # padding gets no attention
 
-    model = tiny_model("llama")  # eager attention: output_attentions is the reference
-    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
-    scorer = target_guided(prompt)
-    seen = {}
 
-    def recording(target, cache, target_ids):
-        seen["scores"] = scorer(target, cache, target_ids)
-        recording.flops = scorer.flops
-        return seen["scores"]
-
-    recording.label = scorer.label
-    # Identity bridge: the translated cache is the target's own, so the scores are its attention
-    # from the held-back context token and the prompt onto the 14 cached columns.
+def _request(model, context, prompt):
+    """A SelectionRequest over a translate-only cache of `context`."""
+    translate_only = HandoffConfig(refresh=None)
     cache = BridgedCache(
-        Bridge.identity(model), capture_kv(model, context), model, context, refresh=3, refresh_by=recording
+        _noisy_bridge(model), capture_kv(model, context), model, context, config=translate_only
     )
-    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
-    expected = sum(a[0, :, 14:, :14].sum((0, 1)) for a in out.attentions)
-    assert torch.allclose(seen["scores"][0], expected, atol=1e-4)
-    eligible = torch.arange(14) >= 1  # the native sink is never refreshed
-    top = expected.masked_fill(~eligible, float("-inf")).topk(3).indices.sort().values
-    assert cache.refreshed_columns[0].tolist() == top.tolist()
-    assert cache.report().refresh_by == "target attention"
-    # its cost: the target read 5 tokens (held-back + prompt) over 14 cached ones
-    expected_cost = reading_fraction(model.config, 5, 14, model.config, 15)
-    assert cache.report().guide_cost_fraction == pytest.approx(expected_cost)
-    assert cache.report().cost_fraction == pytest.approx(cache.report().native_cost_fraction + expected_cost)
-    # Blending with the source's scores: each guide normalised to sum 1 per row, then added.
-    given = torch.zeros(1, 15)
-    given[0, 5] = 7.0
-    blended = blend_scores(given, scorer)(model, cache, context)
-    assert torch.allclose(blended[0], expected / expected.sum() + given[0, :14] / 7.0, atol=1e-4)
+    return SelectionRequest(model, cache.translator, context, model, cache.translator.source, prompt)
 
 
-def test_spread_reaches_neighbours_of_what_the_source_attended_to():
-    from bridgecache.kv.source import as_source
-    from bridgecache.runtime.guides import source_guided_scores
-
+def test_source_attention_defaults_to_the_measured_rule_per_case():
     model = tiny_model("llama")
-    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 3))
-    kv = as_source(capture_kv(model, context))
-    rows = torch.arange(15)[None]
-    plain = source_guided_scores(model, kv, rows, query_ids=prompt)
-    wide = source_guided_scores(model, kv, rows, query_ids=prompt, spread=2)
-    top = int(plain[0].argmax())
-    assert all(wide[0, c] >= plain[0, top] for c in range(max(0, top - 2), min(15, top + 3)))
-    assert torch.all(wide >= plain)
-    # after=3: a token's score reaches the 3 tokens after it, never the ones before
-    later = source_guided_scores(model, kv, rows, query_ids=prompt, after=3)
-    for c in range(15):
-        assert later[0, c] == plain[0, max(0, c - 3) : c + 1].max()
+    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 3))
+    request = _request(model, context, prompt)
+    kv = request.source_kv
+    first = torch.zeros(1, dtype=torch.long)
+    # with a prompt: the largest attention any layer, head and prompt token gives a token, reaching
+    # the 4 tokens after it; the 19 cached columns read the source rows they are planned from
+    peak = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 20)
+    reach = torch.stack([peak[0, max(0, c - 4) : c + 1].max() for c in range(20)])
+    assert torch.allclose(SourceAttention().scores(request)[0], reach[:19])
+    assert torch.allclose(SourceAttention(after=0).scores(request)[0], peak[0, :19])
+    # without one: the context's last 16 tokens read the 4 before them (summed), and score highest
+    unprompted = SourceAttention().scores(dataclasses.replace(request, prompt_ids=None))[0]
+    summed = attention_scores(
+        model, kv.keys, kv.values, kv.position_ids, first, context[:, 4:], 4, reduce="sum"
+    )
+    assert torch.allclose(unprompted[:4], summed[0])
+    assert bool((unprompted[4:] > unprompted[:4].max()).all())
+    assert SourceAttention().reading_flops(request) > 0
 
 
 def test_budget_and_selection_arguments():
     assert refresh_budget(None, 10) == 0 and refresh_budget(0.25, 10) == 2 and refresh_budget(50, 10) == 10
-    for bad in (-1, 1.5, "all", True):
-        with pytest.raises(ValueError):
-            refresh_budget(bad, 10)
-    eligible = torch.tensor([[False, True, True, True]])
-    assert select_columns(torch.tensor([[9.0, 1.0, 3.0, 2.0]]), eligible, 2).tolist() == [[2, 3]]
+    for bad in (-1, 1.5, 0.0, "all", True, 0):
+        with pytest.raises(ValueError, match="RefreshConfig.amount"):
+            RefreshConfig(bad)
+    with pytest.raises(ValueError, match="refresh by 'attention'"):
+        RefreshConfig(0.2, "attention")
+    always = torch.tensor([[True, False, False, False], [False, False, False, False]])
+    eligible = ~always
+    scores = torch.tensor([[9.0, 1.0, 3.0, 2.0], [0.0, 5.0, 1.0, 4.0]])
+    columns, valid = pending_columns(always, scores, eligible, [2, 1])
+    # row 0: its native column 0, then its 2 best; row 1: its best, then repeats of its last
+    assert columns.tolist() == [[0, 2, 3], [1, 1, 1]] and valid is None
+    columns, valid = pending_columns(always, scores, eligible, [1, 0])
+    assert columns[0].tolist() == [0, 2] and valid.tolist() == [[True, True], [False, False]]
     assert resolve_native_layers([2, 0, 2], 3) == (0, 2) and resolve_native_layers("all", 2) == (0, 1)
     with pytest.raises(ValueError, match="not target layers"):
         resolve_native_layers([5], 3)
@@ -276,8 +336,7 @@ def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridg
     assert all(c < 0.999 for c in poor)
 
 
-@pytest.mark.parametrize("refresh_by", ["source", "target", "source+target"])
-def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_by):
+def test_handoff_guided_refresh_of_every_token_answers_like_the_target():
     from tiny_models import byte_tokenizer
 
     from bridgecache.runtime.handoff import handoff
@@ -285,49 +344,28 @@ def test_handoff_guided_refresh_of_every_token_answers_like_the_target(refresh_b
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     context, prompt = "the hello world of the bridged cache", " said"
     kwargs = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=4, do_sample=False)
-    result = handoff(
-        model, model, _noisy_bridge(model), context, prompt, refresh=1.0, refresh_by=refresh_by, **kwargs
-    )
+    everything = HandoffConfig(refresh=RefreshConfig(1.0))
+    result = handoff(_noisy_bridge(model), model, model, context, prompt, config=everything, **kwargs)
     ids = tok(context + prompt, return_tensors="pt")["input_ids"]
     native = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
     assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
-    expected = {"source": "source attention", "target": "target attention"}
-    assert result.cache.report().refresh_by == expected.get(refresh_by, "source attention + target attention")
+    assert result.cache.report().refresh_by == "source attention"
     assert result.cache.report().guide_cost_fraction > 0  # the reading that chose the tokens is counted
-    # Only the target guides "target": no source model needed once its cache is there.
-    without_source = dict(source_cache=result.cache.translator.source, refresh=0.5, refresh_by=refresh_by)
-    if refresh_by == "target":
-        handoff(None, model, _noisy_bridge(model), context, prompt, **without_source, **kwargs)
-    else:
-        with pytest.raises(ValueError, match="needs the source model"):
-            handoff(None, model, _noisy_bridge(model), context, prompt, **without_source, **kwargs)
+    source_kv = result.cache.translator.source
+    with pytest.raises(ValueError, match="needs the source model"):
+        handoff(_noisy_bridge(model), None, model, context, prompt, source_kv=source_kv, **kwargs)
 
 
 def test_refresh_reads_grouped_translation_like_per_layer_translation():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (1, 20))
     bridge, scores = _noisy_bridge(model), torch.rand(1, 20)
-    kwargs = dict(refresh=0.3, refresh_by=scores)
-    grouped = BridgedCache(bridge, capture_kv(model, ids), model, ids, one_launch=True, **kwargs)
-    per_layer = BridgedCache(bridge, capture_kv(model, ids), model, ids, one_launch=False, **kwargs)
-    assert grouped.translator.groups is not None and grouped.translator.groups.translations > 0
+    config = HandoffConfig(refresh=RefreshConfig(0.3, GivenScores(scores)))
+    grouped = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config.replace(one_launch=True))
+    per_layer = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=config.replace(one_launch=False)
+    )
+    assert grouped.translator.groups is not None and per_layer.translator.groups is None
     assert torch.equal(grouped.refreshed_columns, per_layer.refreshed_columns)
     for a, b in zip(grouped.materialize().layers, per_layer.materialize().layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
-
-
-def test_handoff_scores_default_to_the_measured_rule_per_case():
-    from bridgecache.kv.source import as_source
-    from bridgecache.runtime.guides import source_guided_scores
-    from bridgecache.runtime.handoff import source_guided_scores as handoff_scores
-
-    model = tiny_model("llama")
-    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 3))
-    kv = capture_kv(model, context)
-    rows = torch.arange(20)[None]
-    prompted = handoff_scores(model, kv, None, context, context, prompt)
-    expected = source_guided_scores(model, as_source(kv), rows, query_ids=prompt, reduce="max", after=4)
-    assert torch.equal(prompted, expected)  # with a prompt: max, reaching 4 tokens after
-    unprompted = handoff_scores(model, kv, None, context, context)
-    expected = source_guided_scores(model, as_source(kv), rows, context_ids=context, reduce="sum", after=0)
-    assert torch.equal(unprompted, expected)  # without: the sum over the context's last tokens

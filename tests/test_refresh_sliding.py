@@ -13,6 +13,7 @@ from test_tokenalign import byte_bpe, sp_bpe  # noqa: F401  (fixtures: toy token
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
+from bridgecache import GivenScores, HandoffConfig, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
@@ -43,10 +44,12 @@ def _generate(model, ids, cache=None, mask=None):
     return out.sequences, torch.stack(out.logits)
 
 
-def _cache(model, bridge, ids, mask=None, **kwargs):
+def _cache(model, bridge, ids, mask=None, refresh=None, refresh_by="deviation"):
     source = capture_kv(model, ids, attention_mask=mask)
     masks = {} if mask is None else dict(target_attention_mask=mask, source_attention_mask=mask)
-    return BridgedCache(bridge, source, model, ids, **masks, **kwargs)
+    by = GivenScores(refresh_by) if isinstance(refresh_by, torch.Tensor) else refresh_by
+    config = HandoffConfig(refresh=None if refresh is None else RefreshConfig(refresh, by))
+    return BridgedCache(bridge, source, model, ids, **masks, config=config)
 
 
 def _sliding(model) -> list[int]:
@@ -87,7 +90,7 @@ def test_partial_refresh_rewrites_only_the_chosen_rows_of_every_layer():
         first = kept if layer in _sliding(model) else 0
         assert new.keys.shape == old.keys.shape == (1, 1, prefix - first, 32)
         rows = [c - first for c in chosen if c >= first]  # rows this layer keeps
-        others = [r for r in range(prefix - first) if r not in rows]
+        others = [r for r in range(prefix - first) if r not in rows and r + first != 0]  # 0: the sink
         assert rows == ([0, 5] if first else chosen)
         for tensor in ("keys", "values"):
             a, b = getattr(new, tensor), getattr(old, tensor)
@@ -136,8 +139,8 @@ def test_refresh_of_a_left_padded_batch_reproduces_native_generate():
     columns = part.refreshed_columns
     assert bool((columns[0] >= 7).all())
     keys, old = part.layers[2].keys, plain.layers[2].keys  # the full layer: every column
-    for row in range(2):
-        others = [c for c in range(25) if c not in columns[row].tolist()]
+    for row, sink in enumerate((7, 0)):
+        others = [c for c in range(25) if c not in columns[row].tolist() and c != sink]
         assert torch.equal(keys[row][:, others], old[row][:, others])
         assert not torch.allclose(keys[row][:, columns[row]], old[row][:, columns[row]])
 
@@ -147,19 +150,26 @@ def test_refresh_keeps_the_source_cache_untouched():
     ids = torch.randint(3, 300, (1, 24))
     source = capture_kv(model, ids)
     before = [(k.clone(), v.clone()) for k, v in zip(source.keys, source.values)]
-    BridgedCache(_noisy_bridge(model), source, model, ids, refresh=0.5).materialize()
+    BridgedCache(
+        _noisy_bridge(model),
+        source,
+        model,
+        ids,
+        config=HandoffConfig(refresh=RefreshConfig(0.5, "deviation")),
+    ).materialize()
     assert all(
         torch.equal(k, a) and torch.equal(v, b) for (k, v), a, b in zip(before, source.keys, source.values)
     )
 
 
 def test_source_attention_scores_follow_a_sliding_source_window():
-    from bridgecache.runtime.guides import source_attention_scores
+    from bridgecache.runtime.reading import attention_scores
 
     model = tiny_model("gemma3")  # eager attention: output_attentions is the reference
     context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
     kv = capture_kv(model, context)
-    scores = source_attention_scores(model, kv.keys, kv.values, kv.position_ids, prompt, 20)
+    first = torch.zeros(1, dtype=torch.long)
+    scores = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 20, reduce="sum")
     out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
     expected = sum(a[0, :, 20:, :20].sum((0, 1)) for a in out.attentions)
     assert torch.allclose(scores[0], expected, atol=1e-4)
@@ -176,13 +186,21 @@ def test_handoff_refreshes_a_sliding_window_target_by_default():
     bridge = _noisy_bridge(model)
     context, prompt = "The key to the red door is under the third stone.", " Where is it?"
     kwargs = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=5, do_sample=False)
-    result = handoff(model, model, bridge, context, prompt, **kwargs)
+    result = handoff(bridge, model, model, context, prompt, **kwargs)
     report = result.cache.report()
     translated = len(tok(context)["input_ids"]) - 2  # the native sink and the held-back token
     assert report.tokens_refreshed == round(0.2 * translated) > 0
     assert report.refresh_by == "source attention"
     # refreshing everything is the target reading the context itself
-    exact = handoff(model, model, bridge, context, prompt, refresh=1.0, **kwargs)
+    exact = handoff(
+        bridge,
+        model,
+        model,
+        context,
+        prompt,
+        **kwargs,
+        config=HandoffConfig(refresh=RefreshConfig(1.0, "source")),
+    )
     ids = tok(context + prompt, return_tensors="pt")["input_ids"]
     native = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
@@ -190,20 +208,22 @@ def test_handoff_refreshes_a_sliding_window_target_by_default():
     assert torch.equal(exact.output_ids, native[:, ids.shape[1] :])
 
 
-def test_refresh_columns_asks_for_the_columns_a_sliding_layer_dropped():
-    from bridgecache.runtime.refresh import refresh_columns
-
+def test_the_pass_reads_the_columns_a_sliding_layer_dropped():
+    """Column 3's window (columns 0..3) lies before the rows a sliding layer keeps (22..28): the
+    pass reads them translated, computes column 3 over them, and the layer keeps only 22..28."""
     model = tiny_model("gemma3")
     ids = torch.randint(3, 300, (1, 30))
-    cache = _cache(model, _noisy_bridge(model), ids)
-    context, mask = ids[:, :29], torch.ones(1, 29, dtype=torch.long)
-    with pytest.raises(ValueError, match="read_columns"):  # column 3's window lies before 22..28
-        refresh_columns(model, cache.layers, context, mask, torch.tensor([[3]]))
-    assert cache.materialized_layers == []  # refused before anything was read
-    short = ids[:, :7]  # 6 cached columns: every layer keeps them all
-    cache = _cache(model, _noisy_bridge(model), short)
-    refresh_columns(model, cache.layers, short[:, :6], mask[:, :6], torch.tensor([[3]]))
+    scores = torch.zeros(1, 30)
+    scores[0, 3] = 1.0
+    cache = _cache(model, Bridge.identity(model), ids, refresh=1, refresh_by=scores)
+    assert cache.materialized_layers == []  # nothing is read before the pass
+    own = DynamicCache()  # every column, every layer: the target's own prefill
+    model(input_ids=ids[:, :29], use_cache=True, **cache_kwargs(model, own))
+    cache.materialize()
     assert cache.materialized_layers == [0, 1, 2, 3]
+    full = cache.layers[2]  # the full-attention layer keeps column 3: exactly the target's own
+    assert torch.allclose(full.keys[:, :, 3], own.layers[2].keys[:, :, 3], atol=1e-4)
+    assert all(cache.layers[i].keys.shape[2] == WINDOW - 1 for i in _sliding(model))
 
 
 def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate(byte_bpe, sp_bpe):  # noqa: F811
@@ -212,7 +232,15 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
     model = tiny_model("gemma3")
     context, prompt = "hello world the world, the hello of the world: hello there, world", " the"
     kwargs = dict(source_tokenizer=byte_bpe, target_tokenizer=sp_bpe, max_new_tokens=5, do_sample=False)
-    result = handoff(model, model, _noisy_bridge(model), context, prompt, refresh=1.0, **kwargs)
+    result = handoff(
+        _noisy_bridge(model),
+        model,
+        model,
+        context,
+        prompt,
+        **kwargs,
+        config=HandoffConfig(refresh=RefreshConfig(1.0, "source")),
+    )
     ids = torch.cat(
         [
             sp_bpe(context, return_tensors="pt").input_ids,
@@ -226,19 +254,3 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
     )
     assert result.cache.report().tokens_refreshed == len(result.cache.translated_positions)
     assert torch.equal(result.output_ids, native[:, ids.shape[1] :])
-
-
-def test_target_guided_choice_refuses_sliding_window_targets_by_name():
-    from bridgecache.runtime.guides import target_guided
-
-    model = tiny_model("gemma3")
-    ids = torch.randint(3, 300, (1, 20))
-    with pytest.raises(ValueError, match="sliding-window layers: use refresh_by='source'"):
-        BridgedCache(
-            Bridge.identity(model),
-            capture_kv(model, ids),
-            model,
-            ids,
-            refresh=0.3,
-            refresh_by=target_guided(torch.randint(3, 300, (1, 3))),
-        )

@@ -169,7 +169,7 @@ def test_an_existing_bridge_is_kept_unless_force(model_dirs, tmp_path, capsys):
 
 def test_a_destination_broken_during_the_fit_keeps_the_work(model_dirs, tmp_path, capsys, monkeypatch):
     from bridgecache import fitting
-    from bridgecache.fitting import cli as fit_cli
+    from bridgecache.cli import fit as fit_cli
 
     out = tmp_path / "b"
     real_fit = fitting.fit_bridge

@@ -9,6 +9,7 @@ import torch
 from tiny_models import tiny_model
 from transformers import StaticCache
 
+from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
@@ -16,8 +17,14 @@ from bridgecache.runtime.cache import BridgedCache
 NEW = 6
 
 
-def _bridged(model, ids, **kwargs):
-    return BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids, key_norm=False, **kwargs)
+def _bridged(model, ids, **config):
+    return BridgedCache(
+        Bridge.identity(model),
+        capture_kv(model, ids),
+        model,
+        ids,
+        config=HandoffConfig(key_norm=False, **config),
+    )
 
 
 def _generate(model, ids, **kwargs):
@@ -81,7 +88,7 @@ def test_the_source_is_not_mutated_and_the_dynamic_cache_still_works():
     ids = torch.randint(3, 300, (1, 15))
     source = capture_kv(model, ids)
     before = [(k.clone(), v.clone()) for k, v in zip(source.keys, source.values)]
-    cache = BridgedCache(Bridge.identity(model), source, model, ids, key_norm=False)
+    cache = BridgedCache(Bridge.identity(model), source, model, ids, config=HandoffConfig(key_norm=False))
     static = cache.to_static(max_cache_len=32)
     for (k, v), k2, v2 in zip(before, source.keys, source.values):
         assert torch.equal(k, k2) and torch.equal(v, v2)
@@ -116,27 +123,6 @@ def test_bad_requests_are_refused_by_name():
         _bridged(gemma, gemma_ids).to_static(max_cache_len=20)
 
 
-def test_cuda_graph_is_refused_on_the_cpu_by_name():
-    model = tiny_model("qwen2")
-    ids = torch.randint(3, 300, (1, 15))
-    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA target"):
-        _bridged(model, ids, cuda_graph=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
-def test_graph_replay_equals_the_eager_one_launch_path_on_cuda():
-    model = tiny_model("llama", head_dim=32).cuda()  # head dims the Triton kernel takes
-    bridge = Bridge.identity(model)
-    for _ in range(2):  # the second context replays the graph captured for the first
-        ids = torch.randint(3, 300, (1, 40), device="cuda")
-        source = capture_kv(model, ids)
-        eager = BridgedCache(bridge, source, model, ids, key_norm=False, one_launch=True).materialize()
-        graph = BridgedCache(bridge, source, model, ids, key_norm=False, cuda_graph=True).materialize()
-        for a, b in zip(eager.layers, graph.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert len(vars(bridge)["_translation_graphs"]) == 1
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor + CUDA graphs)")
 def test_compiled_forward_over_a_refilled_static_cache_gives_the_native_tokens_on_cuda():
     model = tiny_model("llama", head_dim=32).cuda()
@@ -148,7 +134,13 @@ def test_compiled_forward_over_a_refilled_static_cache_gives_the_native_tokens_o
     try:
         for _ in range(3):  # new contexts into the same buffers: the compiled graph is reused
             ids = torch.randint(3, 300, (1, 30), device="cuda")
-            cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, key_norm=False, cuda_graph=True)
+            cache = BridgedCache(
+                bridge,
+                capture_kv(model, ids),
+                model,
+                ids,
+                config=HandoffConfig(key_norm=False, refresh=None),
+            )
             static = cache.to_static(max_cache_len=48, into=static)
             model.forward = compiled
             bridged, _ = _generate(model, ids, past_key_values=static, disable_compile=True)

@@ -93,3 +93,51 @@ def test_the_graph_sees_lazy_imports():
     assert "bridgecache.fitting.fit" in graph["bridgecache.fitting"]  # a package re-export
     assert "bridgecache.evaluation.builtin" in graph["bridgecache.evaluation.data"]
     assert "bridgecache.models.zoo" in graph["bridgecache.cli.evaluate"]  # imported inside a function
+
+
+# Floors, lowest first: a package imports only packages on lower floors (and itself); the
+# function-level imports count. Leaf modules of bridgecache/ sit on the ground floor.
+FLOORS = [
+    ("bridgecache.kernels", "tokenalign", "bridgecache.compat", "bridgecache.files", "bridgecache.text"),
+    ("bridgecache.models",),
+    ("bridgecache.kv", "bridgecache.bridge"),
+    ("bridgecache.runtime",),
+    ("bridgecache.fitting", "bridgecache.evaluation"),
+    ("bridgecache.integrations",),
+    ("bridgecache.cli",),
+]
+
+
+def _floor_of(module: str) -> tuple[int, str] | None:
+    """(floor, package) of a module, or None for the top-level `bridgecache` (the public API)."""
+    best = None
+    for level, packages in enumerate(FLOORS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and (
+                best is None or len(package) > len(best[1])
+            ):
+                best = (level, package)
+    return best
+
+
+def test_every_module_lives_on_a_floor():
+    homeless = [m for m in _modules() if m != "bridgecache" and _floor_of(m) is None]
+    assert not homeless, f"modules on no floor: {homeless}"
+
+
+def test_packages_import_only_lower_floors():
+    wrong = []
+    for name, imported in _graph().items():
+        here = _floor_of(name)
+        if here is None:
+            continue
+        for other in imported:
+            there = _floor_of(other)
+            if there is None or (there[1] != here[1] and there[0] >= here[0]):
+                wrong.append(f"{name} -> {other}")
+    assert not wrong, "imports against the floors:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_library_module_grows_past_450_lines():
+    long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert not {n: c for n, c in long.items() if c > 450}, sorted(long.items(), key=lambda x: -x[1])[:5]

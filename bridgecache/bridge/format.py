@@ -49,7 +49,12 @@ def check_bridge_json(meta: dict, path: Path) -> None:
     _check_layers(meta["layers"], meta["target"]["num_layers"], meta["source"]["num_layers"], fail)
     _check_tensor_table(meta["tensors"], fail)
     if "refinement" in meta:
-        _check_refinement(meta["refinement"], meta["target"]["num_layers"], fail)
+        fail(
+            "refinement",
+            "a trained refinement",
+            "no 'refinement' block: trained refinements (bridgecache refine) were removed after they "
+            "measured no gain; load the closed-form bridge they were refined from",
+        )
     fingerprints = meta.get("fingerprints", {})
     if not isinstance(fingerprints, dict):
         fail("fingerprints", fingerprints, "an object")
@@ -117,23 +122,6 @@ def _check_layers(layers, num_target_layers: int, num_source_layers: int, fail) 
             r2 = entry[key]
             if r2 is not None and (not _is_number(r2) or not math.isfinite(r2) or r2 > 1):
                 fail(f"layers[{i}].{key}", r2, "null or a finite number <= 1")
-
-
-def _check_refinement(refinement, num_target_layers: int, fail) -> None:
-    """The trained refinement's description: its rank and which target layers carry one."""
-    if not isinstance(refinement, dict):
-        fail("refinement", refinement, "an object describing the trained refinement")
-    rank = refinement.get("rank")
-    if not _is_int(rank) or rank < 1:
-        fail("refinement.rank", rank, "an integer >= 1")
-    layers = refinement.get("layers")
-    if (
-        not isinstance(layers, list)
-        or not all(_is_int(i) and 0 <= i < num_target_layers for i in layers)
-        or len(set(layers)) != len(layers)
-    ):
-        expected = f"a list of distinct target layer indices in [0, {num_target_layers})"
-        fail("refinement.layers", layers, expected)
 
 
 def _check_tensor_table(tensors, fail) -> None:

@@ -27,7 +27,6 @@ from bridgecache.bridge.format import METHODS, BridgeFormatError, check_bridge_j
 from bridgecache.files import staged_directory
 from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
-from bridgecache.refinement import REFINE_FIELDS, LayerRefinement, refinement_shapes
 
 __all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
 
@@ -49,7 +48,6 @@ class LayerMap:
     key_weight, value_weight: float32 [tgt_heads, n_in * src_dim, tgt_dim].
     key_bias, value_bias: float32 [tgt_heads, tgt_dim].
     r2_key, r2_value: held-out R^2 (NaN when not measured, e.g. the identity).
-    refinement: an optional trained low-rank residual on top of the maps (bridgecache.refinement).
     """
 
     source_layers: list[int]
@@ -60,18 +58,15 @@ class LayerMap:
     value_bias: torch.Tensor
     r2_key: float = math.nan
     r2_value: float = math.nan
-    refinement: LayerRefinement | None = None
 
     @property
     def num_parameters(self) -> int:
-        extra = [] if self.refinement is None else list(self.refinement.tensors().values())
         maps = (self.key_weight, self.key_bias, self.value_weight, self.value_bias)
-        return sum(t.numel() for t in (*maps, *extra))
+        return sum(t.numel() for t in maps)
 
     @property
     def nbytes(self) -> int:
-        extra = [] if self.refinement is None else list(self.refinement.tensors().values())
-        return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in _FIELDS), *extra))
+        return sum(t.numel() * t.element_size() for t in (getattr(self, name) for name in _FIELDS))
 
 
 @dataclass
@@ -85,8 +80,6 @@ class Bridge:
     calibration: JSON-able description of the calibration data and fit settings.
     fingerprints: {"source": ..., "target": ...} weight fingerprints at fit time
         (`bridgecache.models.fingerprint`); empty for the identity and for older bridge files.
-    refinement: JSON-able description of the trained refinement (bridgecache.fitting.refine);
-        empty when no layer has one.
     """
 
     source: ModelSpec
@@ -97,7 +90,6 @@ class Bridge:
     native_head: int = 1
     calibration: dict = field(default_factory=dict)
     fingerprints: dict = field(default_factory=dict)
-    refinement: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -197,15 +189,6 @@ class Bridge:
                     "dtype": str(t.dtype).removeprefix("torch."),
                     "sha256": _tensor_sha(t),
                 }
-            if layer.refinement is not None:
-                for name, t in layer.refinement.tensors().items():
-                    t = t.detach().cpu().contiguous()
-                    tensors[f"layers.{i}.refinement.{name}"] = t
-                    described[f"layers.{i}.refinement.{name}"] = {
-                        "shape": list(t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "sha256": _tensor_sha(t),
-                    }
         meta = {
             "format": "bridgecache.bridge",
             "format_version": FORMAT_VERSION,
@@ -228,10 +211,6 @@ class Bridge:
         }
         if self.fingerprints:
             meta["fingerprints"] = dict(self.fingerprints)
-        refined = [i for i, layer in enumerate(self.layers) if layer.refinement is not None]
-        if refined:
-            rank = self.layers[refined[0]].refinement.rank
-            meta["refinement"] = {**self.refinement, "rank": rank, "layers": refined}
         from bridgecache.bridge.card import write_card
 
         with staged_directory(directory) as staging:
@@ -286,18 +265,11 @@ class Bridge:
                 raise BridgeFormatError(
                     f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
                 )
-            refinement = None
-            if i in meta.get("refinement", {}).get("layers", []):
-                prefix = f"layers.{i}.refinement."
-                refinement = LayerRefinement(
-                    **{name: _as_fp32(tensors[prefix + name]).to(device) for name in REFINE_FIELDS}
-                )
             layers.append(
                 LayerMap(
                     source_layers=[int(s) for s in _get(entry, "source_layers", where)],
                     r2_key=_from_json_float(_get(entry, "r2_key", where)),
                     r2_value=_from_json_float(_get(entry, "r2_value", where)),
-                    refinement=refinement,
                     **t,
                 )
             )
@@ -310,7 +282,6 @@ class Bridge:
             native_head=meta["native_head"],
             calibration=meta["calibration"],
             fingerprints=meta.get("fingerprints", {}),
-            refinement={k: v for k, v in meta.get("refinement", {}).items() if k != "layers"},
         )
         _check_layer_shapes(bridge, directory)
         check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
@@ -353,8 +324,6 @@ def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path
     """Every described tensor exists with its shape, dtype and sha256; nothing extra."""
     described = meta["tensors"]
     expected_names = {f"layers.{i}.{name}" for i in range(len(meta["layers"])) for name in _FIELDS}
-    refined = meta.get("refinement", {}).get("layers", [])
-    expected_names |= {f"layers.{i}.refinement.{name}" for i in refined for name in REFINE_FIELDS}
     if set(described) != expected_names:
         raise BridgeFormatError(
             f"{directory / _JSON}: field 'tensors' does not list one set of maps per layer"
@@ -412,16 +381,6 @@ def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
             )
         if sorted(set(src_layer.flatten().tolist())) != sorted(layer.source_layers):
             raise BridgeFormatError(f"{directory}: layers.{i}.source_layers disagrees with layers.{i}.inputs")
-        if layer.refinement is not None:
-            rank = bridge.refinement.get("rank")
-            shapes = refinement_shapes(tgt.num_kv_heads, n_in * src.head_dim, rank, tgt.head_dim)
-            for name, shape in shapes.items():
-                got = tuple(getattr(layer.refinement, name).shape)
-                if got != shape:
-                    raise BridgeFormatError(
-                        f"{directory}: layers.{i}.refinement.{name} has shape {got}; "
-                        f"the specs and refinement.rank {rank} imply {shape}"
-                    )
 
 
 def _as_fp32(t: torch.Tensor) -> torch.Tensor:

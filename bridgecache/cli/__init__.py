@@ -2,7 +2,6 @@
 
 bridgecache demo                       a real handoff between two built-in models, on CPU (cli.demo)
 bridgecache fit --source A --target B  fit and save a bridge
-bridgecache refine --bridge DIR --out D train the optional low-rank refinement of a bridge
 bridgecache eval --bridge DIR ...      measure a bridge with the field's protocols + controls
 bridgecache inspect BRIDGE             what a bridge maps, its size, per-layer scores (--plot FILE)
 bridgecache export-builtin DIR [NAME]  ship a fitted bridge inside the package (float16)
@@ -23,7 +22,6 @@ def _build_parser() -> argparse.ArgumentParser:
     from bridgecache.cli.demo import add_demo_command
     from bridgecache.cli.evaluate import add_eval_command
     from bridgecache.cli.fit import add_fit_command
-    from bridgecache.cli.refine import add_refine_command
 
     parser = argparse.ArgumentParser(
         prog="bridgecache",
@@ -33,7 +31,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_demo_command(sub)
     add_fit_command(sub)
-    add_refine_command(sub)
     add_eval_command(sub)
     add_inspect_command(sub)
     add_export_command(sub)

@@ -18,12 +18,11 @@ import time
 
 import torch
 
-from bridgecache.cli.evaluate import native_layers_arg
+from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
 
 __all__ = ["add_demo_command", "run_demo"]
 
 DEFAULT_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
-DEFAULT_REFRESH = 0.2  # handoff()'s default, chosen in docs/results.md
 SPEEDUP_GOAL = 3.0
 
 
@@ -49,31 +48,7 @@ def add_demo_command(subparsers):
     demo.add_argument("--context", help="your own document (then give --question and, to check, --answer)")
     demo.add_argument("--question", help="a question about the document")
     demo.add_argument("--answer", help="the expected answer (checked in both outputs)")
-    demo.add_argument(
-        "--refresh",
-        type=float,
-        default=DEFAULT_REFRESH,
-        help=f"share of context tokens the target recomputes (default {DEFAULT_REFRESH})",
-    )
-    demo.add_argument(
-        "--refresh-by",
-        default="source",
-        choices=["source", "target", "source+target", "deviation"],
-        help="how refreshed tokens are chosen (default source: the source's attention from the question)",
-    )
-    demo.add_argument(
-        "--native-layers",
-        type=native_layers_arg,
-        help="target layers computed natively over the whole document: N (the first N), L+L+.. or all",
-    )
-    demo.add_argument(
-        "--min-quality",
-        type=float,
-        help="quality gate: layers whose held-out score is below it run natively (or the whole prefill)",
-    )
-    demo.add_argument(
-        "--native-tail", type=int, default=0, help="last context tokens the target prefills itself"
-    )
+    add_handoff_arguments(demo)
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(func=run_demo)
     return demo
@@ -160,6 +135,11 @@ def run_demo(args) -> int:
 
     torch.manual_seed(0)
     try:
+        config = handoff_config(args)
+    except ValueError as err:
+        print(f"bridgecache demo: error: {err}", file=sys.stderr)
+        return 2
+    try:
         bridge, (source_name, source, source_tok), (target_name, target, target_tok) = _bridge_and_models(
             args
         )
@@ -181,19 +161,15 @@ def run_demo(args) -> int:
 
     def bridged(document: str, question_prompt: str, cache=None, streamer=None):
         return handoff(
+            bridge,
             source,
             target,
-            bridge,
             document,
             question_prompt,
             source_tokenizer=source_tok,
             target_tokenizer=target_tok,
-            source_cache=cache,
-            refresh=args.refresh or None,
-            refresh_by=args.refresh_by,
-            native_layers=args.native_layers,
-            min_quality=args.min_quality,
-            native_tail=args.native_tail,
+            source_kv=cache,
+            config=config,
             max_new_tokens=args.max_new_tokens,
             streamer=streamer,
             **greedy,
@@ -219,7 +195,7 @@ def run_demo(args) -> int:
     rows = [
         ("source prefill of the document (paid once, before the handoff)", source_s),
         ("target native: time to first token", native_ttft),
-        ("bridged: time to first token (translate + refresh + prompt)", bridged_ttft),
+        ("bridged: time to first token (source reads the question, translate, one forward)", bridged_ttft),
         (
             "first calls on a short warm-up text: native / bridged",
             f"{native_warm:.3f} / {bridged_warm:.3f} s",

@@ -1,12 +1,14 @@
 """The `bridgecache eval` subcommand: measure a bridge on a data file or a built-in task.
 
     bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
-                     [--json OUT] [--source NAME --target NAME] [--native-head N] [--native-tail N]
-                     [--no-key-norm] [--chat] [--no-progress] [--native-layers N|L+L+..|all]
-                     [--refresh FRACTION|TOKENS] [--refresh-by deviation|source|target|source+target]
-                     [--min-quality Q] [--controls FILE]
+                     [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
+                     [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
+                     --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
+                     --refresh-by source|deviation --min-quality Q]
 
-Models come from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in
+The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
+source's attention), as every other path. Models come from the bridge's metadata
+(`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
 `report.format_table`; --json writes `report.summarise`'s object. Data errors exit with status 2
 and one line naming the file, line and field.
@@ -19,6 +21,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
 
 __all__ = ["add_eval_command", "run_eval"]
 
@@ -43,40 +47,9 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--source", help="source model (default: the bridge's source)")
     parser.add_argument("--target", help="target model (default: the bridge's target)")
     parser.add_argument(
-        "--native-head", type=int, help="context tokens the target computes first (default: the bridge's)"
-    )
-    parser.add_argument(
-        "--native-tail", type=int, default=0, help="context tokens before the held-back one computed natively"
-    )
-    parser.add_argument(
-        "--no-key-norm", action="store_true", help="do not rescale mapped keys onto the target's k_norm"
-    )
-    parser.add_argument(
         "--chat", action="store_true", help="read contexts and questions through each model's chat template"
     )
-    parser.add_argument(
-        "--native-layers",
-        type=native_layers_arg,
-        help="target layers computed natively over the whole context: N (the first N), 0+1+17, or all",
-    )
-    parser.add_argument(
-        "--refresh",
-        type=_refresh,
-        help="context tokens recomputed through every layer: a fraction (0.15) or a token count (64)",
-    )
-    parser.add_argument(
-        "--refresh-by",
-        choices=["deviation", "source", "target", "source+target"],
-        default="source",
-        help="source (default): the tokens the source's attention from the question picks out; "
-        "target: those the target's own attention from the question over the translated cache "
-        "picks out; source+target: both; deviation: translated vs native keys at layer 1 (CacheBlend)",
-    )
-    parser.add_argument(
-        "--min-quality",
-        type=float,
-        help="quality gate: layers whose held-out score is below it run natively; too many fall back",
-    )
+    add_handoff_arguments(parser)
     parser.add_argument(
         "--controls",
         type=Path,
@@ -85,29 +58,6 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_eval)
     return parser
-
-
-def native_layers_arg(text: str):
-    """N, L+L+..., or all -> BridgedCache's native_layers."""
-    if text == "all":
-        return text
-    try:
-        return tuple(int(x) for x in text.split("+")) if "+" in text else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected N, a set like 0+1+17, or all") from None
-
-
-def _refresh(text: str):
-    """A fraction in [0, 1] (has a point) or a token count."""
-    try:
-        value = float(text) if "." in text else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a fraction like 0.15 or a token count"
-        ) from None
-    if value < 0 or (isinstance(value, float) and value > 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: a fraction lies in [0, 1]; a count is >= 0")
-    return value
 
 
 def _json_safe(value):
@@ -140,27 +90,18 @@ def run_eval(args) -> int:
 
     builtin = args.data.startswith("builtin:")
     try:  # everything that can be checked before the models load (seconds to minutes)
+        config = handoff_config(args)
         bridge = Bridge.from_pretrained(args.bridge)
         task = data_task(args.data, args.task)
         items = None if builtin else load_items(args.data, task, limit=args.limit)[1]
-    except (BridgeFormatError, EvaluationError) as err:
+    except (BridgeFormatError, EvaluationError, ValueError) as err:
         return fail(err)
     source_name = args.source or bridge.source.name
     target_name = args.target or bridge.target.name
     target, target_tok = load_model(target_name)
     source, source_tok = (target, target_tok) if source_name == target_name else load_model(source_name)
     bridge.check(source, target)
-    head = bridge.native_head if args.native_head is None else args.native_head
-    variant = Variant(
-        bridge,
-        native_head=head,
-        native_tail=args.native_tail,
-        key_norm=not args.no_key_norm,
-        native_layers=args.native_layers,
-        refresh=args.refresh,
-        refresh_by=args.refresh_by,
-        min_quality=args.min_quality,
-    )
+    variant = Variant(bridge, config)
     try:
         if builtin:
             items = load_items(args.data, task, target_tok, args.limit)[1]

@@ -47,7 +47,7 @@ def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
 
 def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
     """The JSON-able result of one variant (meta: source, target, data, chat, ...)."""
-    bridge, items = variant.bridge, evaluation.items
+    bridge, items, config = variant.bridge, evaluation.items, variant.config
     keys = _conditions(evaluation, variant)
     out = {
         "task": evaluation.task,
@@ -55,13 +55,13 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
         "skipped": len(evaluation.skipped),
         "skipped_items": [{"index": i, "reason": reason} for i, reason in evaluation.skipped],
         "method": bridge.method,
-        "native_head": variant.native_head,
-        "native_tail": variant.native_tail,
-        "key_norm": variant.key_norm,
-        "native_layers": variant.native_layers,
-        "refresh": variant.refresh,
-        "refresh_by": variant.refresh_by if variant.refresh else None,
-        "min_quality": variant.min_quality,
+        "native_head": bridge.native_head if config.native_head is None else config.native_head,
+        "native_tail": config.native_tail,
+        "key_norm": config.key_norm,
+        "native_layers": config.native_layers,
+        "refresh": None if config.refresh is None else config.refresh.amount,
+        "refresh_by": None if config.refresh is None else config.refresh.selector.name,
+        "min_quality": config.quality.min_quality,
         "variant": variant.name,
         "alignment_policy": bridge.alignment_policy,
         **meta,

@@ -35,71 +35,26 @@ from bridgecache.evaluation.items import EvaluationError, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
 from bridgecache.kv.capture import capture_kv
-from bridgecache.runtime.gate import reading_fraction
-from bridgecache.runtime.guides import blend_scores, target_guided
-from bridgecache.runtime.handoff import source_guided_scores
+from bridgecache.runtime.config import HandoffConfig
 
 __all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
 
 
-GUIDED = ("source", "target", "source+target")  # refresh_by values resolved per item from its prompt
-
-
 @dataclass(frozen=True)
 class Variant:
-    """A bridge applied with given native compute (see BridgedCache).
+    """A bridge applied with a `HandoffConfig` (what the target computes itself; see BridgedCache).
 
-    native_layers: int, tuple of layers, "all" or None; refresh: fraction or token count;
-    refresh_by: "deviation", "source" (the source reads the item's prompt over its own cache; ppl
-    items have none, so the context's last tokens read it), "target" (the target reads the
-    prompt over the translated cache) or "source+target" (both, each normalised to sum 1);
-    min_quality: the quality gate.
+    label: tells it apart in tables (default: the bridge's method and what the config changes).
     """
 
     bridge: object
-    native_head: int = 1
-    native_tail: int = 0
-    key_norm: bool = True
-    native_layers: object = None
-    refresh: float | int | None = None
-    refresh_by: str = "deviation"
-    min_quality: float | None = None
-    refresh_spread: int = 0  # source-guided: scores reach this many neighbours (spans)
-    refresh_last: int | None = None  # source-guided: only the prompt's last this many tokens look
-    refresh_reduce: str | None = None  # source-guided: "sum" or "max" (None: handoff's default)
-    refresh_after: int | None = None  # source-guided: scores reach this many following tokens
-    label: str | None = None  # told apart from other bridges of the same method (e.g. a tag)
+    config: HandoffConfig = field(default_factory=HandoffConfig)
+    label: str | None = None
 
     @property
     def name(self) -> str:
-        name = f"{self.bridge.method} head={self.native_head} tail={self.native_tail}"
-        if self.label:
-            name = f"{self.label}: {name}"
-        if self.native_layers is not None:
-            name += f" layers={self.native_layers}"
-        if self.refresh:
-            name += f" refresh={self.refresh}:{self.refresh_by}"
-            name += f" spread={self.refresh_spread}" if self.refresh_spread else ""
-            name += f" last={self.refresh_last}" if self.refresh_last else ""
-            name += f" reduce={self.refresh_reduce}" if self.refresh_reduce is not None else ""
-            name += f" after={self.refresh_after}" if self.refresh_after is not None else ""
-        if self.min_quality is not None:
-            name += f" min_quality={self.min_quality}"
-        return name if self.key_norm else name + " key_norm=off"
-
-    def cache_options(self) -> dict:
-        """BridgedCache keywords of this variant (guided refresh_by is resolved per item)."""
-        options = dict(
-            native_head=self.native_head,
-            native_tail=self.native_tail,
-            key_norm=self.key_norm,
-            native_layers=self.native_layers,
-            refresh=self.refresh,
-            min_quality=self.min_quality,
-        )
-        if self.refresh_by not in GUIDED:
-            options["refresh_by"] = self.refresh_by
-        return options
+        name = f"{self.bridge.method} {self.config.label}"
+        return f"{self.label}: {name}" if self.label else name
 
 
 @dataclass
@@ -155,7 +110,7 @@ class _Prefixes:
         return self.entries[key]
 
     def source_kv(self, ids: torch.Tensor):
-        """(CapturedKV of the source over ids [1, S], seconds): read only, so shared as is."""
+        """(SourceKV of the source over ids [1, S], seconds): read only, so shared as is."""
         return self._get(("source", _key(ids)), lambda: capture_kv(self.source, ids))
 
     def native(self, ids: torch.Tensor) -> tuple[Prefix, float]:
@@ -301,9 +256,7 @@ class _ItemRun:
             result.handoff_s[variant.name] = prefix.seconds
             report = prefix.cache.report()
             result.native_cost[variant.name] = report.native_cost_fraction
-            result.guide_cost[variant.name] = report.guide_cost_fraction + self._source_reading(
-                variant, context, item
-            )
+            result.guide_cost[variant.name] = report.guide_cost_fraction
             result.fallback[variant.name] = report.fallback
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
             if self.task == "ppl":
@@ -313,55 +266,18 @@ class _ItemRun:
                 )
         return result
 
-    def _source_reading(self, variant: Variant, context: Context, item) -> float:
-        """FLOPs share of the source reading the prompt for a source-guided refresh (0 if none)."""
-        if not (variant.refresh and variant.refresh_by in ("source", "source+target")):
-            return 0.0
-        query = len(self.prompts.source_prompt(item)) or min(16, context.source_ids.shape[1] - 1)
-        return reading_fraction(
-            self.prefixes.source.config,
-            query,
-            context.source_ids.shape[1],
-            self.target.config,
-            context.target_ids.shape[1],
-        )
-
     def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
-        guide = None
-        by = variant.refresh_by if variant.refresh else None
-        if by in ("source", "source+target"):
-            query = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
-
-            def from_source():
-                return source_guided_scores(
-                    source=self.prefixes.source,
-                    source_cache=source_kv,
-                    alignment=context.alignment,
-                    target_ids=context.target_ids,
-                    source_ids=context.source_ids,
-                    query_ids=query,
-                    spread=variant.refresh_spread,
-                    last_queries=variant.refresh_last,
-                    reduce=variant.refresh_reduce,
-                    after=variant.refresh_after,
-                )
-
-            guide = from_source
-        if by in ("target", "source+target"):
-            scorer = target_guided(
-                torch.tensor([self.prompts.prompt(item)], dtype=torch.long), variant.refresh_last
-            )
-            guide = (lambda: scorer) if by == "target" else (lambda: blend_scores(from_source(), scorer))
-
+        prompt = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
         return bridged_prefix(
             variant.bridge,
             source_kv,
             self.target,
             context.target_ids,
             context.alignment,
-            guide=guide,
-            **variant.cache_options(),
+            config=variant.config,
+            source_model=self.prefixes.source,
+            prompt_ids=prompt,
         )
 
 

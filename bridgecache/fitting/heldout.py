@@ -20,6 +20,8 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
 from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig
 
 __all__ = ["attention_cosine", "score_bridge"]
 
@@ -41,6 +43,9 @@ def _outputs(queries, keys, values, rows, columns, module) -> torch.Tensor:
     return (logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ v)[0]
 
 
+_MAPS_ONLY = HandoffConfig(refresh=None)
+
+
 @torch.no_grad()
 def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 32, progress: bool = False):
     """Per target layer, the mean cosine between attention outputs over native and bridged KV.
@@ -48,17 +53,16 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     contexts: (source_ids [1, S], target_ids [1, T], alignment or None) triples.
     Returns a list of floats, one per target layer (1.0 = the bridged cache attends exactly alike).
     """
-    from bridgecache.runtime.cache import BridgedCache
-
     modules = attention_modules(target)
     totals = torch.zeros(len(modules), dtype=torch.float64)
     counts = torch.zeros(len(modules), dtype=torch.float64)
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
         # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
         source_kv = capture_kv(source.get_decoder(), source_ids)
-        cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment)
+        # The maps alone: no refresh (the native head, as every handoff computes it, included).
+        cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment, config=_MAPS_ONLY)
         cache.materialize()
-        prefix, first = cache.get_seq_length(), cache.translator.native_prefix
+        prefix, first = cache.get_seq_length(), int(cache.translator.head_end[0])
         if prefix - first < 2:
             continue
         rows = torch.linspace(first + 1, prefix - 1, min(rows_per_context, prefix - first - 1)).round().long()

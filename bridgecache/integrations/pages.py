@@ -45,6 +45,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from bridgecache.bridge.builtin import check_models
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.handoff import align_context
+
 __all__ = [
     "EngineMismatchError",
     "PageFormatError",
@@ -133,12 +139,6 @@ def bridge_fingerprint(bridge) -> str:
     for layer in bridge.layers:
         for tensor in (layer.inputs, layer.key_weight, layer.key_bias, layer.value_weight, layer.value_bias):
             digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        refinement = getattr(layer, "refinement", None)
-        if refinement is not None:  # a refined bridge translates other KV: another namespace
-            for tensor in refinement.tensors().values():
-                digest.update(
-                    tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                )
     return digest.hexdigest()
 
 
@@ -436,7 +436,7 @@ def publish(
         "target": spec.to_dict(),
         "source": bridge.source.to_dict(),
         "bridge": {"fingerprint": bridge_fingerprint(bridge), "method": bridge.method},
-        "positions": {"native_head": translator.native_prefix, "prefix_length": prefix, "published": n},
+        "positions": {"native_head": int(translator.head_end[0]), "prefix_length": prefix, "published": n},
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
     directory = Path(directory)
@@ -457,30 +457,26 @@ def publish_context(
     *,
     page_size: int,
     source=None,
-    source_cache=None,
-    native_head: int | None = None,
-    native_tail: int = 0,
-    key_norm: bool = True,
+    source_kv=None,
+    config: HandoffConfig | None = None,
     **publish_kwargs,
 ) -> Published | None:
     """`publish` from text: tokenize and align the context for both models (as `handoff` does),
-    run the source over it (or take its `source_cache`), translate once and publish.
+    run the source over it (or take its `source_kv`), translate once with `config` (default
+    `HandoffConfig()`, as every path: no prompt is known yet, so the refresh is chosen by the
+    source's reading of the context's last tokens) and publish.
 
     The engine's prompt must start with `target_tokenizer(context)`'s ids. publish_kwargs: salt,
     dtype, model_name, accept (see `publish`)."""
-    from bridgecache.kv.capture import capture_kv
-    from bridgecache.runtime.cache import BridgedCache
-    from bridgecache.runtime.handoff import align_context
-
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
-    if source_cache is None:
+    if source_kv is None:
         if source is None:
-            raise ValueError("pass either the source model or its cache of the context (source_cache=)")
-        source_cache = capture_kv(source, source_ids)
+            raise ValueError("pass either the source model or its KV of the context (source_kv=)")
+        source_kv = capture_kv(source, source_ids)
     cache = BridgedCache(
-        bridge, source_cache, target, target_ids,
-        alignment=alignment, native_head=native_head, native_tail=native_tail, key_norm=key_norm,
-    )  # fmt: skip
+        bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source
+    )
     return publish(cache, target_ids, directory, page_size=page_size, **publish_kwargs)
 
 

@@ -21,11 +21,7 @@ from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.source import SourceKV, position_ids_from_mask
 from bridgecache.models.spec import model_spec
 
-__all__ = ["CapturedKV", "capture_kv", "cache_to_layers", "position_ids_from_mask"]
-
-
-# The name capture_kv's result had before SourceKV became the one KV container; kept for callers.
-CapturedKV = SourceKV
+__all__ = ["capture_kv", "cache_to_layers", "position_ids_from_mask"]
 
 
 @torch.no_grad()
@@ -60,6 +56,7 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         position_ids=position_ids,
         first_token=(0,) * len(keys),
         rope=RopeTables.from_model(model),
+        token_ids=input_ids,
     )
 
 

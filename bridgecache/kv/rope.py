@@ -14,6 +14,7 @@ cos^2 + sin^2 (= f^2 per channel), so it is exact for every type.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import json
@@ -96,6 +97,15 @@ class RopeTables:
             rope_parameters=json.loads(spec.rope),
         )
         return cls.from_config(config)
+
+    def to(self, device: torch.device) -> RopeTables:
+        """A copy whose rotary modules live on `device` (this one is left where it is)."""
+        local = self.rotary_local
+        return RopeTables(
+            self.config,
+            copy.deepcopy(self.rotary).to(device),
+            None if local is None else copy.deepcopy(local).to(device),
+        )
 
     def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32."""

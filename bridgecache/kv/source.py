@@ -26,7 +26,15 @@ from safetensors.torch import load_file, save_file
 from bridgecache.files import apply_umask
 from bridgecache.kv.rope import RopeTables, unrotate
 
-__all__ = ["SourceKV", "as_source", "save_kv", "load_kv", "KVFileError", "position_ids_from_mask"]
+__all__ = [
+    "SourceKV",
+    "as_source",
+    "save_kv",
+    "load_kv",
+    "KVFileError",
+    "check_mask",
+    "position_ids_from_mask",
+]
 
 _KV_FORMAT = "bridgecache.kv/2"  # /2: a sha256 of all tensors in the header, verified on load
 
@@ -45,6 +53,7 @@ class SourceKV:
     position_ids: [batch, tokens] int64, the positions RoPE was applied at.
     first_token: per layer, the context token of row 0 (0 unless a sliding layer dropped rows).
     rope: the model's rotary tables (set by `capture_kv`; None for KV made elsewhere).
+    token_ids: [batch, tokens] the context's token ids (set by `capture_kv`; None elsewhere).
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -53,11 +62,12 @@ class SourceKV:
     position_ids: torch.Tensor
     first_token: tuple[int, ...]
     rope: RopeTables | None = field(default=None, compare=False, repr=False)
+    token_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "values", tuple(self.values))
-        _check_mask(self.attention_mask, tuple(self.position_ids.shape), "source attention_mask")
+        check_mask(self.attention_mask, tuple(self.position_ids.shape), "source attention_mask")
 
     @property
     def num_layers(self) -> int:
@@ -109,7 +119,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.clamp(min=0)
 
 
-def _check_mask(mask: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+def check_mask(mask: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     """Raise ValueError unless `mask` is a [batch, tokens] 0/1 left-padding mask of `shape`."""
     if tuple(mask.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {shape} ([batch, tokens])")
@@ -182,7 +192,7 @@ def _mask_and_positions(keys: torch.Tensor, attention_mask: torch.Tensor | None)
     batch, _, tokens, _ = keys.shape
     if attention_mask is None:
         attention_mask = torch.ones(batch, tokens, dtype=torch.long, device=keys.device)
-    _check_mask(attention_mask, (batch, tokens), "source attention_mask")
+    check_mask(attention_mask, (batch, tokens), "source attention_mask")
     mask = attention_mask.to(device=keys.device, dtype=torch.long)
     return mask, position_ids_from_mask(mask)
 

@@ -1,18 +1,15 @@
 """Many handoffs in one pass: a batch of contexts of different lengths, one prompt.
 
-    result = handoff_batch(source, target, bridge, contexts, prompt, source_tokenizer=s, target_tokenizer=t)
+    result = handoff_batch(bridge, source, target, contexts, prompt, source_tokenizer=s, target_tokenizer=t)
     print(result.texts)
 
 Each context is tokenized (and aligned, when the tokenizers differ) on its own, then the batch
-is left-padded on both sides: the source reads every context in one forward pass, one
-`BridgedCache` translates every row (per-row alignments and attention masks), and the target
-answers all of them in one `generate()`. Row b of the result is what `handoff()` would give for
-contexts[b] alone, up to the rounding of padded attention, when the target contexts have one
-length. Otherwise the target computes natively, for every row, the columns before the most
-padded row's native head (`BridgedCache` keeps one column boundary for the batch): rows beside a
-much shorter one get a longer native head, which is exact but costs a forward over those columns.
-Batch contexts of similar lengths (sort requests by length, as examples/accelerate_multi_gpu.py
-does).
+is left-padded on both sides: the source reads every context in one forward pass and the prompt
+in one more (choosing each row's refreshed tokens), one `BridgedCache` translates every row
+(per-row alignments, attention masks, native heads and refresh budgets), and the target answers
+all of them in one `generate()`, whose first forward also does every row's native work. Row b of
+the result is what `handoff()` gives for contexts[b] alone, up to the rounding of padded
+attention (the same `HandoffConfig`, the same selection rule, the same budget per row).
 
 Knows nothing about how requests arrive or are split across processes.
 """
@@ -24,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
-from bridgecache.runtime.handoff import align_context
+from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.handoff import align_context, pad_token_id, prompt_ids
 
 __all__ = ["BatchHandoffResult", "handoff_batch", "left_pad"]
 
@@ -57,34 +56,33 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def handoff_batch(
+    bridge,
     source,
     target,
-    bridge,
     contexts: list[str],
     prompt: str = "",
     *,
     source_tokenizer,
     target_tokenizer,
-    native_head: int | None = None,
-    native_tail: int = 0,
-    key_norm: bool = True,
+    config: HandoffConfig | None = None,
     **generate_kwargs,
 ) -> BatchHandoffResult:
     """Let `target` continue each `context + prompt` from the KV `source` computes for the contexts.
 
     Args:
-        source, target: transformers causal LMs.
         bridge: a Bridge fitted for (source, target).
+        source, target: transformers causal LMs.
         contexts: the texts, any lengths; prompt: text the target reads after each, natively.
-        native_head, native_tail, key_norm: see BridgedCache.
+        config: a `HandoffConfig` (default `HandoffConfig()`, as `handoff()`).
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, ...).
     """
     if not contexts:
         raise ValueError("contexts is empty: pass at least one text")
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     aligned = [align_context(bridge, text, source_tokenizer, target_tokenizer) for text in contexts]
     alignments = [a for a, _, _ in aligned]
-    pad_id = target_tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else (target_tokenizer.eos_token_id or 0)
+    pad_id = pad_token_id(target_tokenizer)
+    pad_id = pad_id if pad_id is not None else 0
     source_ids, source_mask = left_pad([s for _, s, _ in aligned], pad_id=0)
     target_ids, target_mask = left_pad([t for _, _, t in aligned], pad_id=pad_id)
 
@@ -93,17 +91,25 @@ def handoff_batch(
     source_prefill_s = time.perf_counter() - start
 
     device = target.get_input_embeddings().weight.device
-    prompt_ids = target_tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    prompt_ids = prompt_ids.expand(len(contexts), -1)
-    input_ids = torch.cat([target_ids, prompt_ids], dim=1).to(device)
-    attention_mask = torch.cat([target_mask, torch.ones_like(prompt_ids)], dim=1).to(device)
+    batch = len(contexts)
+    target_prompt = prompt_ids(target_tokenizer, prompt).expand(batch, -1)
+    same = alignments[0] is None
+    source_prompt = target_prompt if same else prompt_ids(source_tokenizer, prompt).expand(batch, -1)
+    input_ids = torch.cat([target_ids, target_prompt], dim=1).to(device)
+    attention_mask = torch.cat([target_mask, torch.ones_like(target_prompt)], dim=1).to(device)
     start = time.perf_counter()
     cache = BridgedCache(
-        bridge, source_kv, target, target_ids,
-        target_attention_mask=target_mask, source_attention_mask=source_mask,
-        alignment=None if alignments[0] is None else alignments,
-        native_head=native_head, native_tail=native_tail, key_norm=key_norm,
-    )  # fmt: skip
+        bridge,
+        source_kv,
+        target,
+        target_ids,
+        config=config,
+        target_attention_mask=target_mask,
+        source_attention_mask=source_mask,
+        alignment=None if same else alignments,
+        source_model=source,
+        prompt_ids=source_prompt,
+    )
     generate_kwargs.setdefault("pad_token_id", pad_id)
     output = target.generate(
         input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs

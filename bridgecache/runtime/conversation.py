@@ -1,12 +1,15 @@
 """A chat that the target carries on over one cache, after a handoff or from its own prefill.
 
-    chat = Conversation.handoff(source, target, bridge, messages, source_tokenizer=..., target_tokenizer=...)
+    chat = Conversation.handoff(bridge, source, target, messages, source_tokenizer=..., target_tokenizer=...)
     turn = chat.ask("And who towed it in?", max_new_tokens=48)    # appended to the same cache
     turn = chat.ask("Thanks. What was the Marigold carrying?")
 
 `handoff`: the source has read the earlier turns (`messages`, rendered by ITS chat template); the
 target's cache of the same turns (rendered by the target's template) is translated from it, with
 tokenalign's chat alignment across tokenizers (template scaffolding is computed by the target).
+The cache is built at the first `ask` (or `score`), with the `HandoffConfig` given (default: as
+`handoff()`): the source reads that first question to choose the refreshed tokens, and their
+native work joins the first answer's forward.
 `native`: the target reads the turns itself (the reference a handoff is measured against).
 Each `ask` renders the whole chat with the target's template plus the generation prompt, keeps
 the cached tokens that the rendering still starts with (crop), feeds the rest and generates:
@@ -25,10 +28,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
-from bridgecache.runtime.handoff import same_tokenization
+from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.handoff import pad_token_id, prompt_ids, same_tokenization
+from bridgecache.runtime.likelihood import Prefix, score
 
 __all__ = ["Conversation", "Turn"]
 
@@ -49,35 +55,63 @@ class Turn:
     seconds: float
 
 
+@dataclass(frozen=True)
+class _Handoff:
+    """What the first question builds a conversation's bridged cache from."""
+
+    bridge: object
+    source: object
+    source_tokenizer: object
+    source_kv: object
+    target_ids: torch.Tensor
+    alignment: object
+    config: HandoffConfig | None
+
+    def cache(self, target, question: str) -> BridgedCache:
+        """The bridged cache of the earlier turns; the source reads `question` to choose the
+        refreshed tokens."""
+        prompt = prompt_ids(self.source_tokenizer, question).to(_device(self.source))
+        return BridgedCache(
+            self.bridge,
+            self.source_kv,
+            target,
+            self.target_ids,
+            config=self.config,
+            alignment=self.alignment,
+            source_model=self.source,
+            prompt_ids=prompt,
+        )
+
+
 @dataclass
 class Conversation:
     """messages: the chat so far; ids: [1, N] its target rendering (plus generated tokens), of which
-    the first `cache.get_seq_length()` are in `cache`."""
+    the first `cache.get_seq_length()` are in `cache` (None until the first question of a
+    handoff, which builds it)."""
 
     target: object
     tokenizer: object
     messages: list[dict]
-    cache: DynamicCache
+    cache: DynamicCache | None
     ids: torch.Tensor
     turns: list[Turn] = field(default_factory=list)
+    _handoff: _Handoff | None = None
 
     @classmethod
     @torch.no_grad()
     def handoff(
         cls,
+        bridge,
         source,
         target,
-        bridge,
         messages,
         *,
         source_tokenizer,
         target_tokenizer,
-        native_tail: int = 0,
-        key_norm: bool = True,
+        config: HandoffConfig | None = None,
     ) -> Conversation:
-        """The source reads `messages` (its chat template); the target continues on a bridged cache."""
-        from bridgecache.bridge.builtin import check_models
-
+        """The source reads `messages` (its chat template); the target continues on a bridged
+        cache of them, made with `config` (default `HandoffConfig()`, as `handoff()`)."""
         check_models(bridge, source, target, source_tokenizer, target_tokenizer)
         messages = [dict(m) for m in messages]
         same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
@@ -96,16 +130,8 @@ class Conversation:
             source_ids, target_ids = _row(source_ids), _row(target_ids)
         source_kv = capture_kv(source, source_ids.to(_device(source)))
         target_ids = target_ids.to(_device(target))
-        cache = BridgedCache(
-            bridge,
-            source_kv,
-            target,
-            target_ids,
-            alignment=alignment,
-            native_tail=native_tail,
-            key_norm=key_norm,
-        )
-        return cls(target, target_tokenizer, messages, cache, target_ids)
+        parts = _Handoff(bridge, source, source_tokenizer, source_kv, target_ids, alignment, config)
+        return cls(target, target_tokenizer, messages, None, target_ids, _handoff=parts)
 
     @classmethod
     def native(cls, target, target_tokenizer, messages) -> Conversation:
@@ -117,16 +143,11 @@ class Conversation:
     @torch.no_grad()
     def ask(self, content: str, **generate_kwargs) -> Turn:
         """Add a user message, generate the reply on the same cache, add it; returns the Turn."""
+        start = time.perf_counter()
         ids, reused = self._prompt(content)
         generate_kwargs.setdefault("max_new_tokens", 64)
         generate_kwargs.setdefault("do_sample", False)
-        pad = (
-            self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else self.tokenizer.eos_token_id
-        )
-        generate_kwargs.setdefault("pad_token_id", pad)
-        start = time.perf_counter()
+        generate_kwargs.setdefault("pad_token_id", pad_token_id(self.tokenizer))
         output = self.target.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -146,8 +167,6 @@ class Conversation:
     def score(self, content: str, replies: list[str]) -> list[float]:
         """Mean log-likelihood per token of each reply to a user message; the chat is left unchanged
         (the cache keeps no trace of the message; it may drop tokens the next turn would not reuse)."""
-        from bridgecache.evaluation.scoring import Prefix, score
-
         ids, reused = self._prompt(content)
         length = self.cache.get_seq_length()
         out = self.target(
@@ -164,7 +183,10 @@ class Conversation:
 
     def _prompt(self, content: str) -> tuple[torch.Tensor, int]:
         """The rendering with `content` added and the generation prompt; the cache cropped to the
-        tokens it shares with what is cached. Returns (ids [1, N], tokens reused)."""
+        tokens it shares with what is cached (after a handoff, first built from `content`).
+        Returns (ids [1, N], tokens reused)."""
+        if self.cache is None:
+            self.cache, self._handoff = self._handoff.cache(self.target, content), None
         messages = self.messages + [{"role": "user", "content": content}]
         ids = _render(messages, self.tokenizer, add_generation_prompt=True).to(self.ids.device)
         cached = self.cache.get_seq_length()

@@ -4,20 +4,20 @@ values, instead of two per layer.
 A group is every target layer that keeps the same rows (same layer type, hence the same sliding
 window start) and reads the same number of source heads: for most targets, the whole cache. The
 first layer of a group that the target reads translates the whole group into one buffer
-[layers, batch, tgt_heads, rows, tgt_head_dim] (native head rows copied in front); each layer
+[layers, batch, tgt_heads, rows, tgt_head_dim] (zeros before the first translated column); each layer
 then takes its own slice, a view. Layers are still materialised one by one, lazily, by the cache;
 only the arithmetic is batched, so the host cost of a handoff no longer grows with the number of
 layers (two launches of ~20 us instead of ~56 of ~300 us, issue 14).
 
-Knows nothing about tokenizers or generate(); reads the `_Translator` of bridgecache.runtime.cache.
+Knows nothing about tokenizers or generate(); reads a `Translator` (bridgecache.runtime.translator).
 """
 
 from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.graphs import translation_graph
-from bridgecache.runtime.translate import StackedPlan, translate_layers
+from bridgecache.runtime.memo import MEMO
+from bridgecache.runtime.translate import translate_layers
 
 __all__ = ["LayerGroups", "groups_apply"]
 
@@ -26,14 +26,12 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
     """Whether `translator` (a BridgedCache's) can translate its layers in groups.
 
     one_launch: True / False force it on / off where possible; None: on for CUDA targets. Never
-    for refined bridges (a trained residual per layer), key-normed targets (their keys are
+    for key-normed targets (their keys are
     rescaled per layer), sources whose layers keep different
     rows or have different layouts, or targets spread over several devices.
     """
     if one_launch is False or (one_launch is None and translator.home_device.type != "cuda"):
         return False
-    if any(getattr(layer, "refinement", None) is not None for layer in translator.bridge.layers):
-        return False  # the stacked kernels know no trained residual: translate layer by layer
     scales = translator.key_norm_scales
     if scales is not None and any(s is not None for s in scales):
         return False
@@ -53,15 +51,14 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
 class LayerGroups:
     """The grouped translation of one BridgedCache on its home device and dtype."""
 
-    def __init__(self, translator, cuda_graph: bool = False):
+    def __init__(self, translator):
         self.translator = translator
-        self.cuda_graph = cuda_graph  # replay a captured translation per shape (bridgecache.runtime.graphs)
         tr = translator
         self._group_of: dict[int, tuple] = {}
         members: dict[tuple, list[int]] = {}
         for idx, window in enumerate(tr.windows):
             start = tr.window_start(idx)
-            if max(start, tr.native_prefix) >= tr.prefix_length:  # nothing to translate: native rows only
+            if max(start, tr.begin) >= tr.prefix_length:  # nothing to translate: native rows only
                 continue
             if idx in tr.native_layers:  # the target computes this layer itself
                 continue
@@ -94,49 +91,20 @@ class LayerGroups:
     def _translate(self, start: int, layers: tuple[int, ...]):
         tr = self.translator
         device, dtype = tr.home_device, tr.home_dtype
-        begin = max(start, tr.native_prefix)
-        kept = tr.source.first_token[0]
-        if kept and tr.min_source_row(begin) < kept:
-            raise ValueError(
-                f"target layers {list(layers)} read source token {tr.min_source_row(begin)}, but the "
-                f"source keeps only tokens >= {kept} (a sliding-window source cache): "
-                "capture the source with bridgecache.capture_kv"
-            )
-        plan = _stacked_plan(tr.bridge, layers, device)
+        begin = max(start, tr.begin)
+        tr.check_source_rows(range(tr.source.num_layers), begin)
+        plan = MEMO.stacked_plan(tr.bridge, layers, device)
         batch, heads, dim = tr.batch_size, tr.bridge.target.num_kv_heads, tr.bridge.target.head_dim
         shape = (len(layers), batch, heads, tr.prefix_length - start, dim)
         keys = torch.empty(shape, dtype=dtype, device=device)
         values = torch.empty(shape, dtype=dtype, device=device)
-        if start < tr.native_prefix:  # the native head rows, in front of the translated ones
-            keys[:, :, :, : tr.native_prefix - start] = torch.stack(
-                [tr.native_keys[i][:, :, start : tr.native_prefix] for i in layers]
-            )
-            values[:, :, :, : tr.native_prefix - start] = torch.stack(
-                [tr.native_values[i][:, :, start : tr.native_prefix] for i in layers]
-            )
-        cos, sin = tr._target_cos_sin(layers[0], begin, device)
-        rows = tr._rows_from(begin, device)
+        if start < begin:  # native head placeholders and padding: written by the native work, or masked
+            keys[:, :, :, : begin - start].zero_()
+            values[:, :, :, : begin - start].zero_()
+        cos, sin = tr.target_cos_sin(layers[0], begin, device)
+        rows = tr.device_rows(begin, device)
         out_keys, out_values = keys[:, :, :, begin - start :], values[:, :, :, begin - start :]
-        if self.cuda_graph:
-            graph = translation_graph(
-                tr.bridge, plan, tr.source, tr.source_rope, rows, cos, sin,
-                out_shape=out_keys.shape, dtype=dtype,
-            )  # fmt: skip
-            graph_keys, graph_values = graph.run(tr.source, tr.source_rope, rows, cos, sin)
-            torch._foreach_copy_(
-                [out_keys, out_values], [graph_keys, graph_values]
-            )  # the graph reuses its buffers
-        else:
-            translate_layers(
-                plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values
-            )
+        translate_layers(
+            plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values
+        )
         return keys, values
-
-
-def _stacked_plan(bridge, layers: tuple[int, ...], device: torch.device) -> StackedPlan:
-    # Kept on the bridge, per (layers, device): every cache the bridge serves reuses it.
-    plans = vars(bridge).setdefault("_stacked_plans", {})
-    key = (layers, device)
-    if key not in plans:
-        plans[key] = StackedPlan.build(bridge.layers, layers, bridge.source.num_kv_heads, device)
-    return plans[key]

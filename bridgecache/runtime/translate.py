@@ -6,16 +6,13 @@ of `bridgecache.kernels.map_heads` (fused Triton kernel on CUDA, PyTorch referen
 this module only prepares its inputs: it stacks the source layers a target layer reads along the
 head axis (as a list: no copy) and builds the rope tables. `translate_layers` does several target
 layers in one launch per keys / values (`map_layers`): one kernel launch for a whole cache, so the
-host cost of a handoff no longer grows with the number of layers. A layer with a trained
-refinement (`bridgecache.refinement`) adds its residual in PyTorch after the affine map;
-`translate_layers` knows no refinement (grouped translation is off for refined bridges).
+host cost of a handoff no longer grows with the number of layers.
 
 Knows nothing about tokenizers or transformers caches.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +21,11 @@ from bridgecache.kernels import map_heads, map_layers
 from bridgecache.kv.keynorm import project_to_key_norm
 from bridgecache.kv.rope import RopeTables, rotate
 from bridgecache.kv.source import SourceKV
-from bridgecache.refinement import LayerRefinement, gather_inputs
 
 __all__ = [
     "LayerPlan",
     "SourceRope",
     "StackedPlan",
-    "closed_form_parts",
     "layer_sources",
     "source_rows_kept",
     "translate_layer",
@@ -42,10 +37,11 @@ class SourceRope:
     """Source cos/sin per source layer type, computed once per context.
 
     cos/sin: [batch, tokens, src_head_dim] float32 at the source's position ids.
+    tables: the source's rotary tables, on `device` (`RuntimeMemo.rope_on`).
     """
 
     def __init__(self, tables: RopeTables, source: SourceKV, device: torch.device):
-        self.tables = _tables_on(tables, device)
+        self.tables = tables
         self.positions = source.position_ids.to(device)
         self._by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -55,22 +51,6 @@ class SourceRope:
             cos, sin = self.tables.cos_sin(layer, self.positions)
             self._by_type[layer_type] = (cos.to(self.positions.device), sin.to(self.positions.device))
         return self._by_type[layer_type]
-
-
-def _tables_on(tables: RopeTables, device: torch.device) -> RopeTables:
-    """`tables` with its rotary modules on `device` (a copy, kept on `tables` per device), so a
-    context's cos/sin are computed there rather than on the CPU and copied (ms per 10K tokens)."""
-    if next(tables.rotary.buffers(), torch.empty(0, device=device)).device == device:
-        return tables
-    copies = vars(tables).setdefault("_on_device", {})
-    if device not in copies:
-        local = tables.rotary_local
-        copies[device] = RopeTables(
-            tables.config,
-            copy.deepcopy(tables.rotary).to(device),
-            None if local is None else copy.deepcopy(local).to(device),
-        )
-    return copies[device]
 
 
 @dataclass(frozen=True)
@@ -86,7 +66,6 @@ class LayerPlan:
     key_bias: torch.Tensor
     value_weight: torch.Tensor
     value_bias: torch.Tensor
-    refinement: LayerRefinement | None = None  # trained residual (bridgecache.refinement), if any
 
     @classmethod
     def build(cls, layer_map, heads_per_layer: int, device: torch.device) -> LayerPlan:
@@ -95,7 +74,6 @@ class LayerPlan:
         position_of_layer = torch.zeros(used[-1] + 1, dtype=torch.long)
         position_of_layer[torch.tensor(used)] = torch.arange(len(used))
         heads = position_of_layer[inputs[..., 0]] * heads_per_layer + inputs[..., 1]
-        refinement = getattr(layer_map, "refinement", None)
         move = lambda t: t.to(device=device, dtype=torch.float32).contiguous()
         # The fused kernel reads W [Ht, n*Ds, Dt] input-axis-contiguous; lay it out so once here.
         weight = lambda t: move(t).transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -106,7 +84,6 @@ class LayerPlan:
             key_bias=move(layer_map.key_bias),
             value_weight=weight(layer_map.value_weight),
             value_bias=move(layer_map.value_bias),
-            refinement=None if refinement is None else refinement.to(device),
         )
 
 
@@ -140,10 +117,6 @@ def translate_layer(
     """
     # The kernel addresses a list of layers as one stack of heads: no concatenation copy.
     src_k, src_v, rows, src_cos, src_sin = layer_sources(plan, source, source_rope, rows)
-    if plan.refinement is not None:
-        return _translate_refined(
-            plan, src_k, src_v, rows, src_cos, src_sin, target_cos, target_sin, dtype, key_norm_scale
-        )
     if key_norm_scale is None:
         keys = map_heads(
             src_k,
@@ -173,38 +146,6 @@ def translate_layer(
         src_v, rows=rows, heads=plan.heads, weight=plan.value_weight, bias=plan.value_bias, out_dtype=dtype
     )
     return keys, values
-
-
-def _translate_refined(
-    plan, src_k, src_v, rows, src_cos, src_sin, target_cos, target_sin, dtype, key_norm_scale
-):
-    """`translate_layer` with the plan's trained residual added to the closed form (keys before the
-    key-norm projection and RoPE); the residual is PyTorch, the affine part still `map_heads`."""
-    base_k, base_v, inputs_k, inputs_v = closed_form_parts(plan, src_k, src_v, rows, src_cos, src_sin)
-    valid = (rows >= 0)[:, None, :, None]
-    keys = base_k + plan.refinement.residual("key", inputs_k) * valid
-    if key_norm_scale is not None:
-        keys = project_to_key_norm(keys, key_norm_scale)
-    values = base_v + plan.refinement.residual("value", inputs_v) * valid
-    return rotate(keys, target_cos, target_sin).to(dtype), values.to(dtype)
-
-
-def closed_form_parts(plan, src_k, src_v, rows, src_cos=None, src_sin=None):
-    """The closed-form keys (un-rotated) and values of one layer and the inputs they read.
-
-    src_k, src_v: the plan's used source layers [batch, src_heads, src_tokens, src_dim];
-    rows [batch, tgt_tokens] (already offset to the rows the layers keep); src_cos/src_sin as
-    `map_heads` takes them (None: keys already un-rotated). Returns keys, values
-    [batch, tgt_heads, tgt_tokens, tgt_dim] float32 and inputs_k, inputs_v
-    [batch, tgt_heads or 1, tgt_tokens, n_in * src_dim] float32 (`refinement.gather_inputs`).
-    """
-    affine = dict(rows=rows, heads=plan.heads, out_dtype=torch.float32)
-    keys = map_heads(
-        src_k, weight=plan.key_weight, bias=plan.key_bias, src_cos=src_cos, src_sin=src_sin, **affine
-    )
-    values = map_heads(src_v, weight=plan.value_weight, bias=plan.value_bias, **affine)
-    inputs_k = gather_inputs(src_k, rows, plan.heads, src_cos, src_sin)
-    return keys, values, inputs_k, gather_inputs(src_v, rows, plan.heads)
 
 
 def layer_sources(plan, source: SourceKV, source_rope: SourceRope | None, rows: torch.Tensor):

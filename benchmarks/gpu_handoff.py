@@ -1,0 +1,267 @@
+"""Time to first token of a handoff against the target reading the document itself, on a GPU.
+
+    python benchmarks/gpu_handoff.py --out DIR            # a CUDA machine (bf16, sdpa): every table
+    python benchmarks/gpu_handoff.py --smoke              # tiny shapes on the CPU, to check the script
+    python benchmarks/gpu_handoff.py --profile 4096       # where one default handoff's time goes
+
+Random-weight models at real configs (no download): the source is Qwen2.5-1.5B-shaped, the
+targets Qwen2.5-0.5B- and Qwen2.5-7B-shaped; a Full-Head-shaped random bridge (each target head
+reads every KV head of 4 source layers); a 16-token question after the context. The source's
+prefill of the context is not timed (the field's convention: it has read the document anyway).
+Rows, side by side in one run, median of --repeats after a warm-up, CUDA-synchronised wall time,
+each until the first new token:
+- native: target.generate(context + question, max_new_tokens=1), the target's own prefill;
+- default: `BridgedCache(..., config=HandoffConfig(), source_model=source, prompt_ids=question)`
+  + generate: the source reads the question (choosing 20% of the context), translation, and one
+  target forward for the native head, the refreshed tokens, the held-back token and the question;
+- translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
+- refresh r, given: the same choice made beforehand (no source reading): translation + the one
+  forward; minus the translation-only row, it is what the refresh costs.
+The batch table: `--batch` contexts of `--batch-tokens` tokens, `--new-tokens` new tokens each,
+handoff (source prefill excluded, and included) vs the target's batched prefill + generation.
+--profile N: torch.profiler over one default handoff at N tokens: kernel launches, GPU busy time,
+the top operators. Prints device, date, torch/transformers versions and the git commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, capture_kv
+from bridgecache.bridge.maps import Bridge, LayerMap
+from bridgecache.compat import cache_kwargs
+from bridgecache.models.spec import model_spec
+
+SHAPES = {  # config.json of the published models
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4),
+}  # fmt: skip
+QUESTION = 16
+
+
+def config_of(name: str, smoke: bool) -> Qwen2Config:
+    shape = dict(SHAPES[name], vocab_size=151936)
+    if smoke:  # the same head layout, tiny widths
+        shape |= dict(hidden_size=shape["num_attention_heads"] * 16, intermediate_size=64)
+        shape |= dict(num_hidden_layers=3, vocab_size=512)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    return Qwen2Config(**shape, max_position_embeddings=40960, rope_parameters=rope, tie_word_embeddings=True)
+
+
+def random_fullhead_bridge(source_config, target_config, k: int = 4) -> Bridge:
+    """A Full-Head-shaped bridge: each target head reads every KV head of k source layers."""
+    source, target = model_spec(source_config), model_spec(target_config)
+    ds, dt, hs = source.head_dim, target.head_dim, source.num_kv_heads
+    layers = []
+    for layer in range(target.num_layers):
+        centre = round(layer * (source.num_layers - 1) / max(1, target.num_layers - 1))
+        used = sorted({min(max(centre + d, 0), source.num_layers - 1) for d in range(-(k // 2), k - k // 2)})
+        slots = torch.tensor([[s, h] for s in used for h in range(hs)])
+        inputs = slots[None].expand(target.num_kv_heads, -1, -1).contiguous()
+        n_in = inputs.shape[1] * ds
+        maps = [torch.randn(target.num_kv_heads, n_in, dt) / n_in**0.5, torch.zeros(target.num_kv_heads, dt)]
+        layers.append(LayerMap(used, inputs, maps[0], maps[1], maps[0].clone(), maps[1].clone()))
+    return Bridge(source, target, "fullhead", "identity", layers)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int) -> float:
+    fn()  # warm-up: autotuning, allocator
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions) -> dict:
+    """Seconds to the first token of each row (see the module docstring) at n context tokens."""
+    vocab = target.config.vocab_size
+    context = torch.randint(0, vocab, (1, n), device=device)
+    question = torch.randint(0, vocab, (1, QUESTION), device=device)
+    full = torch.cat([context, question], dim=1)
+    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+    kv = capture_kv(source, context)  # the source has read the context: not timed
+
+    def bridged(config):
+        cache = BridgedCache(
+            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question
+        )
+        target.generate(full, **gen, **cache_kwargs(target, cache))
+
+    rows = {"native": timed(lambda: target.generate(full, **gen), device, repeats)}
+    rows["default"] = timed(lambda: bridged(HandoffConfig()), device, repeats)
+    rows["translation only"] = timed(lambda: bridged(HandoffConfig(refresh=None)), device, repeats)
+    scores = torch.rand(1, n)
+    for r in fractions:
+        given = HandoffConfig(refresh=RefreshConfig(r, GivenScores(scores)))
+        rows[f"refresh {r}, given"] = timed(lambda: bridged(given), device, repeats)  # noqa: B023
+    return rows
+
+
+@torch.no_grad()
+def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device) -> dict:
+    """Requests per second: handoffs of `batch` contexts in one pass vs the target's own batch."""
+    vocab = target.config.vocab_size
+    context = torch.randint(0, vocab, (batch, tokens), device=device)
+    question = torch.randint(0, vocab, (batch, QUESTION), device=device)
+    full = torch.cat([context, question], dim=1)
+    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    kv = capture_kv(source, context)
+
+    def handoff(with_source_prefill: bool):
+        source_kv = capture_kv(source, context) if with_source_prefill else kv
+        cache = BridgedCache(bridge, source_kv, target, context, source_model=source, prompt_ids=question)
+        target.generate(full, **gen, **cache_kwargs(target, cache))
+
+    seconds = {
+        "native": timed(lambda: target.generate(full, **gen), device, 2),
+        "handoff": timed(lambda: handoff(False), device, 2),
+        "handoff incl. source prefill": timed(lambda: handoff(True), device, 2),
+    }
+    return {name: batch / s for name, s in seconds.items()}
+
+
+@torch.no_grad()
+def profile(source, target, bridge, n: int, device) -> None:
+    """Kernel launches, GPU busy share and top operators of one default handoff at n tokens."""
+    vocab = target.config.vocab_size
+    context = torch.randint(0, vocab, (1, n), device=device)
+    question = torch.randint(0, vocab, (1, QUESTION), device=device)
+    full = torch.cat([context, question], dim=1)
+    kv = capture_kv(source, context)
+    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+    def handoff():
+        cache = BridgedCache(bridge, kv, target, context, source_model=source, prompt_ids=question)
+        target.generate(full, **gen, **cache_kwargs(target, cache))
+
+    def native():
+        target.generate(full, **gen)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, fn in (("native", native), ("default handoff", handoff)):
+        fn()
+        sync(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            wall = time.perf_counter() - start
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e6  # us -> s
+        print(f"{name}: {wall * 1e3:.1f} ms wall, {len(kernels)} kernels, GPU busy {busy * 1e3:.1f} ms "
+              f"({busy / wall:.0%})")  # fmt: skip
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
+        )
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096, 8192, 16384, 32768])
+    parser.add_argument("--lengths-7b", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--no-batch", action="store_true")
+    parser.add_argument("--profile", type=int, help="profile one handoff at this many tokens, then stop")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--out", help="write results.json here")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+
+    def model(name):
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(
+                config_of(name, args.smoke), dtype=dtype, attn_implementation="sdpa"
+            ).eval()
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"device {name}, {stamp}, commit {_commit()}, {versions}, {dtype}, median of {args.repeats}")
+    source = model("1.5b")
+    results = {"device": name, "date": stamp, "commit": _commit(), "tables": {}}
+    lengths = [32, 64] if args.smoke else args.lengths
+    lengths_7b = [32, 64] if args.smoke else args.lengths_7b
+    for target_name, ns in (("0.5b", lengths), ("7b", lengths_7b)):
+        target = model(target_name)
+        bridge = random_fullhead_bridge(source.config, target.config)
+        if args.profile:
+            profile(source, target, bridge, args.profile, device)
+            return
+        table, header = {}, None
+        for n in ns:
+            rows = handoff_rows(source, target, bridge, n, device, args.repeats, args.fractions)
+            table[n] = rows
+            if header is None:
+                header = ["context tokens", "native ms"] + [f"{k} (x native)" for k in rows if k != "native"]
+                print(f"\nQwen2.5-1.5B -> Qwen2.5-{target_name.upper()} shapes: time to the first token")
+                print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+            cells = [str(n), f"{rows['native'] * 1e3:.1f}"]
+            cells += [f"{v * 1e3:.1f} ({v / rows['native']:.2f})" for k, v in rows.items() if k != "native"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+        results["tables"][target_name] = table
+        if target_name == "7b" and not args.no_batch:
+            batch, tokens = (4, 64) if args.smoke else (args.batch, args.batch_tokens)
+            rates = batch_rows(source, target, bridge, batch, tokens, args.new_tokens, device)
+            results["batch"] = {"batch": batch, "tokens": tokens, "new_tokens": args.new_tokens, **rates}
+            each = f"{args.new_tokens} new tokens each"
+            print(f"\nbatch {batch} x {tokens} tokens, {each}, 1.5B -> 7B: requests/s")
+            print("| native | handoff (x native) | handoff incl. source prefill (x native) |\n|---|---|---|")
+            native = rates["native"]
+            print(f"| {native:.2f} | {rates['handoff']:.2f} ({rates['handoff'] / native:.2f}) | "
+                  f"{rates['handoff incl. source prefill']:.2f} "
+                  f"({rates['handoff incl. source prefill'] / native:.2f}) |")  # fmt: skip
+        del target
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The attention our own forwards need, plugged into transformers' attention interface.
+
+Two of bridgecache's forwards attend in ways transformers' masks cannot say cheaply:
+
+    ColumnMask   the native-work pass (bridgecache.runtime.refresh): queries sit at scattered
+                 context columns (the native head, refreshed tokens) and after the cached prefix
+                 (the held-back token, the prompt); each attends to every cached column up to its
+                 own, within its layer's window. A dense [queries, keys] mask would forfeit flash
+                 attention's block skipping; `column_attention` skips what no query can see.
+    ReadingMask  a model reading a prompt over a context it cached (bridgecache.runtime.reading):
+                 the context's KV are read in place (never copied to append the prompt), and the
+                 attention probabilities each context token receives are reduced on the fly into
+                 a score (the largest any layer, head and prompt token gives it, or their sum).
+
+A forward passes one of these as the keyword `bridgecache_attention=` (transformers hands a
+forward's extra keywords down to every attention call) inside `attention_override(model)`, which
+points the model's attention modules at `dispatch` for the duration; transformers then builds no
+mask at all (it builds none for an attention implementation without a mask function). Calls
+without one go to the model's own implementation.
+
+Knows transformers' attention-module conventions (scaling, sliding_window, softcapping); nothing
+about bridges or tokenizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+__all__ = ["ColumnMask", "ReadingMask", "attention_override", "KEYWORD", "NAME"]
+
+NAME = "bridgecache"  # the attention implementation's name
+KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
+
+
+@dataclass(eq=False)
+class ColumnMask:
+    """Queries at given context columns, each seeing the cached columns up to its own.
+
+    query_columns: [batch, queries] int64, ascending per row (left-padded layout).
+    first_column: [batch] int64, the first real (non-padding) column of each row.
+    key_starts: {sliding window: the context column of key row 0} for windowed layers (their keys
+        are the columns start, start + 1, ...; a sliding layer may start after 0); full-attention
+        layers start at 0.
+    """
+
+    query_columns: torch.Tensor
+    first_column: torch.Tensor
+    key_starts: dict = field(default_factory=dict)
+    _key_columns: dict = field(default_factory=dict, repr=False)
+
+    def attend(self, module, query, key, value, scaling):
+        """query [batch, heads, queries, dim], key/value [batch, kv_heads, keys, dim] ->
+        [batch, queries, heads, dim] (transformers' attention-function layout)."""
+        window = getattr(module, "sliding_window", None)
+        start = self.key_starts.get(window, 0) if window else 0
+        shape = (start, key.shape[2])
+        if shape not in self._key_columns:  # one arange per key layout (layers of a type share it)
+            self._key_columns[shape] = torch.arange(start, start + key.shape[2], device=key.device)
+        return column_attention(
+            query,
+            key,
+            value,
+            self.query_columns,
+            self._key_columns[shape],
+            self.first_column,
+            scale=scaling,
+            window=window,
+            softcap=getattr(module, "attn_logit_softcapping", None),
+        )
+
+
+@dataclass(eq=False)
+class ReadingMask:
+    """A prompt read over a cached context, scoring each context token by the attention it gets.
+
+    keys, values: per layer [batch, kv_heads, context, dim] the context's KV (read, never copied).
+    context_positions: [batch, context] int64; first_column: [batch] first real context column.
+    query_positions: [batch, queries] int64 (the prompt, right after the context).
+    scores: [batch, context] float32, reduced in place over layers, heads and counted queries
+        ("max": the largest probability any gives the token; "sum": their sum).
+    counted: count only the last this many prompt tokens (None: all).
+    """
+
+    keys: tuple
+    values: tuple
+    context_positions: torch.Tensor
+    first_column: torch.Tensor
+    query_positions: torch.Tensor
+    scores: torch.Tensor
+    reduce: str = "max"
+    counted: int | None = None
+
+    def attend(self, module, query, key, value, scaling):
+        """query [batch, heads, q, dim]; key/value: the prompt's own [batch, kv_heads, q, dim]."""
+        layer = module.layer_idx
+        context_k, context_v = self.keys[layer], self.values[layer]
+        batch, heads, q, dim = query.shape
+        kv_heads = context_k.shape[1]
+        group = heads // kv_heads
+        # Query heads of one KV head side by side: [batch, kv_heads, group * q, dim], no K copy.
+        grouped = query.reshape(batch, kv_heads, group * q, dim)
+        on_context = torch.matmul(grouped, context_k.transpose(-1, -2)).float() * scaling
+        on_prompt = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
+        softcap = getattr(module, "attn_logit_softcapping", None)
+        if softcap:
+            on_context = torch.tanh(on_context / softcap) * softcap
+            on_prompt = torch.tanh(on_prompt / softcap) * softcap
+        on_context = on_context.masked_fill(~self._context_visible(module, group), float("-inf"))
+        causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril().repeat(group, 1)
+        on_prompt = on_prompt.masked_fill(~causal, float("-inf"))
+        # One softmax over context + prompt keys, in two parts: the log-sum-exp of both.
+        top = torch.maximum(on_context.amax(-1, keepdim=True), on_prompt.amax(-1, keepdim=True))
+        total = (on_context - top).exp().sum(-1, keepdim=True) + (on_prompt - top).exp().sum(-1, keepdim=True)
+        lse = top + total.log()
+        p_context = (on_context - lse).exp()  # [batch, kv_heads, group * q, context]
+        p_prompt = (on_prompt - lse).exp()
+        out = torch.matmul(p_context.to(value.dtype), context_v) + torch.matmul(
+            p_prompt.to(value.dtype), value
+        )
+        self._score(p_context.view(batch, kv_heads, group, q, -1))
+        out = out.view(batch, kv_heads, group, q, dim).reshape(batch, heads, q, dim)
+        return out.transpose(1, 2)
+
+    def _context_visible(self, module, group: int) -> torch.Tensor:
+        """[batch, 1, 1, context] (or [batch, 1, group * q, context] in a sliding layer) bool."""
+        columns = torch.arange(self.context_positions.shape[1], device=self.first_column.device)
+        visible = (columns[None] >= self.first_column[:, None])[:, None, None]
+        window = getattr(module, "sliding_window", None)
+        if window:
+            near = self.query_positions[:, :, None] - self.context_positions[:, None, :] < window
+            visible = visible & near.repeat(1, group, 1)[:, None]
+        return visible
+
+    def _score(self, probs: torch.Tensor) -> None:
+        """probs [batch, kv_heads, group, q, context] -> folded into `scores` [batch, context]."""
+        if self.counted is not None:
+            probs = probs[:, :, :, -self.counted :]
+        if self.reduce == "max":
+            torch.maximum(self.scores, probs.amax(dim=(1, 2, 3)), out=self.scores)
+        else:
+            self.scores.add_(probs.sum(dim=(1, 2, 3)))
+
+
+_ORIGINAL: dict[int, tuple[str, int]] = {}  # id(config) -> (its own implementation, override depth)
+_LOCK = threading.Lock()
+
+
+def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as `NAME`: ours for our masks, the model's own otherwise."""
+    ours = kwargs.pop(KEYWORD, None)
+    if ours is not None:
+        scaling = module.scaling if scaling is None else scaling
+        return ours.attend(module, query, key, value, scaling), None
+    original = _ORIGINAL.get(id(module.config), ("sdpa", 0))[0]
+    function = ALL_ATTENTION_FUNCTIONS.get(original) or ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+# No mask function is registered for NAME: transformers then builds no mask (None) for forwards
+# under an override, ours included (their masks travel as KEYWORD). A forward that is not ours,
+# run under an override (another thread), reaches its implementation without a mask.
+AttentionInterface.register(NAME, dispatch)
+
+
+def _attention_configs(model) -> list:
+    """The distinct config objects the model's attention modules read their implementation from."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(module, "layer_idx") and hasattr(module, "scaling"):
+            configs[id(config)] = config
+    top = getattr(model, "config", None)
+    if top is not None:
+        configs[id(top)] = top
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def attention_override(model):
+    """Within the block, `model`'s attention modules call `dispatch` (re-entrant).
+
+    Not thread-safe against other forwards of the same model object from other threads: they
+    would run through `dispatch`, which hands their masks to sdpa.
+    """
+    configs = _attention_configs(model)
+    with _LOCK:
+        for config in configs:
+            current, depth = _ORIGINAL.get(id(config), (config._attn_implementation_internal, 0))
+            _ORIGINAL[id(config)] = (current, depth + 1)
+            config._attn_implementation_internal = NAME
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for config in configs:
+                original, depth = _ORIGINAL[id(config)]
+                if depth == 1:
+                    config._attn_implementation_internal = original
+                    del _ORIGINAL[id(config)]
+                else:
+                    _ORIGINAL[id(config)] = (original, depth - 1)
+
+
+def column_attention(query, key, value, query_columns, key_columns, first_column, *, scale, window, softcap):
+    """Reference until the kernel lands: per block of 128 queries, sdpa over the keys it can see."""
+    batch, heads, n_q, dim = query.shape
+    group = heads // key.shape[1]
+    out = query.new_zeros(batch, n_q, heads, dim)
+    for start in range(0, n_q, 128):
+        q = query[:, :, start : start + 128]
+        cols = query_columns[:, start : start + 128]
+        hi = int(torch.searchsorted(key_columns, cols.max(), right=True))
+        lo = 0 if window is None else int(torch.searchsorted(key_columns, cols.min() - window + 1))
+        k = key[:, :, lo:hi].repeat_interleave(group, 1).float()
+        v = value[:, :, lo:hi].repeat_interleave(group, 1).float()
+        kc = key_columns[lo:hi]
+        allowed = (kc[None, None] <= cols[:, :, None]) & (kc[None, None] >= first_column[:, None, None])
+        if window is not None:
+            allowed &= cols[:, :, None] - kc[None, None] < window
+        logits = (q.float() @ k.transpose(-1, -2)) * scale
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.nan_to_num(logits.softmax(-1))
+        out[:, start : start + 128] = (probs @ v).transpose(1, 2).to(query.dtype)
+    return out

@@ -1,0 +1,129 @@
+"""One handoff configuration for every path: what the target computes itself, and how it is chosen.
+
+    HandoffConfig()                                        the defaults every path shares
+    HandoffConfig(refresh=RefreshConfig(amount=0.1))       refresh 10% of the translated tokens
+    HandoffConfig(refresh=None)                            translation only (loses facts)
+    HandoffConfig(quality=QualityPolicy(min_quality=0.7))  gate on the bridge's held-out scores
+
+`BridgedCache`, `handoff`, `handoff_batch`, `Conversation.handoff`, `publish_context`, the
+evaluation runner, the demo and the CLI's handoff flags all take one `HandoffConfig`, validated
+once where it is built. Per-request inputs (the source model, the prompt) travel beside it.
+
+Knows the selection rules and the gate's policy; nothing about models or caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from bridgecache.runtime.gate import QualityPolicy
+from bridgecache.runtime.selection import Selector, selector_named
+
+__all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
+
+DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (docs/results.md chose it)
+
+
+@dataclass(frozen=True)
+class RefreshConfig:
+    """Context tokens the target recomputes through every layer over the bridged cache.
+
+    amount: a fraction in (0, 1] of the translated tokens, or an int token count >= 1.
+    by: the selection rule: "source" (the source's attention from the prompt; the default),
+        "deviation" (translated vs native keys at a check layer, CacheBlend's rule), or a
+        `bridgecache.Selector` instance (your own rule, or `GivenScores(tensor)`).
+    """
+
+    amount: float | int = DEFAULT_REFRESH
+    by: str | Selector = "source"
+
+    def __post_init__(self):
+        amount = self.amount
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(
+                f"RefreshConfig.amount={amount!r}; expected a fraction in (0, 1] or a token count"
+            )
+        if isinstance(amount, float) and not 0.0 < amount <= 1.0:
+            raise ValueError(
+                f"RefreshConfig.amount={amount}; a fraction must lie in (0, 1] (an int is a token count; "
+                "no refresh: HandoffConfig(refresh=None))"
+            )
+        if isinstance(amount, int) and amount < 1:
+            raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
+        selector_named(self.by)  # raises for an unknown rule
+
+    @property
+    def selector(self) -> Selector:
+        return selector_named(self.by)
+
+    @property
+    def label(self) -> str:
+        by = self.by if isinstance(self.by, str) else self.selector.name
+        return f"{self.amount}:{by}"
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """How a bridged cache is made (see the module docstring).
+
+    native_head: context tokens the target computes itself at the start (None: the bridge's,
+        usually 1, the attention sink; leading tokens without source text are added).
+    native_tail: context tokens before the held-back last token that the target reads itself,
+        after the cache (default 0).
+    native_layers: target layers computed natively over the whole context (exact; a forward
+        stopped after the deepest): an int n (the first n), a tuple of indices, or "all".
+    key_norm: for targets that normalise keys (Gemma 3, Qwen3: `k_norm`), put each mapped key on
+        the norm the target produces (no effect on other targets).
+    refresh: a `RefreshConfig` (default: 20% chosen by the source's attention), or None.
+    quality: the quality gate (`QualityPolicy`; default: no gate).
+    one_launch: translate layers in groups, one kernel launch per group for keys and one for
+        values (None: on CUDA targets).
+    """
+
+    native_head: int | None = None
+    native_tail: int = 0
+    native_layers: int | tuple[int, ...] | str | None = None
+    key_norm: bool = True
+    refresh: RefreshConfig | None = field(default_factory=RefreshConfig)
+    quality: QualityPolicy = field(default_factory=QualityPolicy)
+    one_launch: bool | None = None
+
+    def __post_init__(self):
+        for name in ("native_head", "native_tail"):
+            value = getattr(self, name)
+            if value is None and name == "native_head":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"HandoffConfig.{name}={value!r}; expected a count of context tokens >= 0")
+        layers = self.native_layers
+        if isinstance(layers, list):
+            object.__setattr__(self, "native_layers", tuple(layers))
+        elif not (layers is None or layers == "all" or isinstance(layers, (int, tuple))) or isinstance(
+            layers, bool
+        ):
+            raise ValueError(
+                f"HandoffConfig.native_layers={layers!r}; expected an int, a tuple of layer indices or 'all'"
+            )
+        if self.refresh is not None and not isinstance(self.refresh, RefreshConfig):
+            raise ValueError(f"HandoffConfig.refresh={self.refresh!r}; expected a RefreshConfig or None")
+        if not isinstance(self.quality, QualityPolicy):
+            raise ValueError(f"HandoffConfig.quality={self.quality!r}; expected a QualityPolicy")
+        if self.one_launch not in (None, True, False):
+            raise ValueError(f"HandoffConfig.one_launch={self.one_launch!r}; expected None, True or False")
+
+    def replace(self, **changes) -> HandoffConfig:
+        """A copy with `changes` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def label(self) -> str:
+        """A short description for tables: only what differs from the defaults."""
+        default = HandoffConfig()
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != getattr(default, f.name):
+                shown = value.label if isinstance(value, RefreshConfig) else value
+                parts.append(f"{f.name}={shown}")
+        return " ".join(parts) or "default"

@@ -1,0 +1,76 @@
+"""Log-likelihoods of continuations after a cached prefix: how a chat or an evaluation scores replies.
+
+A `Prefix` is a target cache holding a context plus the logits that predict the next token.
+`score(target, prefix, rows, scored_from)` feeds each row after the prefix (one batch, right
+padded) and sums the log-probabilities of its tokens from `scored_from` on. It consumes the
+prefix's cache (the forward appends to it): copy a prefix first to score it twice.
+
+Knows transformers' caches and forward; nothing about tasks, tokenizers or metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from bridgecache.compat import cache_kwargs
+
+__all__ = ["Prefix", "score"]
+
+
+@dataclass
+class Prefix:
+    """cache: a transformers cache of the first `length` tokens (batch 1);
+    last_logits: [1, vocab] float32, predicting token `length`; seconds: time to build both."""
+
+    cache: DynamicCache
+    last_logits: torch.Tensor
+    length: int
+    seconds: float
+
+    def copy(self) -> Prefix:
+        """An independent copy (scoring mutates the cache)."""
+        return Prefix(copy.deepcopy(self.cache), self.last_logits, self.length, self.seconds)
+
+
+def _device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+@torch.no_grad()
+def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -> list[tuple[float, int]]:
+    """Per row: (sum of log p of tokens rows[r][scored_from:], their count), each row fed after the prefix.
+
+    rows: token id lists (any lengths, each longer than `scored_from`). Token j of a row is predicted
+    by the row's logits at j - 1, or by `prefix.last_logits` for j = 0. Rows run as one batch:
+    right padding never reaches a real token (attention is causal), so no mask is needed.
+    """
+    if any(len(row) <= scored_from for row in rows):
+        raise ValueError("every row needs at least one scored token")
+    n, width = len(rows), max(len(row) for row in rows)
+    cache = prefix.cache
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+    ids = ids.to(_device(target))
+    # The last column predicts nothing we score: feed only what predicts a row token.
+    logits = (
+        target(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(target, cache)).logits
+        if width > 1
+        else None
+    )
+    results = []
+    for r, row in enumerate(rows):
+        parts = [prefix.last_logits[0:1]]
+        if logits is not None:
+            parts.append(logits[r, : len(row) - 1].float())
+        logprobs = torch.log_softmax(torch.cat(parts)[scored_from:], dim=-1)
+        wanted = ids[r, scored_from : len(row)]
+        total = logprobs.gather(-1, wanted[:, None]).sum()
+        results.append((float(total), len(row) - scored_from))
+    return results

@@ -1,0 +1,135 @@
+"""What the target computes itself over a bridged context, decided once per cache.
+
+    plan = plan_native_work(translator, target, target_ids, config, source_model, prompt_ids, groups)
+
+In order: the quality gate (layers scoring below `min_quality` run natively, or the whole context
+falls back to the target's own prefill); layers a selection rule needs natively; those layers'
+exact KV (one forward stopped after the deepest, bridgecache.runtime.native); the refresh budget
+per row and the selection rule's scores; then the pending columns (native head, columns without
+source text, the budget's best) that the target's first forward computes
+(bridgecache.runtime.refresh), and the report of it all.
+
+Knows the translator's layout, the config and the selection rules; runs no generate().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bridgecache.runtime.gate import layer_scores
+from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
+from bridgecache.runtime.refresh import PendingWork, pending_columns, refresh_budget
+from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
+from bridgecache.runtime.selection import SelectionRequest
+
+__all__ = ["NativePlan", "plan_native_work"]
+
+
+@dataclass
+class NativePlan:
+    """pending: the work of the target's first forward (None: nothing pending); always: [batch,
+    prefix] bool (CPU), columns computed natively whatever the budget; budgets: refreshed columns
+    per row; report: for `BridgedCache.report()`."""
+
+    pending: PendingWork | None
+    always: torch.Tensor
+    budgets: list[int]
+    report: HandoffReport
+
+    def refreshed_columns(self) -> torch.Tensor:
+        """[batch, max budget] int64 (CPU) the columns the refresh picked, ascending; rows with a
+        smaller budget repeat their last one (reads the device: not for the hot path)."""
+        top = max(self.budgets, default=0)
+        if self.pending is None or not top:
+            return torch.empty(len(self.budgets), 0, dtype=torch.long)
+        columns = self.pending.columns.cpu()
+        rows = []
+        for b, budget in enumerate(self.budgets):
+            chosen = [c for c in dict.fromkeys(columns[b].tolist()) if not self.always[b, c]][:budget]
+            rows.append(chosen + chosen[-1:] * (top - len(chosen)) if chosen else [0] * top)
+        return torch.tensor(rows, dtype=torch.long)
+
+
+def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, make_groups) -> NativePlan:
+    """Decide and prepare the native work of one cache (see the module docstring)."""
+    num_layers = len(tr.windows)
+    prefix = tr.prefix_length
+    real = tr.target_mask[:, :prefix].bool()
+    columns = torch.arange(prefix)[None]
+    head = real & (columns < tr.head_end[:, None])
+    translated = real & ~head
+    has_source = tr.rows >= 0
+    coverage = float((has_source & translated).sum() / translated.sum().clamp(min=1))
+    scores = layer_scores(tr.bridge)
+    decision = config.quality.decide(scores, coverage)
+    native = set(resolve_native_layers(config.native_layers, num_layers)) | set(decision.native_layers)
+    if decision.fallback:
+        native = set(range(num_layers))
+    all_native = len(native) == num_layers
+    refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
+    selector = refresh.selector if refresh is not None else None
+    if selector is not None:
+        native |= set(selector.native_layers(num_layers))
+    ids = target_ids[:, :prefix]
+    tr.native_layers = native
+    tr.native_kv = native_layer_kv(target, ids, tr.target_mask[:, :prefix], native)
+    if make_groups is not None:
+        tr.groups = make_groups()
+    eligible = translated & has_source
+    budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
+    request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids)
+    column_scores = selector.scores(request) if any(budgets) else None
+    always = head | (translated & ~has_source)  # the native head; columns without source text
+    if all_native:
+        always = torch.zeros_like(always)
+    pending = None
+    if bool(always.any()) or any(budgets):
+        cols, valid = pending_columns(always, column_scores, eligible, budgets)
+        device = tr.home_device
+        cols = cols.to(device)
+        positions = tr.target_positions[:, :prefix]
+        pending = PendingWork(
+            columns=cols,
+            valid=None if valid is None else valid.to(device),
+            ids=target_ids.to(device)[:, :prefix].gather(1, cols),
+            positions=positions.gather(1, cols),
+            first_column=tr.target_pad.to(device),
+        )
+    guide = selector.reading_flops(request) if any(budgets) else 0.0
+    report = _report(tr, target, native, scores, decision.fallback, budgets, refresh, guide, always)
+    return NativePlan(pending, always, budgets, report)
+
+
+def _report(tr, target, native, scores, fallback, budgets, refresh, guide_flops, always) -> HandoffReport:
+    translated_layers = [i for i in range(len(tr.windows)) if i not in native]
+    quality = None
+    if scores is not None:
+        kept = [scores[i] for i in translated_layers]
+        quality = sum(kept) / len(kept) if kept else 1.0
+    context = tr.target_mask.shape[1]
+    real = int(tr.target_mask[0].sum())
+    pad = context - real
+    head = int(always[0].sum())
+    work = handoff_flops(
+        target.config,
+        context_tokens=real,
+        prefix=tr.prefix_length - pad,
+        native_prefix=head,
+        native_layers=tuple(sorted(native)),
+        refreshed=budgets[0],
+    )
+    whole = prefill_flops(target.config, real) if real else 0.0
+    return HandoffReport(
+        layers_translated=translated_layers,
+        layers_native=sorted(native),
+        tokens_translated=max(0, tr.prefix_length - pad - head),
+        tokens_native=head,
+        tokens_refreshed=budgets[0],
+        refresh_by=None if not budgets[0] else refresh.selector.name,
+        estimated_quality=quality,
+        fallback=fallback,
+        native_cost_fraction=work / whole if whole else 0.0,
+        guide_cost_fraction=guide_flops / whole if whole else 0.0,
+    )

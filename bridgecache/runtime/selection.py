@@ -1,0 +1,184 @@
+"""Which context columns a refresh recomputes: selection rules, each a small class.
+
+    SourceAttention   the source has read the context: it reads the prompt over its own cache and
+                      the tokens its attention picks out score highest (CacheClip's helper-model
+                      criterion; the default: it picks answers' tokens best, docs/results.md)
+    KeyDeviation      how far translated keys are from the target's own at a cheap check layer
+                      (CacheBlend's criterion, as LMCache recomputes)
+    GivenScores       scores the caller computed
+
+A rule is a `Selector`: `scores(request)` -> [batch, prefix] float32, higher first;
+`native_layers` names layers it needs computed natively first; `reading_flops` what choosing
+costs (for the report). Write your own by subclassing `Selector`.
+
+Knows the translator's row plan and the models it is given; nothing about tokenizers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from bridgecache.runtime.reading import attention_scores
+from bridgecache.runtime.report import reading_flops
+
+__all__ = ["Selector", "SelectionRequest", "SourceAttention", "KeyDeviation", "GivenScores", "selector_named"]
+
+
+@dataclass(frozen=True)
+class SelectionRequest:
+    """What a selection rule may read for one cache.
+
+    target: the target model; translator: the cache's `Translator` (rows, layout, layers);
+    target_ids: [batch, T] the context in the target's tokens.
+    source_model: the source model, if given; source_kv: the source's `SourceKV` of the context.
+    prompt_ids: [batch, q] the prompt in the SOURCE's tokens (None: no prompt known yet).
+    """
+
+    target: object
+    translator: object
+    target_ids: torch.Tensor
+    source_model: object | None
+    source_kv: object
+    prompt_ids: torch.Tensor | None
+
+
+class Selector(ABC):
+    """A selection rule (see the module docstring)."""
+
+    name: str = "custom"
+
+    def native_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Target layers computed natively before `scores` runs (default: none)."""
+        return ()
+
+    @abstractmethod
+    def scores(self, request: SelectionRequest) -> torch.Tensor:
+        """[batch, prefix] float32 per cached column, higher refreshed first."""
+
+    def reading_flops(self, request: SelectionRequest) -> float:
+        """FLOPs of choosing (a model reading something), for `HandoffReport.guide_cost_fraction`."""
+        return 0.0
+
+
+@dataclass(frozen=True)
+class SourceAttention(Selector):
+    """The source reads the prompt over its own cache of the context; each target column scores
+    what the source token it reads was given.
+
+    With a prompt: `reduce` "max" (the largest attention any layer, head and prompt token gives a
+    token) and each score reaches the `after` tokens that follow it (what a text says about
+    something follows its mention). Without one, the context's last `recent` tokens read the
+    context before them ("sum", no reach) and score highest themselves. None picks those
+    defaults (measured on fact questions and on prose: docs/results.md).
+    """
+
+    reduce: str | None = None
+    after: int | None = None
+    recent: int = 16
+    name = "source attention"
+
+    def scores(self, request: SelectionRequest) -> torch.Tensor:
+        source, kv = request.source_model, request.source_kv
+        if source is None:
+            raise ValueError(
+                "refresh by the source's attention needs the source model: pass source_model= (handoff() "
+                "does), or choose another rule: HandoffConfig(refresh=RefreshConfig(by='deviation'))"
+            )
+        if any(kv.first_token):
+            raise ValueError(
+                "source-guided refresh needs every source row: capture the source with capture_kv"
+            )
+        prompted = request.prompt_ids is not None and request.prompt_ids.shape[1] > 0
+        reduce = self.reduce or ("max" if prompted else "sum")
+        after = (4 if prompted else 0) if self.after is None else self.after
+        first = kv.padding.to(kv.position_ids.device)
+        tokens = kv.num_tokens
+        if prompted:
+            scores = attention_scores(
+                source, kv.keys, kv.values, kv.position_ids, first, request.prompt_ids, tokens, reduce=reduce
+            )
+        else:
+            ids = _context_ids(kv)
+            recent = min(self.recent, tokens - 1 - int(kv.padding.max()))
+            if recent <= 0:
+                return torch.zeros(request.translator.rows.shape)
+            queries, context = ids[:, tokens - recent :], tokens - recent
+            scores = attention_scores(
+                source, kv.keys, kv.values, kv.position_ids, first, queries, context, reduce=reduce
+            )
+            top = scores.amax() + 1.0
+            scores = torch.cat([scores, top.expand(scores.shape[0], recent)], dim=1)
+        if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens
+            padded = torch.nn.functional.pad(scores[:, None], (after, 0), value=float("-inf"))
+            scores = torch.nn.functional.max_pool1d(padded, after + 1, stride=1)[:, 0]
+        rows = request.translator.rows.to(scores.device)
+        return torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
+
+    def reading_flops(self, request: SelectionRequest) -> float:
+        prompt = request.prompt_ids
+        queries = prompt.shape[1] if prompt is not None and prompt.shape[1] else self.recent
+        return reading_flops(request.source_model.config, queries, request.source_kv.num_tokens)
+
+
+def _context_ids(kv) -> torch.Tensor:
+    ids = getattr(kv, "token_ids", None)
+    if ids is None:
+        raise ValueError(
+            "refresh by the source's attention without a prompt needs the source's context token ids: "
+            "capture the source with bridgecache.capture_kv (it records them), or pass a prompt"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class KeyDeviation(Selector):
+    """Squared distance between translated and native keys at `check_layer` (layers 0..check_layer
+    are then computed natively, at no extra cost for the refresh)."""
+
+    check_layer: int = 1
+    name = "key deviation"
+
+    def native_layers(self, num_layers: int) -> tuple[int, ...]:
+        if not 0 <= self.check_layer < num_layers:
+            raise ValueError(f"check_layer={self.check_layer}; expected 0..{num_layers - 1}")
+        return tuple(range(self.check_layer + 1))
+
+    def scores(self, request: SelectionRequest) -> torch.Tensor:
+        tr = request.translator
+        translated, _ = tr.translate(self.check_layer, start=0)  # [batch, heads, prefix, dim]
+        native = tr.native_kv[self.check_layer][0]
+        return (translated.float() - native.float()).pow(2).sum(dim=(1, 3))
+
+
+@dataclass(frozen=True, eq=False)
+class GivenScores(Selector):
+    """Scores computed elsewhere: [batch, >= prefix] per target column, higher first."""
+
+    values: torch.Tensor
+    name = "given scores"
+
+    def scores(self, request: SelectionRequest) -> torch.Tensor:
+        prefix = request.translator.prefix_length
+        scores = torch.as_tensor(self.values)
+        if scores.dim() != 2 or scores.shape[0] != request.target_ids.shape[0] or scores.shape[1] < prefix:
+            batch = request.target_ids.shape[0]
+            raise ValueError(
+                f"given scores have shape {tuple(scores.shape)}; "
+                f"expected [batch={batch}, target tokens >= {prefix}]"
+            )
+        return scores[:, :prefix].float()
+
+
+_NAMED = {"source": SourceAttention, "deviation": KeyDeviation}
+
+
+def selector_named(by) -> Selector:
+    """A Selector from a name ("source", "deviation") or a Selector itself."""
+    if isinstance(by, Selector):
+        return by
+    if isinstance(by, str) and by in _NAMED:
+        return _NAMED[by]()
+    raise ValueError(f"refresh by {by!r}; expected one of {sorted(_NAMED)} or a bridgecache Selector")
