@@ -1,4 +1,4 @@
-"""Time to first token through generate(): native target prefill vs a BridgedCache handoff.
+"""Time to first token through generate(): native target prefill vs a translation-only handoff.
 
     python benchmarks/gpu_ttft.py                 # on a CUDA machine (bf16, sdpa)
     python benchmarks/gpu_ttft.py --smoke         # tiny shapes on CPU, to check the script
@@ -7,16 +7,18 @@ Random-weight models built from real configs (no download): the source's KV is r
 the source's shape (its prefill is excluded from handoff time, as the field reports it), and
 the bridge is a head-local (CacheBridge-shaped) map with random coefficients: only time is
 measured here. Pairs: Qwen2.5-7B -> 1.5B, 1.5B -> 7B, and the Qwen3-14B -> 32B shapes of the
-CacheBridge paper (`--pairs`). Rows, per context length, all measured side by side in one run:
+CacheBridge paper (`--pairs`). Every handoff here is translation only, `CONFIG` below (a handoff
+with the default token refresh is timed by benchmarks/gpu_handoff.py). Rows, per context length,
+all measured side by side in one run:
 - native: target.generate(ids, max_new_tokens=1), i.e. prefill of the whole context;
 - ceiling: generate(max_new_tokens=1) over an already-filled native cache of the same prefix
   (what bridged would cost if translation were free);
-- bridged: BridgedCache construction (plan + 1-token native head) + generate(max_new_tokens=1),
-  i.e. translation of every layer + the held-back token's forward, by two paths:
-  one-launch = the default on CUDA, one launch per group of layers for keys and one for values
-  (bridgecache.runtime.grouped); graph = `cuda_graph=True`, the same translation replayed from a CUDA
-  graph captured once per shape (bridgecache.runtime.graphs);
-- construct: BridgedCache(...) alone; translate: construct + materialize(), CUDA-synchronised;
+- bridged: BridgedCache construction (the plan) + generate(max_new_tokens=1), i.e. translation
+  of every layer + one forward of the native head (1 token) and the held-back token, translating
+  in one launch per group of layers for keys and one for values (bridgecache.runtime.grouped; the
+  default on CUDA, forced on the CPU too);
+- construct: BridgedCache(...) alone; translate: construct + materialize() (translation and the
+  native head's forward), CUDA-synchronised;
 - host: the same call's CPU time before it returns (no synchronisation; the GPU runs behind),
   less construct, per target layer: what the lazy path adds to each layer's forward;
 - compiled (`--compiled`, not for the Qwen3 pair): the target's forward under
@@ -25,9 +27,8 @@ CacheBridge paper (`--pairs`). Rows, per context length, all measured side by si
   token = argmax of the held-back token's logits. native static = the eager forward prefilling
   the whole context into a StaticCache (transformers never compiles prefill); ceiling compiled =
   the compiled one-token forward over the static cache filled with the native prefix; bridged
-  compiled = BridgedCache(..., cuda_graph=True).to_static(into=...) + that compiled forward.
-Exactness is asserted on the device for each pair at the first length: graph == one-launch
-translation, bit for bit; bridged compiled vs bridged eager logits are printed.
+  compiled = BridgedCache(...).to_static(into=...) + that compiled forward. At the first length
+  of each pair, bridged compiled vs bridged eager logits are printed.
 Median of --repeats after warm-up, CUDA-synchronised wall time.
 """
 
@@ -40,10 +41,14 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config, Qwen3Config
 
+from bridgecache import BridgedCache, HandoffConfig
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.models.spec import model_spec
-from bridgecache.runtime.cache import BridgedCache
+
+# Translation only, in one launch per group of layers; Qwen3 targets normalise keys: key_norm=False
+# keeps them on the one-launch path (timing only).
+CONFIG = HandoffConfig(refresh=None, key_norm=False, one_launch=True)
 
 QWEN25 = {
     "qwen2.5-1.5b": dict(
@@ -155,7 +160,7 @@ def run_pair(pair, lengths, device, dtype, repeats, smoke, compiled):
             tuple(torch.randn(1, heads, n, head_dim, device=device, dtype=dtype) for _ in range(2))
             for _ in range(source_config.num_hidden_layers)
         ]
-        times = measure(target, bridge, kv, ids, device, repeats, check=n == lengths[0])
+        times = measure(target, bridge, kv, ids, device, repeats)
         if compiled:
             try:
                 times |= measure_compiled(
@@ -174,27 +179,18 @@ def run_pair(pair, lengths, device, dtype, repeats, smoke, compiled):
     return rows
 
 
-def measure(target, bridge, kv, ids, device, repeats, check) -> dict[str, float]:
+def measure(target, bridge, kv, ids, device, repeats) -> dict[str, float]:
     """Seconds of each eager row of the module docstring for one context."""
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
-    # Qwen3 targets normalise keys; key_norm=False keeps them on the one-launch path (timing only)
-    options = dict(key_norm=False)
-    graph = dict(options, cuda_graph=device.type == "cuda")
     prefix = DynamicCache()
     target(ids[:, :-1], **cache_kwargs(target, prefix))
     filled = [(layer.keys, layer.values) for layer in prefix.layers]
-    if check:  # the graph's translation is the one-launch translation, bit for bit
-        eager = BridgedCache(bridge, kv, target, ids, **options).materialize()
-        replayed = BridgedCache(bridge, kv, target, ids, **graph).materialize()
-        for a, b in zip(eager.layers, replayed.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), "graph != one-launch"
-        print(f"check: graph == one-launch translation over {len(eager.layers)} layers", flush=True)
 
     def native():
         target.generate(ids, **gen)
 
-    def bridged(kwargs):
-        cache = BridgedCache(bridge, kv, target, ids, **kwargs)
+    def bridged():
+        cache = BridgedCache(bridge, kv, target, ids, config=CONFIG)
         target.generate(ids, **gen, **cache_kwargs(target, cache))
 
     def ceiling():  # the held-back token over a ready cache: translation for free
@@ -203,15 +199,14 @@ def measure(target, bridge, kv, ids, device, repeats, check) -> dict[str, float]
             cache.update(k.clone(), v.clone(), i)
         target.generate(ids, **gen, **cache_kwargs(target, cache))
 
-    def translate(kwargs):
-        BridgedCache(bridge, kv, target, ids, **kwargs).materialize()
+    def translate():
+        BridgedCache(bridge, kv, target, ids, config=CONFIG).materialize()
 
     times = dict(native=timed(native, device, repeats), ceiling=timed(ceiling, device, repeats))
-    times["construct"] = timed(lambda: BridgedCache(bridge, kv, target, ids, **options), device, repeats)
-    for label, kwargs in (("one-launch", options), ("graph", graph)):
-        times[f"bridged {label}"] = timed(lambda: bridged(kwargs), device, repeats)  # noqa: B023
-        times[f"translate {label}"] = timed(lambda: translate(kwargs), device, repeats)  # noqa: B023
-        times[f"host {label}"] = host_timed(lambda: translate(kwargs), device, repeats)  # noqa: B023
+    times["construct"] = timed(lambda: BridgedCache(bridge, kv, target, ids, config=CONFIG), device, repeats)
+    times["bridged"] = timed(bridged, device, repeats)
+    times["translate"] = timed(translate, device, repeats)
+    times["host"] = host_timed(translate, device, repeats)
     return times
 
 
@@ -246,7 +241,7 @@ def measure_compiled(target, bridge, kv, ids, device, repeats, static, max_cache
         return step(forward or static["compiled"], static["cache"])
 
     def bridged(forward=None):
-        cache = BridgedCache(bridge, kv, target, ids, key_norm=False, cuda_graph=device.type == "cuda")
+        cache = BridgedCache(bridge, kv, target, ids, config=CONFIG)
         static["cache"] = cache.to_static(max_cache_len, into=static.get("cache"))
         return step(forward or static["compiled"], static["cache"])
 
@@ -270,8 +265,7 @@ def measure_compiled(target, bridge, kv, ids, device, repeats, static, max_cache
     return times
 
 
-COLUMNS = ["native", "ceiling", "bridged one-launch", "bridged graph", "construct",
-           "translate one-launch", "translate graph"]  # fmt: skip
+COLUMNS = ["native", "ceiling", "bridged", "construct", "translate"]
 COMPILED = ["native static", "ceiling compiled", "bridged compiled"]
 
 
@@ -279,21 +273,19 @@ def _format(pair, n, layers, t) -> str:
     ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "-"  # noqa: E731
     cells = [pair, str(n)]
     cells += [f"{t[c] * 1e3:.2f}" for c in COLUMNS]
-    cells += [f"{(t[f'host {c}'] - t['construct']) / layers * 1e6:.0f}" for c in ("one-launch", "graph")]
+    cells += [f"{(t['host'] - t['construct']) / layers * 1e6:.0f}"]
     cells += [f"{t[c] * 1e3:.2f}" if c in t else "-" for c in COMPILED]
-    cells += [f"{ratio('native', 'bridged graph')}x", ratio("bridged one-launch", "ceiling")]
-    cells += [ratio("bridged graph", "ceiling"), ratio("bridged compiled", "ceiling compiled")]
-    cells += [f"{ratio('native static', 'bridged compiled')}x"]
-    cells += [f"{t['native'] / t[f'translate {c}']:.0f}x" for c in ("one-launch", "graph")]
+    cells += [f"{ratio('native', 'bridged')}x", ratio("bridged", "ceiling")]
+    cells += [ratio("bridged compiled", "ceiling compiled"), f"{ratio('native static', 'bridged compiled')}x"]
+    cells += [f"{t['native'] / t['translate']:.0f}x"]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = [
-    "pair", "context tokens", "native TTFT ms", "ceiling ms", "bridged one-launch ms", "bridged graph ms",
-    "construct ms", "translate one-launch ms", "translate graph ms", "host us/layer one-launch",
-    "host us/layer graph", "native static ms", "ceiling compiled ms", "bridged compiled ms",
-    "native / bridged graph", "one-launch / ceiling", "graph / ceiling", "compiled / ceiling compiled",
-    "native static / bridged compiled", "native / translate one-launch", "native / translate graph",
+    "pair", "context tokens", "native TTFT ms", "ceiling ms", "bridged ms", "construct ms", "translate ms",
+    "host us/layer", "native static ms", "ceiling compiled ms", "bridged compiled ms", "native / bridged",
+    "bridged / ceiling", "compiled / ceiling compiled", "native static / bridged compiled",
+    "native / translate",
 ]  # fmt: skip
 
 

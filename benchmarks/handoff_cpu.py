@@ -5,9 +5,13 @@
 
 Per context length (evaluation-split prose, in the target's tokens), interleaved runs, median:
 - native: target.generate(context, max_new_tokens=1): prefill + first token;
-- handoff: BridgedCache(...) + generate(max_new_tokens=1): translate every layer, the native
-  head token, the held-back last token, first token;
-- translate: BridgedCache(...).materialize() alone;
+- handoff: BridgedCache(..., source_model=source) + generate(max_new_tokens=1) with the default
+  `HandoffConfig`: the source's last 16 context tokens read the context (there is no prompt) to
+  choose 20% of it, every layer is translated, and one target forward computes the native head,
+  the chosen tokens and the held-back last token, up to the first token;
+- translation only: the same with `HandoffConfig(refresh=None)`;
+- translate: BridgedCache(..., config=HandoffConfig(refresh=None)).materialize() alone
+  (translation and the native head);
 - source prefill of the same context (what a handoff does NOT repeat; reported apart).
 The bridge comes from the cache (`bridgecache.fitting.cached.bridge_for`), fitted on first use.
 """
@@ -20,12 +24,9 @@ import time
 
 import torch
 
+from bridgecache import BridgedCache, HandoffConfig, align_context, capture_kv, load_model
 from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.cached import bridge_for
-from bridgecache.kv.capture import capture_kv
-from bridgecache.models.zoo import load_model
-from bridgecache.runtime.cache import BridgedCache
-from bridgecache.runtime.handoff import align_context
 from bridgecache.text import text_chunks
 
 
@@ -37,6 +38,36 @@ def context_of_length(tokenizer, n_tokens: int) -> str:
 
 
 @torch.no_grad()
+def seconds(source, target, bridge, text: str, source_tok, target_tok, repeats: int) -> dict:
+    """Median seconds of each row of the module docstring for one context text."""
+    alignment, source_ids, target_ids = align_context(bridge, text, source_tok, target_tok)
+    start = time.perf_counter()
+    source_kv = capture_kv(source, source_ids)
+    source_s = time.perf_counter() - start
+    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=target_tok.eos_token_id)
+    translation_only = HandoffConfig(refresh=None)
+
+    def cache(config=None):
+        return BridgedCache(
+            bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source
+        )
+
+    times = {"native": [], "handoff": [], "translation only": [], "translate": []}
+    for _ in range(repeats):  # interleaved: the machine's noise hits every path alike
+        start = time.perf_counter()
+        target.generate(target_ids, **gen)
+        times["native"].append(time.perf_counter() - start)
+        for name, config in (("handoff", None), ("translation only", translation_only)):
+            start = time.perf_counter()
+            target.generate(target_ids, **gen, **cache_kwargs(target, cache(config)))
+            times[name].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        cache(translation_only).materialize()
+        times["translate"].append(time.perf_counter() - start)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    return median | {"tokens": target_ids.shape[1], "source prefill": source_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="qwen2.5-coder-1.5b")
@@ -48,36 +79,21 @@ def main() -> None:
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     bridge = bridge_for(args.source, args.target, args.method, source, target)
-    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=target_tok.eos_token_id)
 
     print(f"{args.source} -> {args.target} ({args.method}), CPU, {torch.get_num_threads()} threads")
-    columns = ["context tokens", "source prefill s", "native TTFT s", "handoff TTFT s", "translate s"]
-    print("| " + " | ".join(columns + ["native / handoff"]) + " |")
-    print("|---|---|---|---|---|---|")
+    columns = ["context tokens", "source prefill s", "native TTFT s", "handoff TTFT s"]
+    columns += ["translation-only TTFT s", "translate s", "native / handoff"]
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for n in args.lengths:
         text = context_of_length(target_tok, n)
-        alignment, source_ids, target_ids = align_context(bridge, text, source_tok, target_tok)
-        start = time.perf_counter()
-        source_kv = capture_kv(source, source_ids)
-        source_s = time.perf_counter() - start
-        native, handoff, translate = [], [], []
-        for _ in range(args.repeats):  # interleaved: the machine's noise hits both paths alike
-            start = time.perf_counter()
-            target.generate(target_ids, **gen)
-            native.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment)
-            target.generate(target_ids, **gen, **cache_kwargs(target, cache))
-            handoff.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment).materialize()
-            translate.append(time.perf_counter() - start)
-        med = statistics.median
-        print(
-            f"| {target_ids.shape[1]} | {source_s:.2f} | {med(native):.2f} | {med(handoff):.3f} | "
-            f"{med(translate):.3f} | {med(native) / med(handoff):.1f}x |",
-            flush=True,
-        )
+        t = seconds(source, target, bridge, text, source_tok, target_tok, args.repeats)
+        cells = [str(t["tokens"]), f"{t['source prefill']:.2f}", f"{t['native']:.2f}", f"{t['handoff']:.3f}"]
+        cells += [
+            f"{t['translation only']:.3f}",
+            f"{t['translate']:.3f}",
+            f"{t['native'] / t['handoff']:.1f}x",
+        ]
+        print("| " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

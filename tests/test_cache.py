@@ -94,16 +94,15 @@ def test_layers_materialise_lazily_one_at_a_time_each_once():
     cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
     assert cache.materialized_layers == [] and cache.get_seq_length() == 11
     calls, seen_at_layer = [], []
-    original = cache.translator.layer
-    cache.translator.layer = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
+    original = cache.translator.columns  # what the first forward reads, layer by layer
+    cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
     for i, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(
-            lambda *_, i=i: seen_at_layer.append((i, list(cache.materialized_layers)))
-        )
+        layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
     _generate(model, ids, cache)
     assert calls == [0, 1, 2]  # each once, in order
     first_pass = seen_at_layer[:3]
     assert first_pass == [(0, []), (1, [0]), (2, [0, 1])]  # layer i is translated when layer i runs
+    assert cache.materialized_layers == [0, 1, 2]
 
 
 def test_the_source_cache_is_never_mutated_and_one_bridge_serves_many_caches():

@@ -102,13 +102,14 @@ def test_layers_still_materialise_one_by_one():
     cache = BridgedCache(
         Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(one_launch=True)
     )
-    seen_at_layer = []
+    calls, seen_at_layer = [], []
+    original = cache.translator.columns  # what the first forward reads, layer by layer
+    cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
     for i, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(
-            lambda *_, i=i: seen_at_layer.append((i, list(cache.materialized_layers)))
-        )
+        layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
     assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
     assert seen_at_layer[:3] == [(0, []), (1, [0]), (2, [0, 1])]
+    assert cache.translator.groups.translations == 1  # one launch pair for the whole group
 
 
 def test_one_launch_is_off_where_it_cannot_apply():

@@ -15,8 +15,8 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
+from bridgecache.runtime.pending import pending_columns, refresh_budget
 from bridgecache.runtime.reading import attention_scores
-from bridgecache.runtime.refresh import pending_columns, refresh_budget
 from bridgecache.runtime.report import prefill_flops
 from bridgecache.runtime.selection import SelectionRequest, SourceAttention
 

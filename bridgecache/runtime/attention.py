@@ -2,11 +2,12 @@
 
 Two of bridgecache's forwards attend in ways transformers' masks cannot say cheaply:
 
-    ColumnMask   the native-work pass (bridgecache.runtime.refresh): queries sit at scattered
+    ColumnMask   the native-work pass (bridgecache.runtime.native_pass): queries sit at scattered
                  context columns (the native head, refreshed tokens) and after the cached prefix
                  (the held-back token, the prompt); each attends to every cached column up to its
-                 own, within its layer's window. A dense [queries, keys] mask would forfeit flash
-                 attention's block skipping; `column_attention` skips what no query can see.
+                 own, within its layer's window, and its fresh keys/values land in the cache's
+                 buffers first. A dense [queries, keys] mask would forfeit flash attention's block
+                 skipping; `column_attention` skips what no query can see.
     ReadingMask  a model reading a prompt over a context it cached (bridgecache.runtime.reading):
                  the context's KV are read in place (never copied to append the prompt), and the
                  attention probabilities each context token receives are reduced on the fly into
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -39,37 +40,48 @@ KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMa
 
 @dataclass(eq=False)
 class ColumnMask:
-    """Queries at given context columns, each seeing the cached columns up to its own.
+    """Queries at given context columns, each seeing the cached columns up to its own, their keys
+    and values written into per-layer buffers as the layers compute them.
 
-    query_columns: [batch, queries] int64, ascending per row (left-padded layout).
+    query_columns: [batch, slots] int64, ascending per row (left-padded layout).
+    write_rows: [batch, slots] int64, the buffer row each slot's fresh keys/values land in (its
+        column; a row no query sees for a slot that must write nothing).
     first_column: [batch] int64, the first real (non-padding) column of each row.
-    key_starts: {sliding window: the context column of key row 0} for windowed layers (their keys
-        are the columns start, start + 1, ...; a sliding layer may start after 0); full-attention
-        layers start at 0.
+    keys, values: per layer [batch, kv_heads, capacity, head_dim]; row j holds column j (rows past
+        the last query's column are never read, but must hold finite numbers).
+    fill: called with a layer's index before its attention, to load its cached rows into the
+        buffers just in time (None: they are loaded already).
     """
 
     query_columns: torch.Tensor
+    write_rows: torch.Tensor
     first_column: torch.Tensor
-    key_starts: dict = field(default_factory=dict)
-    _key_columns: dict = field(default_factory=dict, repr=False)
+    keys: tuple
+    values: tuple
+    fill: object = None
+
+    def __post_init__(self):
+        self.key_columns = torch.arange(self.keys[0].shape[2], device=self.query_columns.device)
 
     def attend(self, module, query, key, value, scaling):
-        """query [batch, heads, queries, dim], key/value [batch, kv_heads, keys, dim] ->
-        [batch, queries, heads, dim] (transformers' attention-function layout)."""
-        window = getattr(module, "sliding_window", None)
-        start = self.key_starts.get(window, 0) if window else 0
-        shape = (start, key.shape[2])
-        if shape not in self._key_columns:  # one arange per key layout (layers of a type share it)
-            self._key_columns[shape] = torch.arange(start, start + key.shape[2], device=key.device)
+        """query [batch, heads, slots, dim]; key/value: this forward's [batch, kv_heads, slots,
+        dim] -> [batch, slots, heads, dim] (transformers' attention-function layout)."""
+        layer = module.layer_idx
+        if self.fill is not None:
+            self.fill(layer)
+        keys, values = self.keys[layer], self.values[layer]
+        rows = self.write_rows[:, None, :, None]
+        keys.scatter_(2, rows.expand(-1, key.shape[1], -1, key.shape[3]), key.to(keys.dtype))
+        values.scatter_(2, rows.expand(-1, value.shape[1], -1, value.shape[3]), value.to(values.dtype))
         return column_attention(
             query,
-            key,
-            value,
+            keys,
+            values,
             self.query_columns,
-            self._key_columns[shape],
+            self.key_columns,
             self.first_column,
             scale=scaling,
-            window=window,
+            window=getattr(module, "sliding_window", None),
             softcap=getattr(module, "attn_logit_softcapping", None),
         )
 
@@ -84,6 +96,10 @@ class ReadingMask:
     scores: [batch, context] float32, reduced in place over layers, heads and counted queries
         ("max": the largest probability any gives the token; "sum": their sum).
     counted: count only the last this many prompt tokens (None: all).
+    context_end: [batch] int64, columns from it on are not context (a buffer longer than the
+        context, as a captured graph's); None: every column is.
+    query_valid: [batch, queries] bool, queries that count (the rest pad a captured graph's
+        buffer: they come after the real ones, so no real query sees them); None: all.
     """
 
     keys: tuple
@@ -94,6 +110,8 @@ class ReadingMask:
     scores: torch.Tensor
     reduce: str = "max"
     counted: int | None = None
+    context_end: torch.Tensor | None = None
+    query_valid: torch.Tensor | None = None
 
     def attend(self, module, query, key, value, scaling):
         """query [batch, heads, q, dim]; key/value: the prompt's own [batch, kv_heads, q, dim]."""
@@ -129,7 +147,10 @@ class ReadingMask:
     def _context_visible(self, module, group: int) -> torch.Tensor:
         """[batch, 1, 1, context] (or [batch, 1, group * q, context] in a sliding layer) bool."""
         columns = torch.arange(self.context_positions.shape[1], device=self.first_column.device)
-        visible = (columns[None] >= self.first_column[:, None])[:, None, None]
+        visible = columns[None] >= self.first_column[:, None]
+        if self.context_end is not None:
+            visible = visible & (columns[None] < self.context_end[:, None])
+        visible = visible[:, None, None]
         window = getattr(module, "sliding_window", None)
         if window:
             near = self.query_positions[:, :, None] - self.context_positions[:, None, :] < window
@@ -138,6 +159,8 @@ class ReadingMask:
 
     def _score(self, probs: torch.Tensor) -> None:
         """probs [batch, kv_heads, group, q, context] -> folded into `scores` [batch, context]."""
+        if self.query_valid is not None:
+            probs = probs * self.query_valid[:, None, None, :, None]
         if self.counted is not None:
             probs = probs[:, :, :, -self.counted :]
         if self.reduce == "max":

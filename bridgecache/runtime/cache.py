@@ -7,7 +7,7 @@ The cache reports the target-side prefix length at once. Target layer i is trans
 source KV (bridgecache.runtime.translator) only when something first reads it, usually the
 target's attention at layer i. The columns the target computes itself (the native head, columns
 without source text, the tokens a refresh picks) wait as pending work and join the target's first
-forward over the cache (bridgecache.runtime.refresh): handoff time = the source's reading of the
+forward over the cache (bridgecache.runtime.native_pass): handoff time = the source's reading of the
 prompt + translation + one target forward. Layers are transformers' own `DynamicLayer` /
 `DynamicSlidingWindowLayer` with a lazy hook, so masks, beam search, crop and every other cache
 operation behave as usual.
@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from bridgecache.kv.source import as_source
-from bridgecache.runtime import refresh
+from bridgecache.runtime import native_pass
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.grouped import LayerGroups, groups_apply
 from bridgecache.runtime.plan import plan_native_work
@@ -77,8 +77,8 @@ class _LazyLayerMixin:
 
     def _materialize(self, device=None, dtype=None, batch_size=None) -> None:
         cache = self._cache
-        if cache.pending_work is not None and cache.native_pass is None:
-            cache.run_pending()  # read outside a forward: the native work comes first
+        if cache.pending_work is not None:
+            cache.run_pending()  # read before the first forward: the native work comes first
             if self.is_materialized:
                 return
         index = self.batch_index_for(batch_size)
@@ -101,6 +101,14 @@ class _LazyLayerMixin:
                 raise ValueError(f"target batch {batch_size} is not a multiple of the context batch {rows}")
             index = torch.arange(rows).repeat_interleave(batch_size // rows)
         return index
+
+    def settle(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold `keys`, `values` [batch, heads, rows, dim] from now on, as a translated layer would
+        (the native-work pass hands over its buffers this way)."""
+        self._translator = None
+        self._batch_index = None
+        self.device = keys.device
+        self._keys, self._values = keys, values
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_materialized:
@@ -222,40 +230,27 @@ class BridgedCache(DynamicCache):
         self.layers = layers
         self.layer_class_to_replicate = None
         self.handoff_config = config
-        self.pending_work = None  # refresh.PendingWork until the target's first forward runs it
-        self.native_pass = None  # refresh's state while that forward is in flight
+        self.pending_work = None  # pending.PendingWork until the target's first forward runs it
         self._target = target
         if self.translator.prefix_length:  # else nothing to translate: plain empty layers
             for i, layer in enumerate(self.layers):
                 layer._bind(self, i)
         make_groups = None
         if groups_apply(self.translator, target, config.one_launch):
-            make_groups = lambda: LayerGroups(self.translator)  # noqa: E731
+            make_groups = lambda whole: LayerGroups(self.translator, whole)  # noqa: E731
         plan = plan_native_work(
             self.translator, target, target_ids, config, source_model, prompt_ids, make_groups
         )
         self.pending_work = plan.pending
         self._plan = plan
         if self.pending_work is not None:
-            refresh.install(target)
+            native_pass.install(target)
 
     # ------------------------------------------------------------------ the native work
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.native_pass is not None:
-            return refresh.pass_update(self, layer_idx, key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def begin_pass(self, state) -> None:
-        self.native_pass = state
-
-    def end_pass(self):
-        state, self.native_pass, self.pending_work = self.native_pass, None, None
-        return state
-
     def run_pending(self) -> None:
         """Run the pending native work now, in a forward of its own (no-op when there is none)."""
-        if self.pending_work is not None and self.native_pass is None:
-            refresh.run_alone(self, self._target)
+        if self.pending_work is not None:
+            native_pass.run_alone(self, self._target)
 
     def pending_for_batch(self, batch: int):
         """The pending work for a forward of `batch` rows: generate() may have expanded the

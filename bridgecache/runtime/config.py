@@ -79,6 +79,8 @@ class HandoffConfig:
     quality: the quality gate (`QualityPolicy`; default: no gate).
     one_launch: translate layers in groups, one kernel launch per group for keys and one for
         values (None: on CUDA targets).
+    cuda_graphs: replay the source's reading of the prompt from a CUDA graph captured per shape
+        bucket (None: on CUDA sources; bridgecache.runtime.graphs).
     """
 
     native_head: int | None = None
@@ -88,6 +90,7 @@ class HandoffConfig:
     refresh: RefreshConfig | None = field(default_factory=RefreshConfig)
     quality: QualityPolicy = field(default_factory=QualityPolicy)
     one_launch: bool | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self):
         for name in ("native_head", "native_tail"):
@@ -109,8 +112,11 @@ class HandoffConfig:
             raise ValueError(f"HandoffConfig.refresh={self.refresh!r}; expected a RefreshConfig or None")
         if not isinstance(self.quality, QualityPolicy):
             raise ValueError(f"HandoffConfig.quality={self.quality!r}; expected a QualityPolicy")
-        if self.one_launch not in (None, True, False):
-            raise ValueError(f"HandoffConfig.one_launch={self.one_launch!r}; expected None, True or False")
+        for name in ("one_launch", "cuda_graphs"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(
+                    f"HandoffConfig.{name}={getattr(self, name)!r}; expected None, True or False"
+                )
 
     def replace(self, **changes) -> HandoffConfig:
         """A copy with `changes` (validated again)."""

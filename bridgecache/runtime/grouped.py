@@ -51,13 +51,15 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
 class LayerGroups:
     """The grouped translation of one BridgedCache on its home device and dtype."""
 
-    def __init__(self, translator):
+    def __init__(self, translator, whole: bool = False):
+        """whole: translate every column of every layer (the native-work pass reads them all);
+        else the columns each layer keeps."""
         self.translator = translator
         tr = translator
         self._group_of: dict[int, tuple] = {}
         members: dict[tuple, list[int]] = {}
         for idx, window in enumerate(tr.windows):
-            start = tr.window_start(idx)
+            start = 0 if whole else tr.window_start(idx)
             if max(start, tr.begin) >= tr.prefix_length:  # nothing to translate: native rows only
                 continue
             if idx in tr.native_layers:  # the target computes this layer itself
@@ -73,6 +75,10 @@ class LayerGroups:
 
     def covers(self, idx: int) -> bool:
         return idx in self._group_of
+
+    def start(self, idx: int) -> int:
+        """The first column the group of layer `idx` translates."""
+        return self._group_of[idx][0]
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx` (views)."""

@@ -2,6 +2,8 @@
 
     plans(bridge, device)               per target layer, its LayerMap ready for one device
     stacked_plan(bridge, layers, device)  several LayerMaps stacked for one grouped launch
+    reading_graph(model, shape)         a captured reading of the model per shape bucket (4 kept)
+    pass_graph(target, shape, make)     a captured native-work pass per shape bucket (3 kept)
     rope_on(tables, device)             rotary tables moved to a device (cos/sin computed there)
     source_rope(spec)                   a bridge's source rotary tables, rebuilt from its spec
     key_norm_scales(target)             the target's key-norm scales, until a weight changes
@@ -19,6 +21,7 @@ import torch
 
 from bridgecache.kv.keynorm import key_norm_scales as _key_norm_scales
 from bridgecache.kv.rope import RopeTables
+from bridgecache.runtime.graphs import PassGraph, ReadingGraph
 from bridgecache.runtime.translate import LayerPlan, StackedPlan
 
 __all__ = ["MEMO", "RuntimeMemo", "weights_version"]
@@ -63,6 +66,8 @@ class RuntimeMemo:
         self._stacked = _PerObject()  # Bridge -> {(layers, device): StackedPlan}
         self._rope = _PerObject()  # RopeTables -> {device: RopeTables}
         self._norms = _PerObject()  # model -> {"weights": version, "scales": scales}
+        self._readings = _PerObject()  # model -> {(batch, queries, capacity, reduce): ReadingGraph}
+        self._passes = _PerObject()  # target -> {(batch, slots, capacity): PassGraph}
 
     def plan(self, bridge, layer: int, device: torch.device):
         plans = self._plans.of(bridge).setdefault(device, {})
@@ -93,6 +98,29 @@ class RuntimeMemo:
     def source_rope(spec) -> RopeTables:
         """The rotary tables of a bridge's source spec (built once: it constructs a config and module)."""
         return RopeTables.from_spec(spec)
+
+    def reading_graph(self, model, batch: int, queries: int, capacity: int, reduce: str) -> ReadingGraph:
+        """The captured reading of `model` at this shape (the 4 most recent shapes per model kept:
+        each holds a copy of a context's KV)."""
+        graphs = self._readings.of(model)
+        key = (batch, queries, capacity, reduce)
+        if key not in graphs:
+            if len(graphs) >= 4:
+                del graphs[next(iter(graphs))]
+            graphs[key] = ReadingGraph(model, batch, queries, capacity, reduce, capture=True)
+        graphs[key] = graphs.pop(key)  # most recent last
+        return graphs[key]
+
+    def pass_graph(self, target, shape: tuple, make) -> PassGraph:
+        """The captured pass of `target` at `shape` (made by `make()` the first time; the 3 most
+        recent shapes per target kept: each holds buffers of a whole cache)."""
+        graphs = self._passes.of(target)
+        if shape not in graphs:
+            if len(graphs) >= 3:
+                del graphs[next(iter(graphs))]
+            graphs[shape] = make()
+        graphs[shape] = graphs.pop(shape)
+        return graphs[shape]
 
     def key_norm_scales(self, target, weights: tuple):
         """keynorm.key_norm_scales(target), looked up again only when `weights` (the target's

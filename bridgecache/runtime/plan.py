@@ -7,7 +7,7 @@ falls back to the target's own prefill); layers a selection rule needs natively;
 exact KV (one forward stopped after the deepest, bridgecache.runtime.native); the refresh budget
 per row and the selection rule's scores; then the pending columns (native head, columns without
 source text, the budget's best) that the target's first forward computes
-(bridgecache.runtime.refresh), and the report of it all.
+(bridgecache.runtime.native_pass), and the report of it all.
 
 Knows the translator's layout, the config and the selection rules; runs no generate().
 """
@@ -20,7 +20,7 @@ import torch
 
 from bridgecache.runtime.gate import layer_scores
 from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
-from bridgecache.runtime.refresh import PendingWork, pending_columns, refresh_budget
+from bridgecache.runtime.pending import PendingWork, pending_columns, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.selection import SelectionRequest
 
@@ -75,11 +75,12 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, m
     ids = target_ids[:, :prefix]
     tr.native_layers = native
     tr.native_kv = native_layer_kv(target, ids, tr.target_mask[:, :prefix], native)
-    if make_groups is not None:
-        tr.groups = make_groups()
     eligible = translated & has_source
     budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
-    request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids)
+    graphs = config.cuda_graphs
+    if graphs is None:
+        graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
+    request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs)
     column_scores = selector.scores(request) if any(budgets) else None
     always = head | (translated & ~has_source)  # the native head; columns without source text
     if all_native:
@@ -97,6 +98,8 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, m
             positions=positions.gather(1, cols),
             first_column=tr.target_pad.to(device),
         )
+    if make_groups is not None:  # translated lazily; every column when the pass will read them all
+        tr.groups = make_groups(pending is not None)
     guide = selector.reading_flops(request) if any(budgets) else 0.0
     report = _report(tr, target, native, scores, decision.fallback, budgets, refresh, guide, always)
     return NativePlan(pending, always, budgets, report)

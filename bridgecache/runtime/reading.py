@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override
+from bridgecache.runtime.graphs import bucket
+from bridgecache.runtime.memo import MEMO
 
 __all__ = ["attention_scores"]
 
@@ -31,6 +33,7 @@ def attention_scores(
     *,
     reduce: str = "max",
     counted: int | None = None,
+    graphs: bool = False,
 ) -> torch.Tensor:
     """How much `model`'s attention from `query_ids`, read right after the first `context_tokens`
     cached columns, falls on each of those columns.
@@ -43,6 +46,8 @@ def attention_scores(
         query_ids: [batch, q] what the model reads after the context.
         reduce: "max" (the largest probability any layer, head and counted query gives a token) or
             "sum" (their sum). counted: count only the last this many queries (None: all).
+        graphs: replay a CUDA graph captured per shape bucket (bridgecache.runtime.graphs; CUDA
+            models, counted=None): the same scores without a thousand kernel launches per reading.
     Returns:
         [batch, context_tokens] float32 on the model's device.
     """
@@ -50,6 +55,11 @@ def attention_scores(
         raise ValueError(f"reduce={reduce!r}; expected 'max' or 'sum'")
     device = model.get_input_embeddings().weight.device
     batch, q = query_ids.shape
+    if graphs and counted is None and device.type == "cuda":
+        graph = MEMO.reading_graph(model, batch, bucket(q), bucket(context_tokens, 256), reduce)
+        return graph.run(
+            keys, values, positions, first_column.to(device), query_ids.to(device), context_tokens
+        )
     context_positions = positions[:, :context_tokens].to(device)
     start = context_positions[:, -1:] + 1  # left padding: the last column is a real token
     query_positions = start + torch.arange(q, device=device)[None]

@@ -35,6 +35,7 @@ class SelectionRequest:
     target_ids: [batch, T] the context in the target's tokens.
     source_model: the source model, if given; source_kv: the source's `SourceKV` of the context.
     prompt_ids: [batch, q] the prompt in the SOURCE's tokens (None: no prompt known yet).
+    graphs: whether a model's reading may replay a captured CUDA graph (HandoffConfig.cuda_graphs).
     """
 
     target: object
@@ -43,6 +44,7 @@ class SelectionRequest:
     source_model: object | None
     source_kv: object
     prompt_ids: torch.Tensor | None
+    graphs: bool = False
 
 
 class Selector(ABC):
@@ -98,8 +100,9 @@ class SourceAttention(Selector):
         tokens = kv.num_tokens
         if prompted:
             scores = attention_scores(
-                source, kv.keys, kv.values, kv.position_ids, first, request.prompt_ids, tokens, reduce=reduce
-            )
+                source, kv.keys, kv.values, kv.position_ids, first, request.prompt_ids, tokens, reduce=reduce,
+                graphs=request.graphs,
+            )  # fmt: skip
         else:
             ids = _context_ids(kv)
             recent = min(self.recent, tokens - 1 - int(kv.padding.max()))
@@ -107,8 +110,9 @@ class SourceAttention(Selector):
                 return torch.zeros(request.translator.rows.shape)
             queries, context = ids[:, tokens - recent :], tokens - recent
             scores = attention_scores(
-                source, kv.keys, kv.values, kv.position_ids, first, queries, context, reduce=reduce
-            )
+                source, kv.keys, kv.values, kv.position_ids, first, queries, context, reduce=reduce,
+                graphs=request.graphs,
+            )  # fmt: skip
             top = scores.amax() + 1.0
             scores = torch.cat([scores, top.expand(scores.shape[0], recent)], dim=1)
         if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens

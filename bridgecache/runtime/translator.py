@@ -7,7 +7,7 @@
 Layout of a target context of T tokens (left-padded rows; columns of `target_ids`):
     [pad_b, head_end_b)     row b's native head (the attention sink / BOS, leading tokens without
                             source text): computed by the target itself in the native-work pass
-                            (bridgecache.runtime.refresh); translated rows there are placeholders
+                            (bridgecache.runtime.native_pass); translated rows there are placeholders
     [head_end_b, prefix)    translated from the source through the bridge
     [prefix, T)             not cached: the target reads them after the cache (native tail, the
                             held-back last token)
@@ -137,6 +137,13 @@ class Translator:
             return keys[:, :, start:stop], values[:, :, start:stop]
         if idx in self.native_layers:
             raise RuntimeError(f"target layer {idx} is native and was read already: its columns are gone")
+        groups = self.groups
+        if (
+            groups is not None
+            and groups.covers(idx)
+            and (start, stop) == (groups.start(idx), self.prefix_length)
+        ):
+            return groups.layer(idx)
         return self.translate(idx, start=start, stop=stop)
 
     def translate(

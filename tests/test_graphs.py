@@ -1,0 +1,119 @@
+"""A captured reading reads bucketed buffers: its scores equal the eager reading's exactly.
+
+The buffers are larger than the context and the prompt (shape buckets); the masks keep the extra
+columns and prompt slots out. On the CPU the same buffers run eagerly (`capture=False`); the
+capture itself runs on CUDA machines only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.graphs import ReadingGraph, bucket
+from bridgecache.runtime.reading import attention_scores
+
+
+def test_buckets_are_powers_of_two_from_the_smallest():
+    assert [bucket(n, 16) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert bucket(3000, 256) == 4096
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_bucketed_reading_scores_what_the_eager_reading_scores(family, reduce):
+    model = tiny_model(family)  # gemma3: sliding layers (window 8) read only the context's end
+    ids = torch.randint(3, 300, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # a left-padded row
+    kv = capture_kv(model, ids, attention_mask=mask)
+    graph = ReadingGraph(model, batch=2, queries=16, capacity=64, reduce=reduce, capture=False)
+    for _ in range(2):  # a second run over the same buffers: nothing stale leaks in
+        prompt = torch.randint(3, 300, (2, int(torch.randint(1, 6, ()))))
+        expected = attention_scores(
+            model, kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20, reduce=reduce
+        )
+        got = graph.run(kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20)
+        assert got.shape == expected.shape == (2, 20)
+        assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_captured_reading_replays_the_eager_scores_on_cuda():
+    model = tiny_model("llama", head_dim=32).cuda()
+    ids = torch.randint(3, 300, (1, 40), device="cuda")
+    kv = capture_kv(model, ids)
+    first = torch.zeros(1, dtype=torch.long, device="cuda")
+    for _ in range(3):  # the same captured graph, new prompts
+        prompt = torch.randint(3, 300, (1, 5), device="cuda")
+        eager = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 40)
+        replayed = attention_scores(
+            model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, graphs=True
+        )
+        assert torch.allclose(eager, replayed, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
+    """The shapes a captured pass uses (placeholder slots, a longer buffer) change nothing: the
+    last logits and every cached row equal the exact-shape pass's."""
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.compat import cache_kwargs
+    from bridgecache.runtime.native_pass import NativePass
+
+    model = tiny_model(family)
+    ids = torch.randint(3, 300, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    bridge = Bridge.identity(model)
+    bridge.method = "fullhead"  # refreshed like a fitted bridge
+    config = HandoffConfig(refresh=RefreshConfig(5, GivenScores(torch.rand(2, 24))))
+    kv = capture_kv(model, ids, attention_mask=mask)
+    made = [
+        BridgedCache(
+            bridge, kv, model, ids, config=config, target_attention_mask=mask, source_attention_mask=mask
+        )
+        for _ in range(2)
+    ]
+    prefix = made[0].translator.prefix_length
+    new = ids[:, prefix:]
+    positions = (mask.cumsum(-1) - 1)[:, prefix:]
+    exact = model(
+        input_ids=new, position_ids=positions, logits_to_keep=1, **cache_kwargs(model, made[0])
+    ).logits
+    original = model.forward.args[1]  # the forward the native pass wraps
+    work = made[1].pending_for_batch(2)
+    native = NativePass(model, 2, bucket(work.count + 1), bucket(prefix + 2, 256))
+    native.load(made[1], work, new, positions)
+    bucketed = native.forward(original, 1, {}).logits
+    native.commit(made[1], 1, copy=True)
+    assert torch.allclose(bucketed, exact, atol=1e-5)
+    for a, b in zip(made[0].layers, made[1].layers):
+        assert a.keys.shape == b.keys.shape
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.compat import cache_kwargs
+
+    model = tiny_model("llama", head_dim=32).cuda()
+    bridge = Bridge.identity(model)
+    bridge.method = "fullhead"
+    for _ in range(3):  # new contexts through the same captured graph
+        ids = torch.randint(3, 300, (1, 40), device="cuda")
+        kv = capture_kv(model, ids)
+        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))))
+        outputs = []
+        for graphs in (False, True):
+            cache = BridgedCache(bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs))
+            out = model.generate(
+                ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache)
+            )
+            outputs.append(out)
+        assert torch.equal(outputs[0], outputs[1])
