@@ -122,10 +122,14 @@ class RuntimeMemo:
         graphs[shape] = graphs.pop(shape)
         return graphs[shape]
 
-    def key_norm_scales(self, target, weights: tuple):
-        """keynorm.key_norm_scales(target), looked up again only when `weights` (the target's
-        `weights_version`) changed: its module walk costs as much as the rest of a cache's planning."""
+    def key_norm_scales(self, target):
+        """keynorm.key_norm_scales(target), looked up again only when the target's weights changed
+        (`weights_version`, a walk of the module tree); a target without key norms is remembered
+        as such and costs nothing afterwards."""
         known = self._norms.of(target)
+        if known.get("scales", ...) is None:  # no k_norm: the architecture does not change
+            return None
+        weights = weights_version(target)
         if known.get("weights") != weights:
             known.update(weights=weights, scales=_key_norm_scales(target))
         return known["scales"]

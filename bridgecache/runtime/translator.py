@@ -29,7 +29,7 @@ from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.rows import leading_native, plan_rows, pool_source
 from bridgecache.kv.source import SourceKV, check_mask, position_ids_from_mask
 from bridgecache.models.spec import model_spec
-from bridgecache.runtime.memo import MEMO, weights_version
+from bridgecache.runtime.memo import MEMO
 from bridgecache.runtime.translate import SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["Translator", "prefix_layout"]
@@ -101,7 +101,7 @@ class Translator:
         self._target_tables: dict = {}
         self._device_rows: dict = {}
         self.target_rope = RopeTables.from_model(target)
-        scales = MEMO.key_norm_scales(target, weights_version(target)) if config.key_norm else None
+        scales = MEMO.key_norm_scales(target) if config.key_norm else None
         self.key_norm_scales = scales
         self.source_rope = (
             None
