@@ -11,9 +11,13 @@ prefill of the context is not timed (the field's convention: it has read the doc
 Rows, side by side in one run, median of --repeats after a warm-up, CUDA-synchronised wall time,
 each until the first new token:
 - native: target.generate(context + question, max_new_tokens=1), the target's own prefill;
+- native, graph: the same forward replayed from a CUDA graph captured for this length (what a
+  compiled deployment pays: no launch overhead; the "compiled vs compiled" reference);
 - default: `BridgedCache(..., config=HandoffConfig(), source_model=source, prompt_ids=question)`
   + generate: the source reads the question (choosing 20% of the context), translation, and one
-  target forward for the native head, the refreshed tokens, the held-back token and the question;
+  target forward for the native head, the refreshed tokens, the held-back token and the question
+  (both forwards replayed from CUDA graphs, the default on CUDA);
+- default, eager: the same with `cuda_graphs=False` (every kernel launched from Python);
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
 - refresh r, given: the same choice made beforehand (no source reading): translation + the one
   forward; minus the translation-only row, it is what the refresh costs.
@@ -112,13 +116,26 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
         target.generate(full, **gen, **cache_kwargs(target, cache))
 
     rows = {"native": timed(lambda: target.generate(full, **gen), device, repeats)}
+    if device.type == "cuda":
+        replay = native_graph(target, full)
+        rows["native, graph"] = timed(replay, device, repeats)
     rows["default"] = timed(lambda: bridged(HandoffConfig()), device, repeats)
+    rows["default, eager"] = timed(lambda: bridged(HandoffConfig(cuda_graphs=False)), device, repeats)
     rows["translation only"] = timed(lambda: bridged(HandoffConfig(refresh=None)), device, repeats)
     scores = torch.rand(1, n)
     for r in fractions:
         given = HandoffConfig(refresh=RefreshConfig(r, GivenScores(scores)))
         rows[f"refresh {r}, given"] = timed(lambda: bridged(given), device, repeats)  # noqa: B023
     return rows
+
+
+def native_graph(target, ids: torch.Tensor):
+    """A replay of the target's prefill of `ids` (the last token's logits) from a CUDA graph."""
+    from bridgecache.runtime.graphs import capture
+
+    with torch.no_grad():
+        graph, _ = capture(lambda: target(input_ids=ids, use_cache=False, logits_to_keep=1).logits)
+    return graph.replay
 
 
 @torch.no_grad()
@@ -237,10 +254,14 @@ def main() -> None:
             table[n] = rows
             if header is None:
                 header = ["context tokens", "native ms"] + [f"{k} (x native)" for k in rows if k != "native"]
+                if "native, graph" in rows:
+                    header.append("default / native, graph")
                 print(f"\nQwen2.5-1.5B -> Qwen2.5-{target_name.upper()} shapes: time to the first token")
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             cells = [str(n), f"{rows['native'] * 1e3:.1f}"]
             cells += [f"{v * 1e3:.1f} ({v / rows['native']:.2f})" for k, v in rows.items() if k != "native"]
+            if "native, graph" in rows:  # compiled vs compiled
+                cells.append(f"{rows['default'] / rows['native, graph']:.2f}")
             print("| " + " | ".join(cells) + " |", flush=True)
         results["tables"][target_name] = table
         if target_name == "7b" and not args.no_batch:
