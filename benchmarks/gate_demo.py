@@ -4,8 +4,9 @@
 
 Builds a wrong bridge from a good one (target layer i gets the maps fitted for layer L-1-i),
 scores both on the held-out calibration sequences (attention-output cosine per layer), then runs
-the built-in fact questions through each with and without `min_quality`, and prints each cache's
-report and the accuracies. Nothing here is tuned: the threshold is the command's argument.
+the built-in fact questions through each with the default `HandoffConfig` and with
+`HandoffConfig(quality=QualityPolicy(min_quality))`, and prints the accuracies and the gate's
+reason to fall back. Nothing here is tuned: the threshold is the command's argument.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main() -> None:
 
     import torch
 
-    from bridgecache.bridge.maps import Bridge
+    from bridgecache import Bridge, HandoffConfig, QualityPolicy
     from bridgecache.evaluation import evaluate, load_items, summarise
     from bridgecache.evaluation.runner import Variant
     from bridgecache.fitting.heldout import score_bridge
@@ -60,11 +61,12 @@ def main() -> None:
             f"{name}: held-out attention cosine mean {sum(scores) / len(scores):.3f}, min {min(scores):.3f}"
         )
 
+    gated = HandoffConfig(quality=QualityPolicy(min_quality=args.min_quality))
     variants = [
         Variant(good, label="fitted"),
-        Variant(good, min_quality=args.min_quality, label="fitted"),
+        Variant(good, gated, label="fitted"),
         Variant(wrong, label="reversed"),
-        Variant(wrong, min_quality=args.min_quality, label="reversed"),
+        Variant(wrong, gated, label="reversed"),
     ]
     _, items = load_items(f"builtin:{args.task}", None, target_tok, args.limit)
     evaluation = evaluate(source, source_tok, target, target_tok, items, "choice", variants)
@@ -73,7 +75,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for v in variants:
         s = summarise(evaluation, v)
-        gate = "off" if v.min_quality is None else f"min_quality {v.min_quality}"
+        minimum = v.config.quality.min_quality
+        gate = "off" if minimum is None else f"min_quality {minimum}"
         print(
             f"| {v.label} | {gate} | {100 * s['acc_bridged']:.1f}% | {100 * s['acc_native']:.1f}% "
             f"| {100 * s['acc_no_context']:.1f}% | {s['fallbacks']} of {s['n']} "

@@ -6,8 +6,10 @@
 Random-weight models at the real configs (no download), a head-local bridge with random
 coefficients (timing only), contexts of random token ids with lengths drawn from
 [--min-tokens, --max-tokens], sorted by length and cut into batches. One handoff = the source
-reads the context (its prefill is counted), a BridgedCache translates it, the target generates
---new-tokens tokens (exactly: min_new_tokens). Rows per batch size, measured side by side:
+reads the context (its prefill is counted), a BridgedCache with the default `HandoffConfig`
+translates it (the source's last 16 context tokens choose the 20% of it that the target recomputes
+in its first forward; there is no prompt), the target generates --new-tokens tokens (exactly:
+min_new_tokens). Rows per batch size, measured side by side:
 - handoff: capture_kv over the left-padded batch + BridgedCache + generate(), per batch;
 - native: the target reads the contexts itself and generates the same tokens (no source);
 Throughput = requests / wall time of the whole pass, after a warm-up pass over the same batches
@@ -57,8 +59,14 @@ def handoff_pass(source, target, bridge, batches, new_tokens: int) -> None:
         ids, mask = ids.to(device), mask.to(device)
         kv = capture_kv(source, ids, attention_mask=mask)
         cache = BridgedCache(
-            bridge, kv, target, ids, target_attention_mask=mask, source_attention_mask=mask
-        )  # fmt: skip
+            bridge,
+            kv,
+            target,
+            ids,
+            target_attention_mask=mask,
+            source_attention_mask=mask,
+            source_model=source,
+        )
         target.generate(ids, attention_mask=mask, **gen, **cache_kwargs(target, cache))
 
 

@@ -2,11 +2,14 @@
 
     python benchmarks/quality.py run --pair qwen1.5b-to-0.5b [--tasks prose-ppl code-ppl facts-choice]
         [--limit 16] [--methods fullhead cachebridge] [--anchors 1:0 1:32] [--fit domain=mixed ...]
-        [--tag default] [--threads 1]
+        [--refresh 0.2 | none] [--tag default] [--threads 1]
     python benchmarks/quality.py report [--tags default ...] [--plots DIR --plot-tag TAG --r2-tag TAG]
 
 `run` measures every variant (method x native anchors, `head:tail`) of one pair with the library
-call behind `bridgecache eval` (`bridgecache.evaluation.evaluate`): one pass over the data serves
+call behind `bridgecache eval` (`bridgecache.evaluation.evaluate`), each a `HandoffConfig` with
+those anchors and the default token refresh (`--refresh none`: the translation alone, what the
+bridge itself recovers; a fraction or a token count: that refresh, chosen by the source's
+attention from the prompt). One pass over the data serves
 all variants, so the source prefill, the target's native prefills and the controls are computed
 once. Each (tag, pair, task) writes one JSON under --raw ($BRIDGECACHE_HOME/quality by default):
 the `bridgecache eval --json` summary of every variant, the fit options and the bridges' per-layer
@@ -91,6 +94,18 @@ def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     return bridge, directory
 
 
+def _refresh(text: str) -> float | int | None:
+    """--refresh: a fraction (has a point), a token count, or none."""
+    if text == "none":
+        return None
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a fraction like 0.2, a count, or none"
+        ) from None
+
+
 def _finite(values) -> list:
     return [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
 
@@ -98,6 +113,7 @@ def _finite(values) -> list:
 def run(args) -> None:
     import torch
 
+    from bridgecache import HandoffConfig, RefreshConfig
     from bridgecache.cli.evaluate import _json_safe
     from bridgecache.evaluation import Variant, evaluate, load_items, summarise
     from bridgecache.models.zoo import load_model
@@ -114,11 +130,12 @@ def run(args) -> None:
         m: _bridge(args.pair, m if m != "identity" else "identity", fit, models, given) for m in methods
     }
     anchors = [tuple(int(x) for x in a.split(":")) for a in args.anchors]
-    variants = [
-        Variant(bridges[m][0], head, tail, key_norm=not args.no_key_norm)
-        for m in methods
+    refresh = None if args.refresh is None else RefreshConfig(args.refresh)
+    configs = [
+        HandoffConfig(native_head=head, native_tail=tail, key_norm=not args.no_key_norm, refresh=refresh)
         for head, tail in anchors
     ]
+    variants = [Variant(bridges[m][0], config) for m in methods for config in configs]
 
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
@@ -144,8 +161,10 @@ def run(args) -> None:
                 "--limit",
                 str(args.limit),
             ]
-            command += ["--native-head", str(variant.native_head), "--native-tail", str(variant.native_tail)]
-            command += [] if variant.key_norm else ["--no-key-norm"]
+            config = variant.config
+            command += ["--native-head", str(config.native_head), "--native-tail", str(config.native_tail)]
+            command += [] if config.key_norm else ["--no-key-norm"]
+            command += ["--refresh", "none" if args.refresh is None else str(args.refresh)]
             summary["command"] = shlex.join(command)
             summaries.append(summary)
         record = {
@@ -344,6 +363,8 @@ def _plots(records: list[dict], directory: Path, tag: str, r2_tag: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bridgecache.runtime.config import DEFAULT_REFRESH
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--raw", type=Path, default=None, help="results directory (default $BRIDGECACHE_HOME/quality)"
@@ -357,7 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--anchors", nargs="+", default=["1:0", "1:32"], help="native_head:native_tail options")
     r.add_argument("--fit", nargs="*", default=[], help="fit_bridge options, key=value (e.g. domain=mixed)")
     r.add_argument("--bridge", nargs="*", default=[], help="METHOD=DIR: use this bridge instead of fitting")
-    r.add_argument("--no-key-norm", action="store_true", help="BridgedCache(key_norm=False) in every variant")
+    r.add_argument(
+        "--no-key-norm", action="store_true", help="HandoffConfig(key_norm=False) in every variant"
+    )
+    r.add_argument(
+        "--refresh",
+        type=_refresh,
+        default=DEFAULT_REFRESH,
+        help=f"tokens the target recomputes: a fraction (default {DEFAULT_REFRESH}), a count, or none",
+    )
     r.add_argument("--tag", default="default", help="name of this configuration (for before/after)")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--overwrite", action="store_true")

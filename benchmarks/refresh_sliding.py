@@ -6,11 +6,14 @@ Gemma-3-270M cache gives the target's own greedy tokens.
 Gemma-3-270M has sliding-window layers (window 512) between full ones (5, 11, 17), so in a
 1024-token context about half the refreshed tokens lie before the rows a sliding layer keeps.
 The context is held-out prose (`text.token_sequences(..., split="eval")`) after Gemma's BOS.
-The target reads it through two bridges from itself: the identity, and the identity with
+The target reads it through two bridges from itself: the identity maps, and the identity maps with
 Gaussian noise (std `--noise`) added to every key and value map (a poor bridge, also run without
-refresh to show it is wrong). Each runs with refresh=1.0 (every translated token recomputed
-through every layer) and is compared with the target's own `generate()`: greedy tokens equal or
-not, and the largest difference of the new tokens' logits. Nothing is fitted; float32 on the CPU.
+refresh to show it is wrong); both are marked as fitted bridges ("fullhead"), since a handoff
+never refreshes through the exact identity bridge. Each runs with
+`HandoffConfig(refresh=RefreshConfig(1.0))` (every translated token recomputed through every
+layer; the model is its own source) and is compared with the target's own `generate()`: greedy
+tokens equal or not, and the largest difference of the new tokens' logits. Nothing is fitted;
+float32 on the CPU.
 """
 
 from __future__ import annotations
@@ -29,11 +32,8 @@ def main() -> None:
 
     import torch
 
-    from bridgecache.bridge.maps import Bridge
+    from bridgecache import Bridge, BridgedCache, HandoffConfig, RefreshConfig, capture_kv, load_model
     from bridgecache.compat import cache_kwargs
-    from bridgecache.kv.capture import capture_kv
-    from bridgecache.models.zoo import load_model
-    from bridgecache.runtime.cache import BridgedCache
     from bridgecache.text import token_sequences
 
     torch.set_num_threads(args.threads)
@@ -61,10 +61,12 @@ def main() -> None:
     for layer in noisy.layers:
         for weight in (layer.key_weight, layer.value_weight):
             weight += args.noise * torch.randn(weight.shape, generator=generator)
+    identity.method = noisy.method = "fullhead"  # the exact identity bridge is never refreshed
     poor = f"identity + noise {args.noise}"
     for name, bridge, refresh in ((poor, noisy, None), ("identity", identity, 1.0), (poor, noisy, 1.0)):
         start = time.perf_counter()
-        cache = BridgedCache(bridge, source, model, ids, refresh=refresh)
+        config = HandoffConfig(refresh=None if refresh is None else RefreshConfig(refresh))
+        cache = BridgedCache(bridge, source, model, ids, config=config, source_model=model)
         tokens, logits = generate(cache)
         seconds = time.perf_counter() - start
         same = bool(torch.equal(tokens, native_tokens))
