@@ -5,12 +5,12 @@
         --variants plain layers=1 layers=4 refresh=0.1,by=source refresh=0.2,by=deviation ...
     python benchmarks/native_dial.py report [--plots docs/results]
 
-A variant is `plain` or comma-separated key=value pairs: head (native head, default 1), tail
-(native tail, default 0), layers (native layers: an int n, or 0+1+17 for a set, or all), refresh
-(fraction or token count), by (deviation | source | target | source+target), minq (quality gate
-threshold); source-guided selection: spread (neighbours either side), last (only the prompt's
-last N tokens look), reduce (sum | max over layers, heads and queries), after (scores reach the N
-following tokens).
+A variant is a `HandoffConfig`: `plain` (translation only) or comma-separated key=value pairs:
+head (native head, default: the bridge's), tail (native tail, default 0), layers (native layers:
+an int n, or 0+1+17 for a set, or all), refresh (fraction or token count; none without it), by
+(deviation, the default | source), minq (quality gate threshold); source-guided selection
+(`SourceAttention`): reduce (sum, the default | max over layers, heads and queries), after
+(scores reach the N following tokens, default 0).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
@@ -36,12 +36,28 @@ PAIRS = {
     "qwen0.5b-to-gemma": ("qwen2.5-coder-0.5b", "gemma3-270m"),
 }
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
-_KEYS |= {"by": "refresh_by", "minq": "min_quality", "spread": "refresh_spread", "last": "refresh_last"}
+_KEYS |= {"by": "refresh_by", "minq": "min_quality"}
 _KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after"}
 
 
+def handoff_config(options: dict):
+    """parse_variant's options -> the variant's HandoffConfig."""
+    from bridgecache import HandoffConfig, QualityPolicy, RefreshConfig, SourceAttention
+
+    refresh, by = options.get("refresh"), options.get("refresh_by", "deviation")
+    if by == "source":
+        by = SourceAttention(reduce=options["refresh_reduce"], after=options["refresh_after"])
+    return HandoffConfig(
+        native_head=options.get("native_head"),
+        native_tail=options.get("native_tail", 0),
+        native_layers=options.get("native_layers"),
+        refresh=None if refresh is None else RefreshConfig(refresh, by),
+        quality=QualityPolicy(options.get("min_quality")),
+    )
+
+
 def parse_variant(spec: str) -> dict:
-    """`plain` or `key=value,...` -> Variant keywords (see the module docstring)."""
+    """`plain` or `key=value,...` -> handoff_config's options (see the module docstring)."""
     if spec == "plain":
         return {}
     # Source-guided specs without reduce/after mean the first rule measured (sum, no reach),
@@ -77,14 +93,16 @@ def strategy(summary: dict) -> str:
     prefix = f"{summary['label']}: " if summary.get("label") else ""
     if summary.get("min_quality") is not None:
         return prefix + "quality gate"
+    by = {"source attention": "source", "key deviation": "deviation"}.get(summary.get("refresh_by"))
+    by = by or summary.get("refresh_by")
     if layers and refresh:
-        return prefix + f"native layers + refresh ({summary['refresh_by']})"
+        return prefix + f"native layers + refresh ({by})"
     if refresh and "after=" in spec:
-        return prefix + f"refresh ({summary['refresh_by']}, max, after)"
+        return prefix + f"refresh ({by}, max, after)"
     if refresh and "spread=" in spec:
-        return prefix + f"refresh ({summary['refresh_by']}, spans)"
+        return prefix + f"refresh ({by}, spans)"
     if refresh:
-        return prefix + f"refresh ({summary['refresh_by']})"
+        return prefix + f"refresh ({by})"
     if layers:
         return prefix + "native layers"
     if summary.get("native_tail"):
@@ -121,7 +139,12 @@ def run(args) -> None:
     bridge = Bridge.from_pretrained(args.bridge)
     target, target_tok = load_model(target_name)
     source, source_tok = load_model(source_name)
-    variants = [Variant(bridge, label=args.label, **parse_variant(spec)) for spec in args.variants]
+    # Labelled by their spec: a HandoffConfig's label does not tell selection rules' options apart.
+    specs = [f"{args.label}:{spec}" if args.label else spec for spec in args.variants]
+    variants = [
+        Variant(bridge, handoff_config(parse_variant(spec)), label)
+        for spec, label in zip(args.variants, specs)
+    ]
     controls = ControlScores(args.controls or cache_root() / "quality" / "controls.json")
     for task_name in args.tasks:
         data = f"builtin:{task_name}"
@@ -201,7 +224,7 @@ def guide_cost(record: dict, s: dict) -> float:
     from bridgecache.evaluation.builtin import builtin_items
     from bridgecache.evaluation.prompts import _plain_prompt
     from bridgecache.models.zoo import load_tokenizer, model_dir
-    from bridgecache.runtime.gate import reading_fraction
+    from bridgecache.runtime.report import reading_fraction
 
     source_name, target_name = PAIRS[record["pair"]]
     configs = {name: AutoConfig.from_pretrained(model_dir(name)) for name in (source_name, target_name)}
@@ -347,9 +370,7 @@ def main() -> None:
     )
     r.add_argument("--variants", nargs="+", default=["plain"])
     r.add_argument("--tag", default="dial")
-    r.add_argument(
-        "--label", help="names this bridge in tables and plots (e.g. refined, a larger calibration)"
-    )
+    r.add_argument("--label", help="names this bridge in tables and plots (e.g. a larger calibration)")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--controls", type=Path)
     r.add_argument("--raw", type=Path, default=cache_root() / "quality" / "dial")

@@ -11,12 +11,13 @@ other items than those it is reported on.
 
 Rules (scores per source token, carried to target columns through the alignment as the
 library does; the source reads "Question: ... Answer:" over its own cache):
-    sum            attention summed over layers, heads and question tokens (the library's default)
+    sum            attention summed over layers, heads and question tokens
     readout        only the last 2 question tokens ("Answer:"), where the answer is read out
     max            the largest attention any (layer, head, question token) gives the token
     sum+spread2    sum, each score also reaching 2 neighbours either side (spans)
     sum+afterK     sum, each score also reaching the K tokens AFTER it (what follows a mention)
-    max+after4, readout+after4   the same reach on the other rules
+    max+after4, readout+after4   the same reach on the other rules (max+after4: the library's
+                   default, `SourceAttention()` with a prompt)
 Prints a table: mean recall of the answer's target tokens and of its line, 95% bootstrap
 intervals over items.
 """
@@ -33,7 +34,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bridgecache.runtime.guides import attention_maps, scores_on_target  # noqa: E402
 from native_dial import PAIRS  # noqa: E402
 
 from bridgecache.bridge.maps import Bridge  # noqa: E402
@@ -41,8 +41,8 @@ from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
-from bridgecache.runtime.handoff import align_context, source_rows  # noqa: E402
-from bridgecache.runtime.refresh import refresh_budget, select_columns  # noqa: E402
+from bridgecache.runtime.handoff import align_context  # noqa: E402
+from bridgecache.runtime.reading import attention_scores  # noqa: E402
 
 
 def after(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,11 +55,12 @@ def around(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(scores[:, None], 2 * k + 1, stride=1, padding=k)[:, 0]
 
 
-def rules(maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Source-token scores [1, S] per rule from per-layer maps [1, heads, q, S]."""
-    total = sum(m.sum(dim=(1, 2)) for m in maps)
-    readout = sum(m[:, :, -2:].sum(dim=(1, 2)) for m in maps)
-    peak = torch.stack([m.amax(dim=(1, 2)) for m in maps]).amax(0)
+def rules(source, kv, question: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Source-token scores [1, S] per rule: the source reads `question` over its cache `kv`."""
+    read = lambda **kw: attention_scores(  # noqa: E731
+        source, kv.keys, kv.values, kv.position_ids, kv.padding, question, kv.num_tokens, **kw
+    ).cpu()
+    total, readout, peak = read(reduce="sum"), read(reduce="sum", counted=2), read(reduce="max")
     return {
         "sum": total,
         "readout": readout,
@@ -71,6 +72,11 @@ def rules(maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         "max+after4": after(peak, 4),
         "readout+after4": after(readout, 4),
     }
+
+
+def top_columns(scores: torch.Tensor, eligible: torch.Tensor, budget: int) -> torch.Tensor:
+    """The `budget` highest-scoring eligible columns of each row ([batch, budget] int64)."""
+    return torch.where(eligible, scores.float(), float("-inf")).topk(budget, dim=1).indices
 
 
 def answer_columns(tokenizer, text: str, span: tuple[int, int]) -> set[int]:
@@ -117,14 +123,17 @@ def main() -> None:
         }
         kv = capture_kv(source, source_ids)
         question = source_tok(_plain_prompt(item), add_special_tokens=False, return_tensors="pt")["input_ids"]
-        maps = attention_maps(source, kv.keys, kv.values, kv.position_ids, question, source_ids.shape[1])
-        rows = source_rows(alignment, target_ids.shape[1])
         tokens = target_ids.shape[1]
+        # The source token each target column reads (-1: none): the one covering its last character.
+        rows = (
+            torch.arange(tokens)[None] if alignment is None else torch.as_tensor(alignment.source_index)[None]
+        )
         eligible = torch.zeros(1, tokens, dtype=torch.bool)
         eligible[0, 1 : tokens - 1] = True  # as BridgedCache: native sink, held-back last token
-        budget = refresh_budget(args.budget, int(eligible.sum()))
-        for name, scores in rules(maps).items():
-            picked = set(select_columns(scores_on_target(scores.float(), rows), eligible, budget)[0].tolist())
+        budget = round(args.budget * int(eligible.sum()))
+        for name, scores in rules(source, kv, question).items():
+            on_target = torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
+            picked = set(top_columns(on_target, eligible, budget)[0].tolist())
             for what, columns in wanted.items():
                 recall.setdefault((name, what), []).append(len(picked & columns) / max(1, len(columns)))
     print(f"{args.pair}, {args.task} items {args.first}-{args.first + len(items) - 1}, budget {args.budget}")
