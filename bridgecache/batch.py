@@ -81,6 +81,9 @@ def handoff_batch(
     """
     if not contexts:
         raise ValueError("contexts is empty: pass at least one text")
+    from bridgecache.artifacts.builtin import check_models
+
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     aligned = [align_context(bridge, text, source_tokenizer, target_tokenizer) for text in contexts]
     alignments = [a for a, _, _ in aligned]
     pad_id = target_tokenizer.pad_token_id

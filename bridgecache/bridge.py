@@ -4,14 +4,19 @@ A `Bridge` holds one `LayerMap` per target layer plus the identity (`ModelSpec`)
 the method that fitted it, the token-alignment policy and a description of the calibration data.
 It is a container: fitting lives in `bridgecache.fitting`, application in `bridgecache.translate`.
 
-Files: `bridge.safetensors` (tensors) + `bridge.json` (metadata, per-tensor shape/dtype/sha256).
-Loading validates everything against the metadata and names the field that is wrong. No pickle.
+Files: `bridge.json` (metadata, per-tensor shape/dtype/sha256, and `tensors_file`: the name of
+the tensors file) + `bridge-<16 hex>.safetensors` (the tensors; `bridge.safetensors` in bridges
+written before format 2). A save writes a new tensors file beside the old one and then replaces
+`bridge.json` in one rename: the pointer moves last, so a reader, a crash or a second writer
+leaves the old bridge or the new one, never half. Loading validates everything against the
+metadata and names the field that is wrong. No pickle.
 
 This module knows nothing about tokenizers, calibration text or how the maps were fitted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -23,21 +28,33 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bridgecache.bridgeformat import METHODS, BridgeFormatError, check_bridge_json
-from bridgecache.files import staged_directory
+from bridgecache.bridgeformat import (
+    MAX_JSON_BYTES,
+    METHODS,
+    TENSORS_FILE,
+    BridgeFormatError,
+    check_bridge_json,
+    printable,
+)
+from bridgecache.files import clean_leftovers, directory_lock, publish, staging_folder
 from bridgecache.fingerprint import weight_fingerprint
-from bridgecache.modelinfo import ModelSpec, SpecMismatchError, model_spec
+from bridgecache.modelinfo import ModelSpec, SpecMismatchError, WeightMismatchWarning, model_spec
 from bridgecache.refinement import REFINE_FIELDS, LayerRefinement, refinement_shapes
 
-__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
+__all__ = [
+    "LayerMap",
+    "Bridge",
+    "BridgeFormatError",
+    "WeightMismatchWarning",
+    "FORMAT_VERSION",
+    "METHODS",
+    "tensors_path",
+]
 
-FORMAT_VERSION = 1
-_JSON, _TENSORS = "bridge.json", "bridge.safetensors"
+FORMAT_VERSION = 2  # 2: bridge.json names its tensors file (`tensors_file`); 1 is still read
+_JSON, _TENSORS = "bridge.json", "bridge.safetensors"  # _TENSORS: the name format 1 used
+_CARD = "README.md"
 _FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
-
-
-class WeightMismatchWarning(UserWarning):
-    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
 
 
 @dataclass
@@ -132,17 +149,41 @@ class Bridge:
 
     # ------------------------------------------------------------------ checks and sizes
 
-    def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:
+    def check(
+        self,
+        source=None,
+        target=None,
+        strict: bool = False,
+        *,
+        source_tokenizer=None,
+        target_tokenizer=None,
+    ) -> None:
         """Raise SpecMismatchError naming each field where the given models differ from the bridge's.
 
+        source, target: transformers models or ModelSpecs (None: that side is not checked).
+        source_tokenizer, target_tokenizer: compared with the vocabulary fingerprint the bridge
+            records (when it records one).
         Given models (not specs), their weights are compared with the fingerprints recorded at
         fit time: a mismatch (e.g. a fine-tuned copy) warns (WeightMismatchWarning), or raises
         SpecMismatchError under `strict=True`.
         """
-        self.source.check(_as_spec(source_model_or_spec), "source")
-        self.target.check(_as_spec(target_model_or_spec), "target")
-        for role, model in (("source", source_model_or_spec), ("target", target_model_or_spec)):
-            _check_fingerprint(self.fingerprints.get(role), model, role, strict)
+        sides = (
+            ("source", source, source_tokenizer, self.source),
+            ("target", target, target_tokenizer, self.target),
+        )
+        for role, model, tokenizer, spec in sides:
+            if model is not None:
+                spec.check(_as_spec(model, tokenizer), role)
+                _check_fingerprint(self.fingerprints.get(role), model, role, strict)
+            elif tokenizer is not None and spec.tokenizer:
+                from bridgecache.modelinfo import tokenizer_fingerprint
+
+                got = tokenizer_fingerprint(tokenizer)
+                if got != spec.tokenizer:
+                    raise SpecMismatchError(
+                        f"this bridge was fitted with {role} tokenizer {spec.tokenizer} "
+                        f"({printable(spec.name)!r}), got tokenizer {got}"
+                    )
 
     def num_parameters(self) -> int:
         """Coefficients of all maps (weights and biases, keys and values)."""
@@ -155,7 +196,7 @@ class Bridge:
     def summary(self) -> str:
         """A per-layer table: source layers, inputs per head, parameters, held-out R^2 of K and V."""
         lines = [
-            f"bridge {self.source.name} -> {self.target.name}  method={self.method}  "
+            f"bridge {printable(self.source.name)} -> {printable(self.target.name)}  method={self.method}  "
             f"alignment={self.alignment_policy}  native_head={self.native_head}",
             f"{'layer':>5}  {'source layers':<18}{'n_in':>5}{'params':>12}{'R2 K':>9}{'R2 V':>9}",
         ]
@@ -178,37 +219,39 @@ class Bridge:
     # ------------------------------------------------------------------ files
 
     def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
-        """Write bridge.safetensors + bridge.json into `directory` (created if needed).
+        """Write the bridge (tensors, bridge.json, README.md card) into `directory` (created if needed).
 
-        The files are staged in a hidden folder and renamed into place (a reader or a crash
-        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
-        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
+        Atomic as a whole: a new tensors file is written under its own name, then bridge.json,
+        which names it, replaces the old one in one rename; a crash at any point leaves the old
+        bridge (or none) loadable and the next save or load removes what it left. Concurrent
+        writers leave one of their bridges. Other files in `directory` are kept; files get the
+        umask's mode. overwrite=False refuses (FileExistsError) to replace a bridge already in
+        `directory`, also against a writer that creates one meanwhile (exactly one wins).
         """
         directory = Path(directory)
-        if not overwrite and (directory / _JSON).exists():
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{directory} exists and is not a directory")
+        if not overwrite and (directory / _JSON).exists():  # early; checked again at the commit
             raise FileExistsError(f"{directory} already holds a bridge; refusing to overwrite it")
         tensors, described = {}, {}
         for i, layer in enumerate(self.layers):
-            for name in _FIELDS:
-                t = getattr(layer, name).detach().cpu().contiguous()
+            named = {name: getattr(layer, name) for name in _FIELDS}
+            if layer.refinement is not None:
+                named |= {f"refinement.{k}": t for k, t in layer.refinement.tensors().items()}
+            for name, t in named.items():
+                t = t.detach().cpu().contiguous()
                 tensors[f"layers.{i}.{name}"] = t
                 described[f"layers.{i}.{name}"] = {
                     "shape": list(t.shape),
                     "dtype": str(t.dtype).removeprefix("torch."),
                     "sha256": _tensor_sha(t),
                 }
-            if layer.refinement is not None:
-                for name, t in layer.refinement.tensors().items():
-                    t = t.detach().cpu().contiguous()
-                    tensors[f"layers.{i}.refinement.{name}"] = t
-                    described[f"layers.{i}.refinement.{name}"] = {
-                        "shape": list(t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "sha256": _tensor_sha(t),
-                    }
+        digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+        tensors_file = f"bridge-{digest}.safetensors"  # named by content: writers never collide
         meta = {
             "format": "bridgecache.bridge",
             "format_version": FORMAT_VERSION,
+            "tensors_file": tensors_file,
             "source": self.source.to_dict(),
             "target": self.target.to_dict(),
             "method": self.method,
@@ -232,12 +275,32 @@ class Bridge:
         if refined:
             rank = self.layers[refined[0]].refinement.rank
             meta["refinement"] = {**self.refinement, "rank": rank, "layers": refined}
-        from bridgecache.artifacts.card import write_card
+        from bridgecache.artifacts.card import render_card
 
-        with staged_directory(directory) as staging:
-            save_file(tensors, str(staging / _TENSORS))
-            (staging / _JSON).write_text(json.dumps(meta, indent=1))
-            write_card(self, staging)  # README.md: the bridge card
+        created = not directory.exists()
+        directory.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(directory)
+        try:
+            with staging_folder(directory) as staging:
+                tensors_tmp, card_tmp, json_tmp = staging / tensors_file, staging / _CARD, staging / _JSON
+                save_file(tensors, str(tensors_tmp))
+                card_tmp.write_text(render_card(self))
+                json_tmp.write_text(json.dumps(meta, indent=1))
+                with directory_lock(directory):  # the commit: short, one writer at a time
+                    if not overwrite and (directory / _JSON).exists():
+                        raise FileExistsError(
+                            f"{directory} already holds a bridge (another writer saved one meanwhile); "
+                            "refusing to overwrite it"
+                        )
+                    publish(tensors_tmp, directory / tensors_file)
+                    publish(card_tmp, directory / _CARD)
+                    publish(json_tmp, directory / _JSON, exclusive=not overwrite)  # the pointer moves last
+                    _remove_unreferenced(directory, keep=tensors_file)
+        except BaseException:
+            if created:  # a folder this call made and nothing landed in: not left behind
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
         return directory
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
@@ -269,8 +332,8 @@ class Bridge:
         from bridgecache.artifacts.resolve import check_fingerprints, resolve_bridge
 
         directory = resolve_bridge(name_or_path, **hub_kwargs)
-        meta = _read_json(directory / _JSON)
-        tensors = _read_tensors(directory / _TENSORS)
+        meta, tensors = _read_files(directory)
+        _tidy(directory, meta)
         _check_tensors(meta, tensors, directory)
         try:
             source, target = ModelSpec.from_dict(meta["source"]), ModelSpec.from_dict(meta["target"])
@@ -284,7 +347,7 @@ class Bridge:
             t = {name: _as_fp32(tensors[f"layers.{i}.{name}"]).to(device) for name in _FIELDS}
             if t["inputs"].tolist() != _get(entry, "inputs", where):
                 raise BridgeFormatError(
-                    f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
+                    f"{directory}: layers.{i}.inputs differs between {_JSON} and its tensors file"
                 )
             refinement = None
             if i in meta.get("refinement", {}).get("layers", []):
@@ -320,37 +383,95 @@ class Bridge:
 # ---------------------------------------------------------------------- validation helpers
 
 
+def tensors_path(directory: str | Path) -> Path:
+    """The tensors file that `directory`'s bridge.json names (bridge.safetensors before format 2)."""
+    directory = Path(directory)
+    meta = _read_json(directory / _JSON)
+    return directory / meta.get("tensors_file", _TENSORS)
+
+
+def _read_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """bridge.json and the tensors it names. A writer may replace the bridge between the two
+    reads (and remove the old tensors): then bridge.json is read again."""
+    for _ in range(5):
+        meta = _read_json(directory / _JSON)
+        path = directory / meta.get("tensors_file", _TENSORS)
+        try:
+            return meta, _read_tensors(path)
+        except FileNotFoundError:
+            if _read_json(directory / _JSON) == meta:  # not a concurrent replacement: really missing
+                break
+    raise BridgeFormatError(f"no bridge tensors at {path} (named by {directory / _JSON})")
+
+
 def _read_json(path: Path) -> dict:
     if not path.exists():
         raise BridgeFormatError(f"no bridge metadata at {path} (is this a bridge directory?)")
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise BridgeFormatError(
+            f"{path} has {size:,} bytes; a bridge's metadata has at most {MAX_JSON_BYTES:,}"
+        )
     try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BridgeFormatError(f"{path} is not valid JSON (truncated or corrupted?): {err}") from err
+        meta = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise BridgeFormatError(
+            f"{path} is not valid JSON (truncated or corrupted?): {printable(str(err), 200)}"
+        ) from err
     if not isinstance(meta, dict) or meta.get("format") != "bridgecache.bridge":
         raise BridgeFormatError(f"{path}: field 'format' is not 'bridgecache.bridge'")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in (1, FORMAT_VERSION):
         raise BridgeFormatError(
-            f"{path}: field 'format_version' is {meta.get('format_version')!r}; "
-            f"this bridgecache reads {FORMAT_VERSION}"
+            f"{path}: field 'format_version' is {printable(repr(meta.get('format_version')), 60)}; "
+            f"this bridgecache reads 1 and {FORMAT_VERSION}"
         )
     check_bridge_json(meta, path)
     return meta
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `path` (FileNotFoundError if it is gone; BridgeFormatError if unreadable)."""
     if not path.exists():
-        raise BridgeFormatError(f"no bridge tensors at {path}")
+        raise FileNotFoundError(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        if isinstance(err, FileNotFoundError) or not path.exists():  # removed by a writer meanwhile
+            raise FileNotFoundError(path) from err
         raise BridgeFormatError(
-            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}"
+            f"{path} is not a readable safetensors file (truncated or corrupted?): {printable(str(err), 200)}"
         ) from err
 
 
+def _tidy(directory: Path, meta: dict) -> None:
+    """Remove what killed writers left in a bridge directory (best effort: it may be read-only).
+    Folders others manage (the package's built-in bridges, a Hub cache snapshot) are left alone."""
+    from bridgecache.artifacts.builtin import builtin_root
+
+    resolved = directory.resolve()
+    if resolved.parent.name == "snapshots" or resolved.is_relative_to(builtin_root()):
+        return
+    clean_leftovers(directory)
+    with contextlib.suppress(OSError, BridgeFormatError), directory_lock(directory, blocking=False) as locked:
+        if locked and _read_json(directory / _JSON) == meta:  # still the bridge just read
+            _remove_unreferenced(directory, meta.get("tensors_file", _TENSORS))
+
+
+def _remove_unreferenced(directory: Path, keep: str) -> None:
+    """Delete tensors files of replaced bridges (the caller holds the directory lock)."""
+    for path in directory.iterdir():
+        if path.name != keep and TENSORS_FILE.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _tensors_name(meta: dict, directory: Path) -> Path:
+    return directory / meta.get("tensors_file", _TENSORS)
+
+
 def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Every described tensor exists with its shape, dtype and sha256; nothing extra."""
+    """Every described tensor exists with its shape, dtype and sha256, and holds finite numbers
+    (a NaN or Inf in a map turns every translated row into NaN); nothing extra."""
     described = meta["tensors"]
     expected_names = {f"layers.{i}.{name}" for i in range(len(meta["layers"])) for name in _FIELDS}
     refined = meta.get("refinement", {}).get("layers", [])
@@ -361,7 +482,7 @@ def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path
         )
     for name in sorted(expected_names):
         if name not in tensors:
-            raise BridgeFormatError(f"{directory / _TENSORS}: tensor {name!r} is missing")
+            raise BridgeFormatError(f"{_tensors_name(meta, directory)}: tensor {name!r} is missing")
         t, want = tensors[name], described[name]
         if list(t.shape) != want["shape"]:
             raise BridgeFormatError(
@@ -373,9 +494,18 @@ def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path
             raise BridgeFormatError(
                 f"tensor {name!r}: checksum mismatch (the file was modified or corrupted)"
             )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise BridgeFormatError(
+                f"{_tensors_name(meta, directory)}: tensor {name!r} holds {bad} NaN or infinite "
+                "values; expected finite numbers (a map with them turns every translated row into NaN)"
+            )
     extra = sorted(set(tensors) - expected_names)
     if extra:
-        raise BridgeFormatError(f"{directory / _TENSORS}: unexpected tensors {extra[:3]}")
+        raise BridgeFormatError(
+            f"{_tensors_name(meta, directory)}: {len(extra)} unexpected tensors, e.g. "
+            f"{printable(repr(extra[:3]), 200)}"
+        )
 
 
 def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
@@ -435,11 +565,11 @@ def _get(entry, key: str, where: str):
     return entry[key]
 
 
-def _as_spec(model_or_spec) -> ModelSpec:
+def _as_spec(model_or_spec, tokenizer=None) -> ModelSpec:
     if isinstance(model_or_spec, ModelSpec):
         return model_or_spec
     if hasattr(model_or_spec, "config"):
-        return model_spec(model_or_spec)
+        return model_spec(model_or_spec, tokenizer)
     raise SpecMismatchError(
         f"expected a transformers model or a ModelSpec, got {type(model_or_spec).__name__}"
     )

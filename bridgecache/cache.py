@@ -419,7 +419,7 @@ class _Translator:
         windows,
     ):
         spec = bridge.source
-        source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        source.check(spec, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
         bridge.target.check(model_spec(target), "target")
         self.bridge = bridge
         self.source = source

@@ -167,11 +167,14 @@ def handoff(
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
     from bridgecache.artifacts.builtin import check_models
+    from bridgecache.source import as_source
 
-    check_models(bridge, source, target, source_tokenizer, target_tokenizer)  # built-in bridges only
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
     source_prefill_s = 0.0
-    if source_cache is None:
+    if source_cache is not None:  # KV of another model or another document are refused here
+        source_cache = as_source(source_cache, model=source, input_ids=source_ids)
+    else:
         if source is None:
             raise ValueError("pass either the source model or its cache of the context (source_cache=)")
         start = time.perf_counter()

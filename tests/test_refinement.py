@@ -15,6 +15,7 @@ from tiny_models import tiny_model
 
 from bridgecache import Bridge, BridgedCache, capture_kv
 from bridgecache.bridge import BridgeFormatError, LayerMap
+from bridgecache.bridge import tensors_path as bridge_tensors_path
 from bridgecache.fitting.heldout import attention_cosine
 from bridgecache.fitting.refine import refine_bridge, strip_refinement, train_refinement
 from bridgecache.integrations.pages import bridge_fingerprint
@@ -174,7 +175,7 @@ def test_save_load_round_trip(tmp_path):
 
 def test_a_corrupted_refinement_is_refused(tmp_path):
     _, _, directory = _refined_tiny(tmp_path)
-    tensors_path, json_path = directory / "bridge.safetensors", directory / "bridge.json"
+    tensors_path, json_path = bridge_tensors_path(directory), directory / "bridge.json"
     original_tensors, original_json = tensors_path.read_bytes(), json_path.read_text()
 
     tensors = load_file(str(tensors_path))

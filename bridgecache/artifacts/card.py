@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from bridgecache.untrusted import printable
+
 __all__ = ["CARD", "card_metadata", "render_card", "write_card"]
 
 CARD = "README.md"
@@ -53,9 +55,10 @@ def render_card(bridge) -> str:
 
     meta = card_metadata(bridge)
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    source, target = printable(bridge.source.name, 200), printable(bridge.target.name, 200)
     body = (
-        f"# Bridge {bridge.source.name} -> {bridge.target.name}\n\n"
-        f"Maps the KV cache of `{bridge.source.name}` into the cache space of `{bridge.target.name}` "
+        f"# Bridge {source} -> {target}\n\n"
+        f"Maps the KV cache of `{source}` into the cache space of `{target}` "
         f"with per-layer affine maps ({bridge.method}), so the target continues from a context the "
         "source has read without reading it again.\n\n"
         "```python\nfrom bridgecache import Bridge\n\n"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 __all__ = ["BRIDGE_FILES", "download", "push_to_hub"]
 
-BRIDGE_FILES = ("bridge.json", "bridge.safetensors", "README.md")
+# bridge.json names its tensors file: bridge-<16 hex>.safetensors (bridge.safetensors in format 1).
+BRIDGE_FILES = ("bridge.json", "bridge*.safetensors", "README.md")
 
 
 def download(
@@ -75,5 +76,6 @@ def push_to_hub(
             repo_type="model",
             revision=revision,
             commit_message=commit_message,
+            delete_patterns=["bridge*.safetensors"],  # the tensors of a bridge this one replaces
         )
     return str(getattr(info, "commit_url", info))

@@ -55,7 +55,7 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     counts = torch.zeros(len(modules), dtype=torch.float64)
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
         # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
-        source_kv = capture_kv(source.get_decoder(), source_ids)
+        source_kv = capture_kv(source, source_ids)
         cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment)
         cache.materialize()
         prefix, first = cache.get_seq_length(), cache.translator.native_prefix

@@ -218,7 +218,7 @@ def _prepare(closed, source, target, context, rows_per_context: int) -> list[_La
 
     source_ids, target_ids, alignment = context
     # The decoders alone: their KV and queries are the models', without the vocabulary projection.
-    source_kv = capture_kv(source.get_decoder(), source_ids)
+    source_kv = capture_kv(source, source_ids)
     cache = BridgedCache(closed, source_kv, target, target_ids, alignment=alignment)
     tr = cache.translator  # the row plan, native head rows and rope tables of this context
     first, prefix = tr.native_prefix, tr.prefix_length

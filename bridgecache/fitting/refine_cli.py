@@ -9,8 +9,9 @@ split "calib"; the held-out ones are never trained on), scores the held-out sequ
 after (`heldout.score_bridge`: attention-output cosine per target layer; "before" is the score the
 fit recorded, when it did), prints both, and saves
 the refined bridge (its `calibration["heldout_scores"]` are the refined scores; the closed form's
-are kept in `refinement["heldout_closed_form"]`). Options and `--out` are checked before a model
-loads. The closed-form bridge is never modified.
+are kept in `refinement["heldout_closed_form"]`). Options, the bridge, the models it names and
+`--out` are checked before a model loads; if `--out` breaks during the run, the refined bridge is
+saved to a `bridgecache-unsaved-*` folder instead. The closed-form bridge is never modified.
 
 Knows argparse; the training itself is `bridgecache.fitting.refine.refine_bridge`.
 """
@@ -21,6 +22,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+from bridgecache.untrusted import printable
 
 __all__ = ["add_refine_command", "run_refine"]
 
@@ -48,10 +51,18 @@ def add_refine_command(subparsers) -> argparse.ArgumentParser:
 
 
 def check_refine_args(args) -> str | None:
-    """The first problem with the arguments, destination included, in words; None if none."""
+    """The first problem with the arguments, the bridge and its models, destination included, in
+    words; None if none. Sets `args.closed` to the loaded bridge."""
+    from bridgecache.bridge import Bridge
+    from bridgecache.bridgeformat import BridgeFormatError
     from bridgecache.files import writable_destination
+    from bridgecache.fitting.options import check_model_reference
+    from bridgecache.zoo import BUILTIN_MODELS
 
     limits = (("--rank", args.rank, 1), ("--steps", args.steps, 0), ("--texts", args.texts, 2))
+    limits += (("--validate-every", args.validate_every, 2),)
+    if args.threads is not None:
+        limits += (("--threads", args.threads, 1),)
     for flag, value, low in limits:
         if value < low:
             return f"{flag} is {value}; expected an integer >= {low}"
@@ -65,6 +76,14 @@ def check_refine_args(args) -> str | None:
         return f"--out: {problem}"
     if (Path(args.out) / "bridge.json").exists() and not args.force:
         return f"--out: {args.out} already holds a bridge; pass --force to replace it, or choose another"
+    try:
+        args.closed = Bridge.from_pretrained(args.bridge)
+    except (BridgeFormatError, OSError) as err:
+        return f"--bridge: {err}"
+    for role, spec in (("source", args.closed.source), ("target", args.closed.target)):
+        problem = check_model_reference(spec.name, BUILTIN_MODELS)
+        if problem:
+            return f"--bridge: its {role} model cannot be loaded: {problem}"
     return None
 
 
@@ -72,18 +91,18 @@ def run_refine(args) -> int:
     """Check, load, score, refine, score again, save, print. Returns the exit status."""
     problem = check_refine_args(args)
     if problem:
-        print(f"bridgecache refine: error: {problem}", file=sys.stderr)
+        print(f"bridgecache refine: error: {printable(problem, 2000)}", file=sys.stderr)
         return 2
     import torch
 
-    from bridgecache.bridge import Bridge
+    from bridgecache.fitting.cli import save_or_rescue
     from bridgecache.fitting.heldout import score_bridge
     from bridgecache.fitting.refine import refine_bridge
     from bridgecache.zoo import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    bridge = Bridge.from_pretrained(args.bridge)
+    bridge = args.closed
     source, source_tok = load_model(bridge.source.name)
     target, target_tok = load_model(bridge.target.name)
     before = bridge.calibration.get("heldout_scores")
@@ -112,7 +131,8 @@ def run_refine(args) -> int:
     if refined.refinement:
         refined.refinement["heldout_closed_form"] = before
         refined.refinement["source_bridge"] = str(args.bridge)
-    refined.save_pretrained(args.out, overwrite=True)
+    if not save_or_rescue(refined, args.out, True, "refine"):
+        return 1
     kept = [i for i, layer in enumerate(refined.layers) if layer.refinement is not None]
     print(f"held-out attention-output cosine over {after['sequences']} held-out calibration sequences")
     print("| target layer | closed form | refined | residual kept |\n|---|---|---|---|")
