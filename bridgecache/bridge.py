@@ -40,6 +40,7 @@ from bridgecache.files import clean_leftovers, directory_lock, publish, staging_
 from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, WeightMismatchWarning, model_spec
 from bridgecache.refinement import REFINE_FIELDS, LayerRefinement, refinement_shapes
+from bridgecache.untrusted import all_finite
 
 __all__ = [
     "LayerMap",
@@ -405,7 +406,7 @@ def _read_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.exists():
+    if not path.is_file():
         raise BridgeFormatError(f"no bridge metadata at {path} (is this a bridge directory?)")
     size = path.stat().st_size
     if size > MAX_JSON_BYTES:
@@ -494,7 +495,7 @@ def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path
             raise BridgeFormatError(
                 f"tensor {name!r}: checksum mismatch (the file was modified or corrupted)"
             )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not all_finite(t):
             bad = int((~torch.isfinite(t)).sum())
             raise BridgeFormatError(
                 f"{_tensors_name(meta, directory)}: tensor {name!r} holds {bad} NaN or infinite "

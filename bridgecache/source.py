@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from bridgecache.files import clean_leftovers, publish, staging_folder
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, WeightMismatchWarning, spec_from_untrusted
 from bridgecache.rope import RopeTables, unrotate
-from bridgecache.untrusted import printable, shown
+from bridgecache.untrusted import all_finite, printable, shown
 
 __all__ = [
     "SourceKV",
@@ -262,6 +262,8 @@ def _check_tensors(kv: SourceKV) -> None:
 def _bind(kv: SourceKV, model, input_ids, where: str) -> SourceKV:
     """`kv`, checked against (and, where it recorded nothing, bound to) a model and token ids."""
     changes = {}
+    if model is not None and not hasattr(model, "named_parameters"):
+        raise TypeError(f"model= is the source model (a transformers model), not a {type(model).__name__}")
     if model is not None:
         from bridgecache.fingerprint import weight_fingerprint
         from bridgecache.modelinfo import model_spec
@@ -550,7 +552,7 @@ def _check_kv_tensors(path: Path, tensors: dict, n: int, first: tuple[int, ...])
                 f"of a {tokens}-token context"
             )
         for name, t in (("keys", k), ("values", v)):
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise KVFileError(
                     f"{path}: layer {i} {name} hold {int((~torch.isfinite(t)).sum()):,} NaN or infinite "
                     "values; expected finite numbers"

@@ -143,7 +143,7 @@ def test_crop_after_generation_rolls_back():
 def test_kv_files_carry_a_context_between_processes(tmp_path):
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (1, 15))
-    path = save_kv(tmp_path / "context.safetensors", capture_kv(model, ids), model="tiny-qwen2")
+    path = save_kv(tmp_path / "context.safetensors", capture_kv(model, ids), note="tiny-qwen2")
     cache = BridgedCache(Bridge.identity(model), load_kv(path), model, ids)
     assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
     corrupt = tmp_path / "corrupt.safetensors"

@@ -367,8 +367,8 @@ def test_files_get_the_umask_mode(fitted, tmp_path):
     finally:
         os.umask(old)
     assert current_umask() == old
-    for name in ("bridge.json", "bridge.safetensors"):
-        assert os.stat(tmp_path / "b" / name).st_mode & 0o777 == 0o664
+    for path in (tmp_path / "b" / "bridge.json", tensors_path(tmp_path / "b"), tmp_path / "b" / "README.md"):
+        assert os.stat(path).st_mode & 0o777 == 0o664
     assert os.stat(tmp_path / "b").st_mode & 0o777 == 0o775
 
 

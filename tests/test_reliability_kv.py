@@ -310,3 +310,43 @@ def test_a_killed_save_kv_leaves_the_old_file_and_the_next_load_removes_what_it_
     assert path.read_bytes() == before  # the old file, whole
     assert torch.equal(load_kv(path).input_ids, torch.tensor([[5, 6, 7, 8]]))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]  # removed by the load
+
+
+def test_every_entry_point_refuses_a_source_model_of_another_family_with_the_same_shapes(tmp_path, llama):
+    """Bridge.check would refuse it; the entry points once checked only built-in bridges."""
+    from bridgecache import handoff_batch
+    from bridgecache.conversation import Conversation
+    from bridgecache.integrations.pages import publish_context
+
+    qwen, tok = tiny_model("qwen2"), byte_tokenizer()
+    bridge = Bridge.identity(qwen)  # fitted (exactly) for qwen2 -> qwen2; llama has the same KV shapes
+    models = dict(source_tokenizer=tok, target_tokenizer=tok)
+    calls = {
+        "handoff": lambda: handoff(llama, qwen, bridge, "hello there", **models, max_new_tokens=1),
+        "handoff_batch": lambda: handoff_batch(
+            llama, qwen, bridge, ["hi", "hello"], **models, max_new_tokens=1
+        ),
+        "Conversation.handoff": lambda: Conversation.handoff(
+            llama, qwen, bridge, [{"role": "user", "content": "hi"}], **models
+        ),
+        "publish_context": lambda: publish_context(
+            bridge, "hello there", qwen, tok, tok, tmp_path / "pages", page_size=4, source=llama
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(SpecMismatchError, match="model_type") as info:
+            call()
+        assert "llama" in str(info.value) and "qwen2" in str(info.value), name
+    assert not (tmp_path / "pages").exists() or not any((tmp_path / "pages").iterdir())
+
+
+def test_kv_of_another_checkpoint_warn_like_a_model_of_another_checkpoint(llama):
+    from bridgecache.modelinfo import WeightMismatchWarning
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    bridge = Bridge.identity(llama)
+    bridge.fingerprints = {"source": weight_fingerprint(llama), "target": weight_fingerprint(llama)}
+    BridgedCache(bridge, capture_kv(llama, ids), llama, ids)  # the fitted checkpoint: silent
+    tuned = tiny_model("llama", seed=4)
+    with pytest.warns(WeightMismatchWarning, match="source KV were computed by a model with weights"):
+        BridgedCache(bridge, capture_kv(tuned, ids), llama, ids)

@@ -55,7 +55,7 @@ def render_card(bridge) -> str:
 
     meta = card_metadata(bridge)
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
-    source, target = printable(bridge.source.name, 200), printable(bridge.target.name, 200)
+    source, target = bridge.source.name, bridge.target.name
     body = (
         f"# Bridge {source} -> {target}\n\n"
         f"Maps the KV cache of `{source}` into the cache space of `{target}` "
@@ -66,7 +66,7 @@ def render_card(bridge) -> str:
         f"{markdown_summary(bridge)}\n\n"
         f"Made with:\n\n```bash\n{meta['command']}\n```\n"
     )
-    return f"---\n{front}---\n\n{body}"
+    return printable(f"---\n{front}---\n\n{body}", lines=True)  # names and recipe come from a file
 
 
 def write_card(bridge, directory: str | Path) -> Path:

@@ -25,7 +25,8 @@ def short_summary(bridge) -> str:
     """One line, for `repr(bridge)`."""
     k, v = _mean(bridge, "r2_key"), _mean(bridge, "r2_value")
     return (
-        f"Bridge({printable(bridge.source.name, 200)} -> {printable(bridge.target.name, 200)}, method={bridge.method}, "
+        f"Bridge({printable(bridge.source.name, 200)} -> {printable(bridge.target.name, 200)}, "
+        f"method={bridge.method}, "
         f"{len(bridge.layers)} target layers, {bridge.num_parameters():,} parameters "
         f"({_mb(bridge.nbytes())} in memory), held-out R2 keys {_fmt(k)} values {_fmt(v)})"
     )
