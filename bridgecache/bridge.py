@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from bridgecache.bridgeformat import (
@@ -40,7 +40,7 @@ from bridgecache.files import clean_leftovers, directory_lock, publish, staging_
 from bridgecache.fingerprint import weight_fingerprint
 from bridgecache.modelinfo import ModelSpec, SpecMismatchError, WeightMismatchWarning, model_spec
 from bridgecache.refinement import REFINE_FIELDS, LayerRefinement, refinement_shapes
-from bridgecache.untrusted import all_finite
+from bridgecache.untrusted import all_finite, shown
 
 __all__ = [
     "LayerMap",
@@ -398,7 +398,7 @@ def _read_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         meta = _read_json(directory / _JSON)
         path = directory / meta.get("tensors_file", _TENSORS)
         try:
-            return meta, _read_tensors(path)
+            return meta, _read_tensors(path, set(meta["tensors"]))
         except FileNotFoundError:
             if _read_json(directory / _JSON) == meta:  # not a concurrent replacement: really missing
                 break
@@ -430,12 +430,32 @@ def _read_json(path: Path) -> dict:
     return meta
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `path` (FileNotFoundError if it is gone; BridgeFormatError if unreadable)."""
+def _read_tensors(path: Path, described: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `path` (FileNotFoundError if it is gone; BridgeFormatError if unreadable).
+    Its header is bounded by, and its tensor names must be, those bridge.json describes, before
+    any tensor is built (a file of a million empty tensors costs nothing)."""
     if not path.exists():
         raise FileNotFoundError(path)
     try:
+        with open(path, "rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+        limit = 512 * len(described) + 65536  # a tensor's entry takes ~150 bytes
+        if header_bytes > limit:
+            raise BridgeFormatError(
+                f"{path}: its header has {header_bytes:,} bytes; {len(described)} tensors need "
+                f"at most {limit:,}"
+            )
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+        if names != described:
+            missing, extra = sorted(described - names), sorted(names - described)
+            raise BridgeFormatError(
+                f"{path}: tensors {shown(missing, 120)} are missing and {len(extra)} are not described "
+                f"by bridge.json (e.g. {shown(extra[:3], 120)})"
+            )
         return load_file(str(path))
+    except BridgeFormatError:
+        raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         if isinstance(err, FileNotFoundError) or not path.exists():  # removed by a writer meanwhile
             raise FileNotFoundError(path) from err

@@ -412,3 +412,19 @@ def test_check_warns_on_other_weights_and_refuses_under_strict(fitted, models, t
     ):
         bridge.check(src, tuned, strict=True)
     bridge.check(model_spec(src), model_spec(tuned), strict=True)  # specs carry no weights: not compared
+
+
+def test_a_tensors_file_holding_what_bridge_json_does_not_describe_is_refused_before_loading(
+    fitted, tmp_path
+):
+    from safetensors.torch import load_file, save_file
+
+    directory = fitted.save_pretrained(tmp_path / "b")
+    path = tensors_path(directory)
+    tensors = load_file(str(path))
+    save_file({**tensors, "junk": torch.zeros(1)}, str(path))
+    with pytest.raises(BridgeFormatError, match=r"tensors \[\] are missing and 1 are not described .*'junk'"):
+        Bridge.from_pretrained(directory)
+    save_file({**tensors, **{f"junk.{i}": torch.zeros(0) for i in range(50_000)}}, str(path))
+    with pytest.raises(BridgeFormatError, match=r"its header has [\d,]+ bytes; 20 tensors need at most"):
+        Bridge.from_pretrained(directory)  # a header of megabytes is not even parsed
