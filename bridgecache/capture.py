@@ -5,11 +5,10 @@ shape [batch, kv_heads, tokens, head_dim] exactly as the model caches them (keys
 and RoPE), plus the attention mask, the position ids and the model's rotary tables, so
 `unrotated_keys(layer)` can remove RoPE, and what they belong to: the token ids and the model's
 spec and weight fingerprint (so a bridge or a later `as_source`/`load_kv` can refuse KV of another
-model or document). Only the model's decoder runs: no logits are computed.
-Sliding-window layers keep ALL tokens here (a plain,
-config-less DynamicCache is used), because a bridge may need rows that a sliding cache would
-already have dropped; the model's masks still apply its window, so the values are exactly those
-of a normal forward.
+model or document). Only the model's decoder runs: no logits are computed. Sliding-window layers
+keep ALL tokens here (a plain, config-less DynamicCache is used), because a bridge may need rows
+that a sliding cache would already have dropped; the model's masks still apply its window, so
+the values are exactly those of a normal forward.
 
 This module knows nothing about bridges or tokenizers.
 """
