@@ -13,7 +13,8 @@ native work, handoffs) -> fitting/ and evaluation/ -> integrations/ -> cli/.
 from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
 from bridgecache.fitting import fit_bridge
 from bridgecache.kv.capture import capture_kv
-from bridgecache.kv.source import KVFileError, SourceKV, as_source, load_kv, save_kv
+from bridgecache.kv.files import as_source, load_kv, save_kv
+from bridgecache.kv.source import KVFileError, KVMismatchError, SourceKV
 from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
 from bridgecache.models.zoo import load_model, load_tokenizer
 from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
@@ -43,6 +44,7 @@ __all__ = [
     "HandoffReport",
     "HandoffResult",
     "KVFileError",
+    "KVMismatchError",
     "KeyDeviation",
     "LayerMap",
     "ModelSpec",

@@ -1,17 +1,29 @@
 """Writing files so that a reader never sees half of one, with the modes a user expects.
 
-`staged_directory(target)` yields an empty temporary directory beside `target`; when the block
-succeeds, its files move into `target` (a missing target is created by one rename), and when it
-fails nothing of it is left. `apply_umask(path)` gives files and folders the process umask's
-mode: safetensors and `tempfile` create 0600 files and 0700 folders, which other users of a
-shared cache could not read. `writable_destination(path)` checks, before any long work, that a
-file or folder could be created at `path`.
+    with staging_folder(folder) as staging:   # hidden, unpredictable name, locked while we live
+        write(staging / "x")
+        publish(staging / "x", folder / "final")   # one rename (or, exclusive=True, one link)
 
-Knows nothing about bridges, models or caches.
+`staging_folder(folder)` makes an empty hidden folder (`STAGING_PREFIX` + random) in `folder`
+and holds an exclusive `flock` on it for as long as the writer lives (on the folder: a library
+that replaces a file it writes, as safetensors does, cannot drop the lock); `publish` fsyncs a
+file, gives it the umask's mode and renames it into place (atomic, same filesystem;
+`exclusive=True` links instead, so an existing file is never replaced). A killed writer leaves
+its staging folder behind, unlocked: `clean_leftovers(folder)` removes exactly those (a live
+writer's is locked, so it is kept), and every save and load of bridgecache's files calls it.
+`directory_lock(folder)` serialises the short commit steps of writers that must not interleave
+(a `flock` on the folder itself: no lock file). `apply_umask(path)` gives files and folders the
+process umask's mode: safetensors and `tempfile` create 0600 files and 0700 folders, which other
+users of a shared cache could not read. `writable_destination(path)` / `writable_file(path)`
+check, before any long work, that a folder / a file could be created at `path`.
+
+POSIX only (fcntl). Knows nothing about bridges, models or caches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -19,7 +31,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["STAGING_PREFIX", "apply_umask", "current_umask", "staged_directory", "writable_destination"]
+__all__ = [
+    "STAGING_PREFIX",
+    "apply_umask",
+    "clean_leftovers",
+    "current_umask",
+    "directory_lock",
+    "publish",
+    "staging_folder",
+    "writable_destination",
+    "writable_file",
+]
 
 STAGING_PREFIX = ".bridgecache-staging-"
 
@@ -48,35 +70,99 @@ def apply_umask(path: str | Path) -> None:
 
 
 @contextmanager
-def staged_directory(target: str | Path) -> Iterator[Path]:
-    """Yield an empty folder to write into; on success its files land in `target`.
-
-    A missing `target` appears in one rename, complete. An existing `target` keeps any other
-    files; each staged file replaces its namesake by rename, in sorted order except that files
-    named `*.json` move last, so metadata is never newer than the data it describes. On any
-    error (or a kill: the staging folder is hidden and starts with STAGING_PREFIX, for cleanup)
-    `target` is untouched.
-    """
-    target = Path(target)
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"{target} exists and is not a directory")
-    home = target if target.is_dir() else target.parent  # same filesystem: renames are atomic
-    home.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=home))
+def directory_lock(directory: str | Path, blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive flock on `directory` itself; yields False (not locked) when
+    `blocking=False` and another process holds it. Released when the block ends or the process dies."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        yield staging
-        apply_umask(staging)
-        if not target.exists():
-            try:
-                os.replace(staging, target)
-                return
-            except OSError:
-                if not target.is_dir():  # not a race with another writer: a real failure
-                    raise
-        for item in sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name)):
-            os.replace(item, target / item.name)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def staging_folder(directory: str | Path) -> Iterator[Path]:
+    """An empty hidden folder in `directory` (unpredictable name), flock-ed by this process until
+    the block ends; then removed with whatever `publish` did not move out of it."""
+    directory = Path(directory)
+    with directory_lock(directory):  # clean_leftovers never sees it unlocked
+        path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
+def publish(temporary: str | Path, final: str | Path, *, exclusive: bool = False) -> None:
+    """Move a finished temporary file to `final` in one step, with the umask's mode, durably.
+
+    exclusive=True never replaces an existing `final` (FileExistsError): the file is linked in
+    (atomic create-if-absent) and the temporary name removed."""
+    temporary, final = Path(temporary), Path(final)
+    fd = os.open(temporary, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(temporary, 0o666 & ~current_umask())
+    if exclusive:
+        os.link(temporary, final)  # FileExistsError if another writer got there first
+        os.unlink(temporary)
+    else:
+        os.replace(temporary, final)
+    _fsync_directory(final.parent)
+
+
+def clean_leftovers(directory: str | Path) -> list[Path]:
+    """Remove the temporary files and staging folders that killed writers left in `directory`;
+    returns them. Those of live writers are locked and kept; errors (a read-only folder) are ignored."""
+    removed = []
+    try:
+        with directory_lock(directory, blocking=False) as locked:
+            if not locked:  # a writer is committing: its leftovers-to-be are its own business
+                return removed
+            for path in Path(directory).glob(STAGING_PREFIX + "*"):
+                if _abandoned(path):
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+                    removed.append(path)
+    except OSError:
+        pass
+    return removed
+
+
+def _abandoned(path: Path) -> bool:
+    """True if no live process holds `path`'s lock (its writer was killed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return path.is_symlink()  # a planted symlink is removed (the link, never its target)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def writable_destination(path: str | Path) -> str | None:
@@ -84,8 +170,22 @@ def writable_destination(path: str | Path) -> str | None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         return f"{path} exists and is a file, not a directory"
+    return _writable_ancestor(path)
+
+
+def writable_file(path: str | Path) -> str | None:
+    """None if a file could be created (or replaced) at `path`; otherwise the reason, in words."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a directory, not a file"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"cannot write {path} (Permission denied)"
+    return _writable_ancestor(path.parent if path.parent != path else path)
+
+
+def _writable_ancestor(path: Path) -> str | None:
     ancestor = path
-    while not ancestor.exists():
+    while not ancestor.exists() and not ancestor.is_symlink():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"{ancestor} is a file, so {path} cannot be created under it"

@@ -17,7 +17,7 @@ from huggingface_hub.file_download import repo_folder_name
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, SpecMismatchError, handoff
-from bridgecache.bridge import builtin
+from bridgecache.bridge import builtin, tensors_path
 from bridgecache.bridge.export import export_builtin
 from bridgecache.bridge.recipe import RecipeError, infer_recipe, recipe_command, recipe_of
 from bridgecache.bridge.summary import feed_matrix
@@ -132,8 +132,11 @@ def test_fit_recipe_command_regenerates_a_saved_bridge(pair, tmp_path, capsys):
     assert main(["fit", "--recipe", str(tmp_path / "made"), "--out", str(tmp_path / "again")]) == 0
     assert "recipe of" in capsys.readouterr().out
     _assert_same_maps(bridge, Bridge.from_pretrained(tmp_path / "again"))
-    with pytest.raises(SystemExit, match="drop --source"):
-        main(["fit", "--recipe", str(tmp_path / "made"), "--source", "x", "--out", str(tmp_path / "x")])
+    capsys.readouterr()
+    assert (
+        main(["fit", "--recipe", str(tmp_path / "made"), "--source", "x", "--out", str(tmp_path / "x")]) == 2
+    )
+    assert "drop --source/--target" in capsys.readouterr().err
     assert main(["fit", "--out", str(tmp_path / "x")]) == 2
     assert "give --source and --target" in capsys.readouterr().err
 
@@ -148,9 +151,7 @@ def test_export_builtin_float16_round_trip_is_small_and_loads_by_name(fitted, sh
     out = shipped_root / PAIR.replace("->", "--")
     stored = json.loads((out / "bridge.json").read_text())
     assert {stored["tensors"][f"layers.0.{n}"]["dtype"] for n in _MAPS} == {"float16"}
-    assert (out / "bridge.safetensors").stat().st_size < 0.6 * (
-        directory / "bridge.safetensors"
-    ).stat().st_size
+    assert tensors_path(out).stat().st_size < 0.6 * tensors_path(directory).stat().st_size
 
     assert builtin.builtin_names() == [PAIR]
     loaded = Bridge.from_pretrained(f"builtin:{PAIR}")
@@ -333,7 +334,9 @@ def test_push_to_hub_uploads_the_files_and_card(fitted, tmp_path, monkeypatch):
     )
     assert calls["upload"][0] == "someone/tiny-bridge" and calls["upload"][1]["repo_type"] == "model"
     uploaded = tmp_path / "uploaded"
-    assert sorted(p.name for p in uploaded.iterdir()) == ["README.md", "bridge.json", "bridge.safetensors"]
+    names = sorted(p.name for p in uploaded.iterdir())
+    assert names == sorted(["README.md", "bridge.json", tensors_path(uploaded).name])
+    assert calls["upload"][1]["delete_patterns"] == ["bridge*.safetensors"]  # no stale tensors on the Hub
     assert metadata_load(uploaded / "README.md")["heldout_scores"]["key"] == [
         round(layer.r2_key, 4) for layer in bridge.layers
     ]

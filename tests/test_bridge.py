@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.bridge.maps import Bridge, BridgeFormatError, LayerMap
+from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap, tensors_path
 from bridgecache.fitting import PairedKV, fit_layer_maps
 from bridgecache.models.spec import SpecMismatchError, model_spec
 
@@ -64,7 +64,7 @@ def test_save_load_roundtrip_is_identical(fitted, tmp_path):
             )
         assert a.r2_key == b.r2_key and a.r2_value == b.r2_value
     meta = json.loads((tmp_path / "b" / "bridge.json").read_text())
-    assert meta["format_version"] == 1 and meta["layers"][0]["inputs"] == bridge.layers[0].inputs.tolist()
+    assert meta["format_version"] == 2 and meta["layers"][0]["inputs"] == bridge.layers[0].inputs.tolist()
     again.check(src, tgt)
     assert again.summary() == bridge.summary()
 
@@ -94,7 +94,7 @@ def _corrupt_byte(path, offset_from_end=50):
 def test_corrupted_tensor_is_named(fitted, tmp_path):
     bridge, _, _ = fitted
     bridge.save_pretrained(tmp_path)
-    _corrupt_byte(tmp_path / "bridge.safetensors")
+    _corrupt_byte(tensors_path(tmp_path))
     with pytest.raises(BridgeFormatError, match=r"tensor 'layers\.\d+\.\w+': checksum mismatch"):
         Bridge.from_pretrained(tmp_path)
 
@@ -102,7 +102,7 @@ def test_corrupted_tensor_is_named(fitted, tmp_path):
 def test_truncated_file_is_reported(fitted, tmp_path):
     bridge, _, _ = fitted
     bridge.save_pretrained(tmp_path)
-    path = tmp_path / "bridge.safetensors"
+    path = tensors_path(tmp_path)
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(BridgeFormatError, match="truncated or corrupted"):
         Bridge.from_pretrained(tmp_path)

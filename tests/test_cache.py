@@ -13,7 +13,8 @@ from bridgecache import GivenScores, HandoffConfig, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
-from bridgecache.kv.source import KVFileError, load_kv, save_kv
+from bridgecache.kv.files import load_kv, save_kv
+from bridgecache.kv.source import KVFileError
 from bridgecache.models.spec import SpecMismatchError
 from bridgecache.runtime.cache import BridgedCache
 
@@ -144,7 +145,7 @@ def test_crop_after_generation_rolls_back():
 def test_kv_files_carry_a_context_between_processes(tmp_path):
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (1, 15))
-    path = save_kv(tmp_path / "context.safetensors", capture_kv(model, ids), model="tiny-qwen2")
+    path = save_kv(tmp_path / "context.safetensors", capture_kv(model, ids), note="tiny-qwen2")
     cache = BridgedCache(Bridge.identity(model), load_kv(path), model, ids)
     assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
     corrupt = tmp_path / "corrupt.safetensors"

@@ -42,7 +42,15 @@ def test_demo_runs_both_paths_once_before_timing_them(tiny_zoo, tmp_path, capsys
     model, tok, lengths = tiny_zoo
     Bridge.identity(model, tok).save_pretrained(tmp_path / "bridge")
     context, question = "The ship lost its mast near the rocks. ", "What did the ship lose?"
-    argv = ["demo", "--bridge", str(tmp_path / "bridge"), "--source", "x", "--target", "x"]
+    argv = [
+        "demo",
+        "--bridge",
+        str(tmp_path / "bridge"),
+        "--source",
+        "smollm2-135m",
+        "--target",
+        "smollm2-135m",
+    ]
     assert cli.main([*argv, "--context", context, "--question", question, "--max-new-tokens", "3"]) == 0
     prompt = f"\nQuestion: {question}\nAnswer:"
     document = tok(context + prompt, return_tensors="pt")["input_ids"].shape[1]
@@ -57,7 +65,15 @@ def test_demo_runs_both_paths_once_before_timing_them(tiny_zoo, tmp_path, capsys
 def test_demo_runs_on_a_one_token_context(tiny_zoo, tmp_path, capsys):
     model, tok, _ = tiny_zoo
     Bridge.identity(model, tok).save_pretrained(tmp_path / "bridge")
-    argv = ["demo", "--bridge", str(tmp_path / "bridge"), "--source", "x", "--target", "x"]
+    argv = [
+        "demo",
+        "--bridge",
+        str(tmp_path / "bridge"),
+        "--source",
+        "smollm2-135m",
+        "--target",
+        "smollm2-135m",
+    ]
     assert cli.main([*argv, "--context", "H", "--question", "Q?", "--max-new-tokens", "2"]) == 0
     assert "context tokens: 0 translated" in capsys.readouterr().out
 

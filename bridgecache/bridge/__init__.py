@@ -1,6 +1,7 @@
 """Bridges: per-layer affine maps from a source model's KV to a target model's, as files to share.
 
-    maps      Bridge and LayerMap, saving and loading (safetensors + JSON, never pickle)
+    maps      Bridge and LayerMap
+    storage   a bridge directory: written atomically, read and checked (safetensors + JSON, never pickle)
     format    validation of `bridge.json`: every field's type and range
     resolve   what `Bridge.from_pretrained` was given -> a local bridge directory
     builtin   bridges shipped inside the package, their model fingerprints, model checks
@@ -14,5 +15,6 @@ Knows models' identities (bridgecache.models); nothing about KV, caches or fitti
 """
 
 from bridgecache.bridge.maps import Bridge, BridgeFormatError, LayerMap, WeightMismatchWarning
+from bridgecache.bridge.storage import tensors_path
 
-__all__ = ["Bridge", "BridgeFormatError", "LayerMap", "WeightMismatchWarning"]
+__all__ = ["Bridge", "BridgeFormatError", "LayerMap", "WeightMismatchWarning", "tensors_path"]

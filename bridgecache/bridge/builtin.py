@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bridgecache.models.spec import SpecMismatchError, model_spec
+from bridgecache.bridge.format import BridgeFormatError
+from bridgecache.models.spec import SpecMismatchError
 
 __all__ = [
     "PREFIX",
@@ -50,7 +51,9 @@ def builtin_dir(name: str) -> Path:
     """Directory of the built-in bridge `name` ("source->target", with or without "builtin:")."""
     name = name.removeprefix(PREFIX)
     if not re.fullmatch(r"[\w.-]+->[\w.-]+", name):
-        raise ValueError(f"built-in bridge name {name!r}: expected 'SOURCE->TARGET', e.g. {_example()}")
+        raise BridgeFormatError(
+            f"built-in bridge name {name!r}: expected 'SOURCE->TARGET', e.g. {_example()}"
+        )
     directory = builtin_root() / name.replace("->", "--")
     if not (directory / "bridge.json").exists():
         known = ", ".join(builtin_names()) or "none in this installation"
@@ -99,30 +102,19 @@ def check_fingerprints(bridge, where: str | Path = "bridge") -> None:
 
 
 def check_models(bridge, source=None, target=None, source_tokenizer=None, target_tokenizer=None) -> None:
-    """For a bridge with fingerprints: refuse models or tokenizers other than the ones it was fitted on.
+    """Refuse models or tokenizers other than the ones `bridge` was fitted on: what every entry
+    point that is given models calls (handoff, handoff_batch, Conversation.handoff, eval, demo).
 
-    Checks each given side's spec (with its tokenizer's fingerprint when given) and, for a model
-    converted by the zoo, the GGUF it was converted from. Bridges without fingerprints: no-op.
+    Any bridge: each given side's spec, with its tokenizer's fingerprint when given
+    (SpecMismatchError; `Bridge.check`), and its weights (WeightMismatchWarning for another
+    checkpoint of the same architecture). A built-in bridge also refuses a zoo model converted
+    from another GGUF than the one it was fitted on.
     """
+    bridge.check(source, target, source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     recorded = bridge.calibration.get("fingerprints")
     if not recorded:
         return
-    sides = (
-        ("source", source, source_tokenizer, bridge.source),
-        ("target", target, target_tokenizer, bridge.target),
-    )
-    for role, model, tokenizer, spec in sides:
-        if model is not None:
-            spec.check(model_spec(model, tokenizer), role)
-        elif tokenizer is not None:
-            from bridgecache.models.spec import tokenizer_fingerprint
-
-            got = tokenizer_fingerprint(tokenizer)
-            if got != recorded[role]["tokenizer"]:
-                raise SpecMismatchError(
-                    f"this bridge was fitted with {role} tokenizer {recorded[role]['tokenizer']} "
-                    f"({recorded[role]['zoo']}), got tokenizer {got}"
-                )
+    for role, model in (("source", source), ("target", target)):
         made_from = model_fingerprint(model) if model is not None else None
         if made_from is not None and made_from != recorded[role]["gguf"]:
             raise SpecMismatchError(

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from bridgecache.untrusted import printable
+
 __all__ = ["CARD", "card_metadata", "render_card", "write_card"]
 
 CARD = "README.md"
@@ -53,9 +55,10 @@ def render_card(bridge) -> str:
 
     meta = card_metadata(bridge)
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    source, target = bridge.source.name, bridge.target.name
     body = (
-        f"# Bridge {bridge.source.name} -> {bridge.target.name}\n\n"
-        f"Maps the KV cache of `{bridge.source.name}` into the cache space of `{bridge.target.name}` "
+        f"# Bridge {source} -> {target}\n\n"
+        f"Maps the KV cache of `{source}` into the cache space of `{target}` "
         f"with per-layer affine maps ({bridge.method}), so the target continues from a context the "
         "source has read without reading it again.\n\n"
         "```python\nfrom bridgecache import Bridge\n\n"
@@ -63,7 +66,7 @@ def render_card(bridge) -> str:
         f"{markdown_summary(bridge)}\n\n"
         f"Made with:\n\n```bash\n{meta['command']}\n```\n"
     )
-    return f"---\n{front}---\n\n{body}"
+    return printable(f"---\n{front}---\n\n{body}", lines=True)  # names and recipe come from a file
 
 
 def write_card(bridge, directory: str | Path) -> Path:

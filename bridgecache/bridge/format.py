@@ -1,9 +1,13 @@
 """Validation of a bridge's metadata file (`bridge.json`): every field's type and range.
 
 `check_bridge_json(meta, path)` raises `BridgeFormatError` naming the file, the field (as a
-dotted path: `target.num_layers`, `layers[3].r2_key`) and what was expected, before any of the
-values reach a `Bridge`. The tensors themselves (shapes, dtypes, checksums) are checked against
-this metadata by `bridgecache.bridge.maps`.
+dotted path: `target.num_layers`, `layers[3].r2_key`, `calibration.heldout_scores.attention_cosine`)
+and what was expected, before any of the values reach a `Bridge`. Every count has a bound
+(`LIMITS`), so no field can make a reader allocate more than the file could describe (a plot of
+6,000 x 6,000 layers), and every field read later (the calibration block: held-out scores, the
+fit recipe, the built-in fingerprints) is checked here, not where it is used. The tensors
+themselves (shapes, dtypes, checksums, finiteness) are checked against this metadata by
+`bridgecache.bridge.maps`.
 
 Knows the JSON layout of a bridge; nothing about tensors, models or tokenizers.
 """
@@ -14,14 +18,43 @@ import math
 import re
 from pathlib import Path
 
+from bridgecache.models.spec import SPEC_LIMITS, check_spec_dict
+from bridgecache.untrusted import printable, shown
 from tokenalign import POLICIES
 
-__all__ = ["ALIGNMENT_POLICIES", "METHODS", "BridgeFormatError", "check_bridge_json"]
+__all__ = [
+    "ALIGNMENT_POLICIES",
+    "LIMITS",
+    "MAX_JSON_BYTES",
+    "METHODS",
+    "RECIPE_KEYS",
+    "TENSORS_FILE",
+    "BridgeFormatError",
+    "check_bridge_json",
+    "printable",
+]
 
 ALIGNMENT_POLICIES = ("identity", *POLICIES)
 METHODS = ("fullhead", "cachebridge", "identity")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+TENSORS_FILE = re.compile(r"bridge(-[0-9a-f]{16})?\.safetensors")  # never a path: no "/", no ".."
+MAX_JSON_BYTES = 64 * 2**20  # a 128-layer bridge's bridge.json is well under 1 MB
+
+# Upper bounds of the counts a bridge.json may state; a value beyond them is a corrupted or
+# hostile file.
+LIMITS = {
+    **SPEC_LIMITS,  # source.* and target.* (bridgecache.models.spec)
+    "rank": 2**16,
+    "count": 2**31,  # sequences, rows, tokens, boundaries in the calibration record
+    "dims": 8,  # dimensions of a described tensor
+}
+
+# The entries of a fit recipe (fit_bridge's arguments): any other key would reach fit_bridge.
+RECIPE_KEYS = (
+    "source", "target", "method", "num_sequences", "seq_len", "domain", "layers_k", "layer_support",
+    "lam", "weighting", "alignment_policy", "key_scale", "native_head", "heldout_every", "boundaries",
+    "probe_subset", "stats_precision", "identity_if_same", "seed",
+)  # fmt: skip
 
 
 class BridgeFormatError(ValueError):
@@ -36,17 +69,21 @@ def check_bridge_json(meta: dict, path: Path) -> None:
             raise BridgeFormatError(f"{path}: field {key!r} is missing")
     if "tensors" not in meta:
         raise BridgeFormatError(f"{path}: field 'tensors' is missing")
+    version = meta.get("format_version")
+    tensors_file = meta.get("tensors_file")
+    if version == 1 and tensors_file is not None:
+        fail("tensors_file", tensors_file, "absent in format 1 (its tensors are bridge.safetensors)")
+    if version != 1 and not (isinstance(tensors_file, str) and TENSORS_FILE.fullmatch(tensors_file)):
+        fail("tensors_file", tensors_file, "a file name 'bridge-<16 hex digits>.safetensors'")
     for role in ("source", "target"):
-        _check_spec(meta[role], role, fail)
+        check_spec_dict(meta[role], role, fail)
     if meta["method"] not in METHODS:
         fail("method", meta["method"], f"one of {METHODS}")
     if meta["alignment_policy"] not in ALIGNMENT_POLICIES:
         fail("alignment_policy", meta["alignment_policy"], f"one of {ALIGNMENT_POLICIES}")
-    if not _is_int(meta["native_head"]) or meta["native_head"] < 0:
-        fail("native_head", meta["native_head"], "an integer >= 0")
-    if not isinstance(meta["calibration"], dict):
-        fail("calibration", meta["calibration"], "an object")
-    _check_layers(meta["layers"], meta["target"]["num_layers"], meta["source"]["num_layers"], fail)
+    _int(fail, "native_head", meta["native_head"], 0, meta["target"]["max_position_embeddings"])
+    num_target, num_source = meta["target"]["num_layers"], meta["source"]["num_layers"]
+    _check_layers(meta["layers"], num_target, num_source, fail)
     _check_tensor_table(meta["tensors"], fail)
     if "refinement" in meta:
         fail(
@@ -59,45 +96,11 @@ def check_bridge_json(meta: dict, path: Path) -> None:
     if not isinstance(fingerprints, dict):
         fail("fingerprints", fingerprints, "an object")
     for role, value in fingerprints.items():
-        if role not in ("source", "target") or not (value is None or isinstance(value, str)):
-            fail(f"fingerprints.{role}", value, "a string (or null) for 'source' and 'target'")
-
-
-def _check_spec(spec, role: str, fail) -> None:
-    if not isinstance(spec, dict):
-        fail(role, spec, "an object describing a model")
-    positive = (
-        "num_layers",
-        "num_kv_heads",
-        "num_q_heads",
-        "head_dim",
-        "hidden_size",
-        "max_position_embeddings",
-    )
-    for key in positive:
-        if key not in spec:
-            raise BridgeFormatError(f"{fail.path}: field '{role}.{key}' is missing")
-        if not _is_int(spec[key]) or spec[key] < 1:
-            fail(f"{role}.{key}", spec[key], "an integer >= 1")
-    for key in ("model_type", "rope"):
-        if not isinstance(spec.get(key), str):
-            fail(f"{role}.{key}", spec.get(key), "a string")
-    for key in ("name", "tokenizer"):
-        if not isinstance(spec.get(key, ""), str):
-            fail(f"{role}.{key}", spec[key], "a string")
-    types = spec.get("layer_types")
-    if (
-        not isinstance(types, list)
-        or len(types) != spec["num_layers"]
-        or any(t not in _LAYER_TYPES for t in types)
-    ):
-        fail(f"{role}.layer_types", types, f"a list of {spec['num_layers']} of {_LAYER_TYPES}")
-    window = spec.get("sliding_window")
-    if window is not None and (not _is_int(window) or window < 1):
-        fail(f"{role}.sliding_window", window, "null or an integer >= 1")
-    bos = spec.get("bos_token_id")
-    if bos is not None and (not _is_int(bos) or bos < 0):
-        fail(f"{role}.bos_token_id", bos, "null or an integer >= 0")
+        if role not in ("source", "target") or not (value is None or _is_hex16(value)):
+            fail(
+                f"fingerprints.{role}", value, "a string of 16 hex digits (or null) for 'source' and 'target'"
+            )
+    _check_calibration(meta["calibration"], num_target, fail)
 
 
 def _check_layers(layers, num_target_layers: int, num_source_layers: int, fail) -> None:
@@ -110,7 +113,11 @@ def _check_layers(layers, num_target_layers: int, num_source_layers: int, fail) 
             if key not in entry:
                 raise BridgeFormatError(f"{fail.path}: layers[{i}]: field {key!r} is missing")
         src = entry["source_layers"]
-        if not isinstance(src, list) or not all(_is_int(s) and 0 <= s < num_source_layers for s in src):
+        if (
+            not isinstance(src, list)
+            or len(src) > num_source_layers
+            or not all(_is_int(s) and 0 <= s < num_source_layers for s in src)
+        ):
             fail(
                 f"layers[{i}].source_layers",
                 src,
@@ -128,26 +135,150 @@ def _check_tensor_table(tensors, fail) -> None:
     if not isinstance(tensors, dict):
         fail("tensors", tensors, "an object of tensor descriptions")
     for name, want in tensors.items():
+        field = f"tensors.{printable(name, 80)}"
         if not isinstance(want, dict):
-            fail(f"tensors.{name}", want, "an object with shape, dtype and sha256")
+            fail(field, want, "an object with shape, dtype and sha256")
         shape = want.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            fail(f"tensors.{name}.shape", shape, "a list of integers >= 0")
-        if not isinstance(want.get("dtype"), str):
-            fail(f"tensors.{name}.dtype", want.get("dtype"), "a dtype name such as 'float32'")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > LIMITS["dims"]
+            or not all(_is_int(d) and 0 <= d < LIMITS["count"] for d in shape)
+        ):
+            fail(f"{field}.shape", shape, f"a list of at most {LIMITS['dims']} integers in [0, 2**31)")
+        if want.get("dtype") not in ("float32", "float16", "bfloat16", "int64"):
+            fail(f"{field}.dtype", want.get("dtype"), "one of 'float32', 'float16', 'bfloat16', 'int64'")
         sha = want.get("sha256")
-        if not isinstance(sha, str) or not _HEX16.match(sha):
-            fail(f"tensors.{name}.sha256", sha, "16 lowercase hex digits")
+        if not _is_hex16(sha):
+            fail(f"{field}.sha256", sha, "16 lowercase hex digits")
+
+
+def _check_calibration(calib, num_target_layers: int, fail) -> None:
+    """The calibration record: free-form, but every entry bridgecache reads back is checked."""
+    if not isinstance(calib, dict):
+        fail("calibration", calib, "an object")
+    count = LIMITS["count"]
+    for key in ("num_sequences", "seq_len", "heldout_every", "probe_sequences"):
+        if key in calib:
+            _int(fail, f"calibration.{key}", calib[key], 0 if key == "probe_sequences" else 1, count)
+    if calib.get("boundaries") is not None:
+        _int(fail, "calibration.boundaries", calib["boundaries"], 1, count, "null or ")
+    if "seed" in calib:
+        _int(fail, "calibration.seed", calib["seed"], 0, 2**63 - 1)
+    for key in ("text", "domain", "split", "description", "stored_dtype", "command", "recipe_rebuilt"):
+        if key in calib:
+            _string(fail, f"calibration.{key}", calib[key], limit=65536)
+    if "stored_dtype" in calib and calib["stored_dtype"] not in ("float32", "float16", "bfloat16"):
+        fail("calibration.stored_dtype", calib["stored_dtype"], "'float32', 'float16' or 'bfloat16'")
+    rows = calib.get("rows")
+    if rows is not None:
+        if not isinstance(rows, dict):
+            fail("calibration.rows", rows, "an object with 'train' and 'heldout' row counts")
+        for key, value in rows.items():
+            _int(fail, f"calibration.rows.{printable(key, 40)}", value, 0, count)
+    scores = calib.get("heldout_scores")
+    if scores is not None:
+        _check_heldout_scores(scores, num_target_layers, fail)
+    if "fingerprints" in calib:
+        _check_zoo_fingerprints(calib["fingerprints"], fail)
+    if "recipe" in calib and calib["recipe"]:
+        _check_recipe(calib["recipe"], fail)
+
+
+def _check_heldout_scores(scores, num_target_layers: int, fail) -> None:
+    where = "calibration.heldout_scores"
+    if not isinstance(scores, dict):
+        fail(where, scores, "an object with 'attention_cosine' per target layer")
+    cosines = scores.get("attention_cosine")
+    valid = lambda x: x is None or (_is_number(x) and (math.isnan(x) or -1 <= x <= 1))  # noqa: E731
+    if cosines is not None and (  # the quality gate reads one score per target layer
+        not isinstance(cosines, list) or len(cosines) != num_target_layers or not all(map(valid, cosines))
+    ):
+        fail(
+            f"{where}.attention_cosine",
+            cosines,
+            f"a list of {num_target_layers} numbers in [-1, 1] (one per target layer; null: not measured)",
+        )
+    if "mean" in scores and not (scores["mean"] is None or _is_number(scores["mean"])):
+        fail(f"{where}.mean", scores["mean"], "a number or null")
+    if "sequences" in scores:
+        _int(fail, f"{where}.sequences", scores["sequences"], 0, LIMITS["count"])
+
+
+def _check_zoo_fingerprints(fingerprints, fail) -> None:
+    """A built-in bridge's record of the zoo files it was fitted on (bridgecache.bridge.builtin)."""
+    if not isinstance(fingerprints, dict) or set(fingerprints) != {"source", "target"}:
+        fail("calibration.fingerprints", fingerprints, "an object with 'source' and 'target' entries")
+    for role, entry in fingerprints.items():
+        where = f"calibration.fingerprints.{role}"
+        if not isinstance(entry, dict):
+            fail(where, entry, "an object with 'zoo', 'gguf' and 'tokenizer'")
+        _string(fail, f"{where}.zoo", entry.get("zoo"), limit=200)
+        gguf = entry.get("gguf")
+        if not (isinstance(gguf, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", gguf)):
+            fail(f"{where}.gguf", gguf, "'sha256:' and 64 hex digits")
+        if not _is_hex16(entry.get("tokenizer")):
+            fail(f"{where}.tokenizer", entry.get("tokenizer"), "16 hex digits")
+
+
+def _check_recipe(recipe, fail) -> None:
+    """The fit_bridge arguments `bridgecache fit --recipe` passes on: known keys, sane types."""
+    where = "calibration.recipe"
+    if not isinstance(recipe, dict):
+        fail(where, recipe, "an object of fit_bridge arguments")
+    unknown = sorted(set(recipe) - set(RECIPE_KEYS))
+    if unknown:
+        fail(f"{where}", unknown, f"only the keys {RECIPE_KEYS}")
+    for key in ("source", "target"):
+        _string(fail, f"{where}.{key}", recipe.get(key), limit=4096, empty=False)
+    count = LIMITS["count"]
+    for key, low in (("num_sequences", 2), ("seq_len", 1), ("heldout_every", 1), ("native_head", 0)):
+        if key in recipe:
+            _int(fail, f"{where}.{key}", recipe[key], low, count)
+    for key, low, high in (
+        ("layers_k", 1, LIMITS["num_layers"]),
+        ("boundaries", 1, count),
+        ("probe_subset", 1, count),
+    ):
+        if recipe.get(key) is not None:
+            _int(fail, f"{where}.{key}", recipe[key], low, high, "null or ")
+    if "seed" in recipe:
+        _int(fail, f"{where}.seed", recipe["seed"], 0, 2**63 - 1)
+    lam = recipe.get("lam")
+    if "lam" in recipe and not (_is_number(lam) and math.isfinite(lam) and lam > 0):
+        fail(f"{where}.lam", lam, "a finite number > 0")
+    for key in (
+        "method",
+        "domain",
+        "layer_support",
+        "weighting",
+        "alignment_policy",
+        "key_scale",
+        "stats_precision",
+    ):
+        if recipe.get(key) is not None:
+            _string(fail, f"{where}.{key}", recipe[key], limit=200)
+    if "identity_if_same" in recipe and not isinstance(recipe["identity_if_same"], bool):
+        fail(f"{where}.identity_if_same", recipe["identity_if_same"], "true or false")
 
 
 def _failer(path: Path):
     def fail(field: str, value, expected: str):
         raise BridgeFormatError(
-            f"{path}: field {field!r} is {_short(value)} ({type(value).__name__}); expected {expected}"
+            f"{path}: field {field!r} is {shown(value)} ({type(value).__name__}); expected {expected}"
         )
 
     fail.path = path
     return fail
+
+
+def _int(fail, field: str, value, low: int, high: int, prefix: str = "") -> None:
+    if not _is_int(value) or not low <= value <= high:
+        fail(field, value, f"{prefix}an integer in [{low}, {high:,}]")
+
+
+def _string(fail, field: str, value, *, limit: int, empty: bool = True) -> None:
+    if not isinstance(value, str) or len(value) > limit or (not empty and not value):
+        fail(field, value, f"a {'non-empty ' if not empty else ''}string of at most {limit:,} characters")
 
 
 def _is_int(x) -> bool:
@@ -158,6 +289,5 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def _is_hex16(x) -> bool:
+    return isinstance(x, str) and _HEX16.fullmatch(x) is not None

@@ -13,9 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-__all__ = ["BRIDGE_FILES", "download", "push_to_hub"]
-
-BRIDGE_FILES = ("bridge.json", "bridge.safetensors", "README.md")
+__all__ = ["download", "push_to_hub"]
 
 
 def download(
@@ -26,26 +24,44 @@ def download(
     token: str | bool | None = None,
     local_files_only: bool = False,
 ) -> Path:
-    """Fetch (or find in the cache) a bridge repo's files; returns the snapshot directory."""
+    """Fetch (or find in the cache) a bridge repo's files; returns the snapshot directory.
+
+    bridge.json and the card come first; then only the tensors file bridge.json names (a repo
+    holding other tensors files, stale or hostile, costs nothing)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    from bridgecache.bridge.format import TENSORS_FILE
+
+    options = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     try:
-        path = snapshot_download(
-            repo_id,
-            revision=revision,
-            cache_dir=cache_dir,
-            token=token,
-            local_files_only=local_files_only,
-            allow_patterns=list(BRIDGE_FILES),
-        )
+        path = Path(snapshot_download(repo_id, allow_patterns=["bridge.json", "README.md"], **options))
+        name = _tensors_name(path / "bridge.json")
+        if TENSORS_FILE.fullmatch(name):  # else from_pretrained names the bad field
+            snapshot_download(repo_id, allow_patterns=[name], **options)
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(
             f"bridge {repo_id!r} (revision {revision or 'main'}) is neither a local directory nor in the "
             f"Hub cache{f' {cache_dir}' if cache_dir else ''}, and the Hub cannot be reached or is "
             f"disabled (HF_HUB_OFFLINE / local_files_only): {err}"
         ) from err
-    return Path(path)
+    return path
+
+
+def _tensors_name(meta_path: Path) -> str:
+    """The tensors file a downloaded bridge.json names ("" if it cannot be read: load reports it)."""
+    import json
+
+    from bridgecache.bridge.format import MAX_JSON_BYTES
+
+    try:
+        if meta_path.stat().st_size > MAX_JSON_BYTES:
+            return ""
+        meta = json.loads(meta_path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return ""
+    name = meta.get("tensors_file", "bridge.safetensors") if isinstance(meta, dict) else ""
+    return name if isinstance(name, str) else ""
 
 
 def push_to_hub(
@@ -75,5 +91,6 @@ def push_to_hub(
             repo_type="model",
             revision=revision,
             commit_message=commit_message,
+            delete_patterns=["bridge*.safetensors"],  # the tensors of a bridge this one replaces
         )
     return str(getattr(info, "commit_url", info))

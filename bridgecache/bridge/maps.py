@@ -4,39 +4,47 @@ A `Bridge` holds one `LayerMap` per target layer plus the identity (`ModelSpec`)
 the method that fitted it, the token-alignment policy and a description of the calibration data.
 It is a container: fitting lives in `bridgecache.fitting`, application in `bridgecache.runtime.translate`.
 
-Files: `bridge.safetensors` (tensors) + `bridge.json` (metadata, per-tensor shape/dtype/sha256).
-Loading validates everything against the metadata and names the field that is wrong. No pickle.
+Files: `bridge.json` (metadata, per-tensor shape/dtype/sha256, and `tensors_file`: the name of
+the tensors file) + `bridge-<16 hex>.safetensors` (the tensors; `bridge.safetensors` in bridges
+written before format 2). A save writes a new tensors file beside the old one and then replaces
+`bridge.json` in one rename: the pointer moves last, so a reader, a crash or a second writer
+leaves the old bridge or the new one, never half. Loading validates everything against the
+metadata and names the field that is wrong. No pickle.
 
 This module knows nothing about tokenizers, calibration text or how the maps were fitted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from bridgecache.bridge.format import METHODS, BridgeFormatError, check_bridge_json
-from bridgecache.files import staged_directory
+import bridgecache.bridge.storage as storage
+from bridgecache.bridge.format import (
+    METHODS,
+    BridgeFormatError,
+    printable,
+)
 from bridgecache.models.fingerprint import weight_fingerprint
-from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
+from bridgecache.models.spec import ModelSpec, SpecMismatchError, WeightMismatchWarning, model_spec
 
-__all__ = ["LayerMap", "Bridge", "BridgeFormatError", "WeightMismatchWarning", "FORMAT_VERSION", "METHODS"]
+__all__ = [
+    "LayerMap",
+    "Bridge",
+    "BridgeFormatError",
+    "WeightMismatchWarning",
+    "FORMAT_VERSION",
+    "METHODS",
+]
 
-FORMAT_VERSION = 1
-_JSON, _TENSORS = "bridge.json", "bridge.safetensors"
+FORMAT_VERSION = 2  # 2: bridge.json names its tensors file (`tensors_file`); 1 is still read
+_JSON, _TENSORS = "bridge.json", "bridge.safetensors"  # _TENSORS: the name format 1 used
+_CARD = "README.md"
 _FIELDS = ("inputs", "key_weight", "key_bias", "value_weight", "value_bias")
-
-
-class WeightMismatchWarning(UserWarning):
-    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
 
 
 @dataclass
@@ -124,17 +132,41 @@ class Bridge:
 
     # ------------------------------------------------------------------ checks and sizes
 
-    def check(self, source_model_or_spec, target_model_or_spec, strict: bool = False) -> None:
+    def check(
+        self,
+        source=None,
+        target=None,
+        strict: bool = False,
+        *,
+        source_tokenizer=None,
+        target_tokenizer=None,
+    ) -> None:
         """Raise SpecMismatchError naming each field where the given models differ from the bridge's.
 
+        source, target: transformers models or ModelSpecs (None: that side is not checked).
+        source_tokenizer, target_tokenizer: compared with the vocabulary fingerprint the bridge
+            records (when it records one).
         Given models (not specs), their weights are compared with the fingerprints recorded at
         fit time: a mismatch (e.g. a fine-tuned copy) warns (WeightMismatchWarning), or raises
         SpecMismatchError under `strict=True`.
         """
-        self.source.check(_as_spec(source_model_or_spec), "source")
-        self.target.check(_as_spec(target_model_or_spec), "target")
-        for role, model in (("source", source_model_or_spec), ("target", target_model_or_spec)):
-            _check_fingerprint(self.fingerprints.get(role), model, role, strict)
+        sides = (
+            ("source", source, source_tokenizer, self.source),
+            ("target", target, target_tokenizer, self.target),
+        )
+        for role, model, tokenizer, spec in sides:
+            if model is not None:
+                spec.check(_as_spec(model, tokenizer), role)
+                _check_fingerprint(self.fingerprints.get(role), model, role, strict)
+            elif tokenizer is not None and spec.tokenizer:
+                from bridgecache.models.spec import tokenizer_fingerprint
+
+                got = tokenizer_fingerprint(tokenizer)
+                if got != spec.tokenizer:
+                    raise SpecMismatchError(
+                        f"this bridge was fitted with {role} tokenizer {spec.tokenizer} "
+                        f"({printable(spec.name)!r}), got tokenizer {got}"
+                    )
 
     def num_parameters(self) -> int:
         """Coefficients of all maps (weights and biases, keys and values)."""
@@ -147,7 +179,7 @@ class Bridge:
     def summary(self) -> str:
         """A per-layer table: source layers, inputs per head, parameters, held-out R^2 of K and V."""
         lines = [
-            f"bridge {self.source.name} -> {self.target.name}  method={self.method}  "
+            f"bridge {printable(self.source.name)} -> {printable(self.target.name)}  method={self.method}  "
             f"alignment={self.alignment_policy}  native_head={self.native_head}",
             f"{'layer':>5}  {'source layers':<18}{'n_in':>5}{'params':>12}{'R2 K':>9}{'R2 V':>9}",
         ]
@@ -170,54 +202,14 @@ class Bridge:
     # ------------------------------------------------------------------ files
 
     def save_pretrained(self, directory: str | Path, overwrite: bool = True) -> Path:
-        """Write bridge.safetensors + bridge.json into `directory` (created if needed).
+        """Write the bridge (tensors, bridge.json, README.md card) into `directory` (created if needed).
 
-        The files are staged in a hidden folder and renamed into place (a reader or a crash
-        never sees half a bridge; other files in `directory` are kept), with the umask's mode.
-        overwrite=False refuses (FileExistsError) to replace a bridge already in `directory`.
+        Atomic as a whole (bridgecache.bridge.storage): a crash at any point leaves the old bridge
+        (or none) loadable, concurrent writers leave one of their bridges, and overwrite=False
+        refuses (FileExistsError) to replace a bridge already there, also against a writer that
+        creates one meanwhile. Other files in `directory` are kept; files get the umask's mode.
         """
-        directory = Path(directory)
-        if not overwrite and (directory / _JSON).exists():
-            raise FileExistsError(f"{directory} already holds a bridge; refusing to overwrite it")
-        tensors, described = {}, {}
-        for i, layer in enumerate(self.layers):
-            for name in _FIELDS:
-                t = getattr(layer, name).detach().cpu().contiguous()
-                tensors[f"layers.{i}.{name}"] = t
-                described[f"layers.{i}.{name}"] = {
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "sha256": _tensor_sha(t),
-                }
-        meta = {
-            "format": "bridgecache.bridge",
-            "format_version": FORMAT_VERSION,
-            "source": self.source.to_dict(),
-            "target": self.target.to_dict(),
-            "method": self.method,
-            "alignment_policy": self.alignment_policy,
-            "native_head": self.native_head,
-            "calibration": self.calibration,
-            "layers": [
-                {
-                    "source_layers": list(layer.source_layers),
-                    "inputs": layer.inputs.tolist(),
-                    "r2_key": _json_float(layer.r2_key),
-                    "r2_value": _json_float(layer.r2_value),
-                }
-                for layer in self.layers
-            ],
-            "tensors": described,
-        }
-        if self.fingerprints:
-            meta["fingerprints"] = dict(self.fingerprints)
-        from bridgecache.bridge.card import write_card
-
-        with staged_directory(directory) as staging:
-            save_file(tensors, str(staging / _TENSORS))
-            (staging / _JSON).write_text(json.dumps(meta, indent=1))
-            write_card(self, staging)  # README.md: the bridge card
-        return directory
+        return storage.write(self, directory, overwrite)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
         """Upload this bridge (files + card) to a Hub repo; see `bridgecache.bridge.hub.push_to_hub`."""
@@ -248,31 +240,14 @@ class Bridge:
         from bridgecache.bridge.resolve import check_fingerprints, resolve_bridge
 
         directory = resolve_bridge(name_or_path, **hub_kwargs)
-        meta = _read_json(directory / _JSON)
-        tensors = _read_tensors(directory / _TENSORS)
-        _check_tensors(meta, tensors, directory)
+        meta, tensors = storage.read(directory)
         try:
             source, target = ModelSpec.from_dict(meta["source"]), ModelSpec.from_dict(meta["target"])
         except (KeyError, TypeError) as err:
             raise BridgeFormatError(
                 f"{directory / _JSON}: field 'source'/'target' is not a model spec ({err})"
             ) from err
-        layers = []
-        for i, entry in enumerate(meta["layers"]):
-            where = f"{directory / _JSON}: layers[{i}]"
-            t = {name: _as_fp32(tensors[f"layers.{i}.{name}"]).to(device) for name in _FIELDS}
-            if t["inputs"].tolist() != _get(entry, "inputs", where):
-                raise BridgeFormatError(
-                    f"{directory}: layers.{i}.inputs differs between {_JSON} and {_TENSORS}"
-                )
-            layers.append(
-                LayerMap(
-                    source_layers=[int(s) for s in _get(entry, "source_layers", where)],
-                    r2_key=_from_json_float(_get(entry, "r2_key", where)),
-                    r2_value=_from_json_float(_get(entry, "r2_value", where)),
-                    **t,
-                )
-            )
+        layers = [LayerMap(**fields) for fields in storage.layer_fields(meta, tensors, directory, device)]
         bridge = cls(
             source=source,
             target=target,
@@ -283,122 +258,16 @@ class Bridge:
             calibration=meta["calibration"],
             fingerprints=meta.get("fingerprints", {}),
         )
-        _check_layer_shapes(bridge, directory)
+        storage.check_layer_shapes(bridge, directory)
         check_fingerprints(bridge, directory)  # a built-in bridge loads only against its zoo models
         return bridge
 
 
-# ---------------------------------------------------------------------- validation helpers
-
-
-def _read_json(path: Path) -> dict:
-    if not path.exists():
-        raise BridgeFormatError(f"no bridge metadata at {path} (is this a bridge directory?)")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BridgeFormatError(f"{path} is not valid JSON (truncated or corrupted?): {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != "bridgecache.bridge":
-        raise BridgeFormatError(f"{path}: field 'format' is not 'bridgecache.bridge'")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise BridgeFormatError(
-            f"{path}: field 'format_version' is {meta.get('format_version')!r}; "
-            f"this bridgecache reads {FORMAT_VERSION}"
-        )
-    check_bridge_json(meta, path)
-    return meta
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        raise BridgeFormatError(f"no bridge tensors at {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise BridgeFormatError(
-            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}"
-        ) from err
-
-
-def _check_tensors(meta: dict, tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Every described tensor exists with its shape, dtype and sha256; nothing extra."""
-    described = meta["tensors"]
-    expected_names = {f"layers.{i}.{name}" for i in range(len(meta["layers"])) for name in _FIELDS}
-    if set(described) != expected_names:
-        raise BridgeFormatError(
-            f"{directory / _JSON}: field 'tensors' does not list one set of maps per layer"
-        )
-    for name in sorted(expected_names):
-        if name not in tensors:
-            raise BridgeFormatError(f"{directory / _TENSORS}: tensor {name!r} is missing")
-        t, want = tensors[name], described[name]
-        if list(t.shape) != want["shape"]:
-            raise BridgeFormatError(
-                f"tensor {name!r}: shape {list(t.shape)} but {_JSON} says {want['shape']}"
-            )
-        if str(t.dtype).removeprefix("torch.") != want["dtype"]:
-            raise BridgeFormatError(f"tensor {name!r}: dtype {t.dtype} but {_JSON} says {want['dtype']}")
-        if _tensor_sha(t) != want["sha256"]:
-            raise BridgeFormatError(
-                f"tensor {name!r}: checksum mismatch (the file was modified or corrupted)"
-            )
-    extra = sorted(set(tensors) - expected_names)
-    if extra:
-        raise BridgeFormatError(f"{directory / _TENSORS}: unexpected tensors {extra[:3]}")
-
-
-def _check_layer_shapes(bridge: Bridge, directory: Path) -> None:
-    """The maps' shapes agree with the source and target specs."""
-    src, tgt = bridge.source, bridge.target
-    for i, layer in enumerate(bridge.layers):
-        heads, n_in = layer.inputs.shape[:2]
-        expected = {
-            "inputs": (tgt.num_kv_heads, n_in, 2),
-            "key_weight": (tgt.num_kv_heads, n_in * src.head_dim, tgt.head_dim),
-            "value_weight": (tgt.num_kv_heads, n_in * src.head_dim, tgt.head_dim),
-            "key_bias": (tgt.num_kv_heads, tgt.head_dim),
-            "value_bias": (tgt.num_kv_heads, tgt.head_dim),
-        }
-        for name, shape in expected.items():
-            got = tuple(getattr(layer, name).shape)
-            if got != shape:
-                raise BridgeFormatError(
-                    f"{directory}: layers.{i}.{name} has shape {got}; the specs imply {shape}"
-                )
-        for name in _FIELDS[1:]:
-            if getattr(layer, name).dtype != torch.float32:
-                raise BridgeFormatError(
-                    f"{directory}: layers.{i}.{name} is {getattr(layer, name).dtype}, not float32"
-                )
-        src_layer, src_head = layer.inputs[..., 0], layer.inputs[..., 1]
-        if heads and (int(src_layer.min()) < 0 or int(src_layer.max()) >= src.num_layers):
-            raise BridgeFormatError(
-                f"{directory}: layers.{i}.inputs names a source layer outside the source model"
-            )
-        if heads and (int(src_head.min()) < 0 or int(src_head.max()) >= src.num_kv_heads):
-            raise BridgeFormatError(
-                f"{directory}: layers.{i}.inputs names a source head outside the source model"
-            )
-        if sorted(set(src_layer.flatten().tolist())) != sorted(layer.source_layers):
-            raise BridgeFormatError(f"{directory}: layers.{i}.source_layers disagrees with layers.{i}.inputs")
-
-
-def _as_fp32(t: torch.Tensor) -> torch.Tensor:
-    # Shipped bridges store their maps in float16/bfloat16; the maps are applied in float32.
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _get(entry, key: str, where: str):
-    if not isinstance(entry, dict) or key not in entry:
-        raise BridgeFormatError(f"{where}: field {key!r} is missing")
-    return entry[key]
-
-
-def _as_spec(model_or_spec) -> ModelSpec:
+def _as_spec(model_or_spec, tokenizer=None) -> ModelSpec:
     if isinstance(model_or_spec, ModelSpec):
         return model_or_spec
     if hasattr(model_or_spec, "config"):
-        return model_spec(model_or_spec)
+        return model_spec(model_or_spec, tokenizer)
     raise SpecMismatchError(
         f"expected a transformers model or a ModelSpec, got {type(model_or_spec).__name__}"
     )
@@ -417,20 +286,6 @@ def _check_fingerprint(recorded: str | None, model_or_spec, role: str, strict: b
     if strict:
         raise SpecMismatchError(message)
     warnings.warn(message, WeightMismatchWarning, stacklevel=3)
-
-
-def _tensor_sha(t: torch.Tensor) -> str:
-    # Hash the raw bytes (any dtype) through a uint8 view; 16 hex digits suffice to catch corruption.
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(raw).hexdigest()[:16]
-
-
-def _json_float(x: float) -> float | None:
-    return None if math.isnan(x) else float(x)
-
-
-def _from_json_float(x) -> float:
-    return math.nan if x is None else float(x)
 
 
 def _fmt(x: float) -> str:

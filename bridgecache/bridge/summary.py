@@ -5,7 +5,8 @@
     inspect_report(...)   what `bridgecache inspect` prints
     plot_bridge(...)      PNG: per-layer held-out R^2; which source layers feed each target layer
 
-Knows a Bridge's fields (and matplotlib, imported only to plot).
+Names and text from a bridge file are escaped (bridgecache.untrusted): they reach terminals and
+notebooks. Knows a Bridge's fields (and matplotlib, imported only to plot).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from bridgecache.untrusted import printable
+
 __all__ = ["short_summary", "markdown_summary", "inspect_report", "plot_bridge", "feed_matrix"]
 
 
@@ -22,7 +25,8 @@ def short_summary(bridge) -> str:
     """One line, for `repr(bridge)`."""
     k, v = _mean(bridge, "r2_key"), _mean(bridge, "r2_value")
     return (
-        f"Bridge({bridge.source.name} -> {bridge.target.name}, method={bridge.method}, "
+        f"Bridge({printable(bridge.source.name, 200)} -> {printable(bridge.target.name, 200)}, "
+        f"method={bridge.method}, "
         f"{len(bridge.layers)} target layers, {bridge.num_parameters():,} parameters "
         f"({_mb(bridge.nbytes())} in memory), held-out R2 keys {_fmt(k)} values {_fmt(v)})"
     )
@@ -31,7 +35,8 @@ def short_summary(bridge) -> str:
 def markdown_summary(bridge) -> str:
     """A markdown header line and per-layer table (the notebook view)."""
     lines = [
-        f"**Bridge** `{bridge.source.name}` -> `{bridge.target.name}`: method `{bridge.method}`, "
+        f"**Bridge** `{printable(bridge.source.name, 200)}` -> `{printable(bridge.target.name, 200)}`: "
+        f"method `{bridge.method}`, "
         f"alignment `{bridge.alignment_policy}`, native head {bridge.native_head}, "
         f"{bridge.num_parameters():,} parameters ({_mb(bridge.nbytes())} in memory)",
         "",
@@ -117,7 +122,9 @@ def plot_bridge(bridge, path: str | Path) -> Path:
     fig.colorbar(image, ax=feeds, label="share of input slots")
     for axis in (quality.xaxis, feeds.xaxis, feeds.yaxis):
         axis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
-    fig.suptitle(f"{bridge.source.name} -> {bridge.target.name} ({bridge.method})")
+    fig.suptitle(
+        f"{printable(bridge.source.name, 80)} -> {printable(bridge.target.name, 80)} ({bridge.method})"
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -5,6 +5,11 @@ bridgecache fit --source A --target B  fit and save a bridge
 bridgecache eval --bridge DIR ...      measure a bridge with the field's protocols + controls
 bridgecache inspect BRIDGE             what a bridge maps, its size, per-layer scores (--plot FILE)
 bridgecache export-builtin DIR [NAME]  ship a fitted bridge inside the package (float16)
+
+Every command checks its arguments, inputs and output paths before it loads a model, and reports
+a user error (a bad option, a missing or damaged file, a model the bridge does not fit) in one
+line on stderr with exit status 2, never with a traceback. Text from files is escaped before it
+is printed (bridgecache.untrusted).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import sys
 
 from bridgecache.fitting.cached import bridge_for
+from bridgecache.untrusted import printable
 
 __all__ = ["main", "bridge_for"]
 
@@ -39,7 +45,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _user_errors() as err:  # what a command did not catch itself: still one line
+        print(f"bridgecache {args.command}: error: {printable(str(err), 2000)}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that describe the user's input (a file, a name, a model), not a bug."""
+    from bridgecache.bridge.format import BridgeFormatError
+    from bridgecache.bridge.recipe import RecipeError
+    from bridgecache.evaluation.items import EvaluationError
+    from bridgecache.kv.source import KVFileError, KVMismatchError
+    from bridgecache.models.spec import SpecMismatchError
+    from bridgecache.models.zoo import ZooError
+
+    files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+    return (
+        BridgeFormatError,
+        SpecMismatchError,
+        KVFileError,
+        KVMismatchError,
+        RecipeError,
+        EvaluationError,
+        ZooError,
+        *files,
+    )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,23 @@
-"""`bridgecache inspect`, `bridgecache export-builtin` and `bridgecache fit --recipe`.
+"""`bridgecache inspect` and `bridgecache export-builtin`.
 
     bridgecache inspect builtin:qwen2.5-coder-1.5b->qwen2.5-coder-0.5b [--plot bridge.png]
     bridgecache export-builtin FITTED_DIR [NAME] [--dtype float16]
-    bridgecache fit --recipe builtin:NAME --out DIR [--calib-seqs 4 --seq-len 64]
 
 `add_inspect_command` / `add_export_command` register the subcommands (bridgecache/cli.py wires
-them in); `run_fit_recipe` is what `bridgecache fit --recipe` runs.
+them in). Output paths are checked before anything is read; what is printed from a bridge file
+is escaped (bridgecache.untrusted). `bridgecache fit --recipe` lives in bridgecache.cli.fit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import re
+import sys
+from pathlib import Path
 
-__all__ = ["add_inspect_command", "add_export_command", "run_fit_recipe", "run_inspect", "run_export"]
+from bridgecache.untrusted import printable
+
+__all__ = ["add_inspect_command", "add_export_command", "run_inspect", "run_export"]
 
 
 def _add_hub_options(parser: argparse.ArgumentParser) -> None:
@@ -59,19 +62,46 @@ def run_inspect(args) -> int:
     from bridgecache.bridge.resolve import resolve_bridge
     from bridgecache.bridge.summary import inspect_report, plot_bridge
 
+    problem = check_plot_path(args.plot) if args.plot else None
+    if problem:
+        return _fail("inspect", f"--plot: {problem}")
     directory = resolve_bridge(args.bridge, **_hub_kwargs(args))
     bridge = Bridge.from_pretrained(directory)
-    print(inspect_report(bridge, location=args.bridge, directory=directory))
+    print(printable(inspect_report(bridge, location=args.bridge, directory=directory), lines=True))
     if args.plot:
         print(f"plot: {plot_bridge(bridge, args.plot)}")
     return 0
 
 
+def check_plot_path(path) -> str | None:
+    """None if a plot can be written at `path` (a format matplotlib knows, a writable place)."""
+    from matplotlib.figure import Figure
+
+    from bridgecache.files import writable_file
+
+    suffix = Path(path).suffix.lstrip(".").lower()
+    known = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in known:
+        return f"{path}: matplotlib cannot write .{suffix} files (it writes {', '.join(sorted(known))})"
+    return writable_file(path)
+
+
 def run_export(args) -> int:
+    from bridgecache.bridge import builtin
     from bridgecache.bridge.export import export_builtin
     from bridgecache.bridge.maps import Bridge
+    from bridgecache.files import writable_destination
 
-    out = export_builtin(args.source_dir, args.name, dtype=args.dtype, root=args.root)
+    if args.name is not None and not re.fullmatch(r"(builtin:)?[\w.-]+->[\w.-]+", args.name):
+        return _fail("export-builtin", f"NAME {args.name!r}: expected SOURCE->TARGET")
+    root = Path(args.root) if args.root else builtin.builtin_root()
+    problem = writable_destination(root)
+    if problem:
+        return _fail("export-builtin", f"--root: {problem}")
+    try:
+        out = export_builtin(args.source_dir, args.name, dtype=args.dtype, root=args.root)
+    except ValueError as err:  # not a zoo pair, a refined bridge, a map that does not fit the dtype
+        return _fail("export-builtin", str(err))
     fitted, shipped = Bridge.from_pretrained(args.source_dir), Bridge.from_pretrained(out)
     worst = max(
         float((getattr(b, f) - getattr(a, f)).abs().max() / getattr(a, f).abs().max().clamp_min(1e-30))
@@ -85,29 +115,6 @@ def run_export(args) -> int:
     return 0
 
 
-def run_fit_recipe(args) -> int:
-    """Fit again from the recipe a bridge records (the zoo loads the models it names)."""
-    import torch
-
-    from bridgecache.bridge.recipe import RecipeError, recipe_command
-    from bridgecache.bridge.resolve import resolve_bridge
-    from bridgecache.fitting.refit import refit
-    from bridgecache.models.zoo import load_model
-
-    if args.source or args.target:
-        raise SystemExit("bridgecache fit --recipe: the recipe names the models; drop --source/--target")
-    meta = json.loads((resolve_bridge(args.recipe) / "bridge.json").read_text())
-    recipe = meta.get("calibration", {}).get("recipe")
-    if not recipe:
-        raise RecipeError(f"{args.recipe} records no fit recipe")
-    overrides = {k: v for k, v in (("num_sequences", args.calib_seqs), ("seq_len", args.seq_len)) if v}
-    torch.manual_seed(recipe["seed"])
-    source, source_tok = load_model(recipe["source"], device=args.device)
-    target, target_tok = load_model(recipe["target"], device=args.device)
-    print(f"recipe of {args.recipe}: {recipe_command({**recipe, **overrides}, args.out)}")
-    start = time.perf_counter()
-    bridge = refit(recipe, source, target, source_tok, target_tok, **overrides)
-    bridge.save_pretrained(args.out)
-    print(bridge.summary())
-    print(f"fit time: {time.perf_counter() - start:.1f} s; saved to {args.out}")
-    return 0
+def _fail(command: str, problem: str) -> int:
+    print(f"bridgecache {command}: error: {printable(problem, 2000)}", file=sys.stderr)
+    return 2

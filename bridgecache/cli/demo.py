@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+from bridgecache.cli.handoff_flags import add_handoff_arguments, config_problem, handoff_config
+from bridgecache.untrusted import printable
 
 __all__ = ["add_demo_command", "run_demo"]
 
@@ -57,8 +58,6 @@ def add_demo_command(subparsers):
 def _document(args, target_tok) -> tuple[str, str, str | None]:
     """(context, question, expected answer or None)."""
     if args.context:
-        if not args.question:
-            raise SystemExit("bridgecache demo: --context needs --question")
         return args.context, args.question, args.answer
     from bridgecache.evaluation.builtin import builtin_items
 
@@ -70,11 +69,23 @@ class _DemoError(Exception):
     """What stops the demo before any model loads (exit status 2)."""
 
 
-def _bridge_and_models(args):
+def _check_args(args) -> None:
+    """Raise _DemoError for the first option that cannot work (before anything loads)."""
+    if args.context and not args.question:
+        raise _DemoError("--context needs --question")
+    if args.context is None and not 64 <= args.context_tokens <= 8192:
+        raise _DemoError(f"--context-tokens is {args.context_tokens}; expected an integer in [64, 8192]")
+    if args.max_new_tokens < 1:
+        raise _DemoError(f"--max-new-tokens is {args.max_new_tokens}; expected an integer >= 1")
+
+
+def _bridge_and_models(args, config):
+    from bridgecache.bridge.builtin import check_models
     from bridgecache.bridge.maps import Bridge
     from bridgecache.fitting.options import check_model_reference
     from bridgecache.models import zoo
 
+    _check_args(args)
     name = args.bridge
     if name is None:
         source_name, target_name = args.source or DEFAULT_PAIR[0], args.target or DEFAULT_PAIR[1]
@@ -84,13 +95,18 @@ def _bridge_and_models(args):
         bridge = Bridge.from_pretrained(name)
     except Exception as err:  # noqa: BLE001 - any reason a bridge cannot load is reported, then we fit
         if args.bridge is not None:
-            raise
-        print(f"no built-in bridge {name} ({err}); fitting one once", file=sys.stderr)
+            raise _DemoError(f"--bridge: {err}") from err
+        print(f"no built-in bridge {name} ({printable(str(err), 500)}); fitting one once", file=sys.stderr)
+    problem = config_problem(config, bridge) if bridge is not None else None
+    if problem:
+        raise _DemoError(problem)
     source_name = args.source or (bridge.source.name if bridge else DEFAULT_PAIR[0])
     target_name = args.target or (bridge.target.name if bridge else DEFAULT_PAIR[1])
     for role, name, given in (("source", source_name, args.source), ("target", target_name, args.target)):
-        problem = None if given else check_model_reference(name, zoo.BUILTIN_MODELS)
-        if problem:  # checked before a model loads: a wrong name costs nothing
+        problem = check_model_reference(name, zoo.BUILTIN_MODELS)
+        if problem and given:  # checked before a model loads: a wrong name costs nothing
+            raise _DemoError(f"--{role}: {problem}")
+        if problem:
             raise _DemoError(f"no --{role} given, and the bridge's {role} model cannot be loaded: {problem}")
     source, source_tok = zoo.load_model(source_name)
     target, target_tok = zoo.load_model(target_name)
@@ -98,7 +114,7 @@ def _bridge_and_models(args):
         from bridgecache.fitting.cached import bridge_for
 
         bridge = bridge_for(source_name, target_name, args.method, source, target)
-    bridge.check(source, target)
+    check_models(bridge, source, target, source_tok, target_tok)
     return bridge, (source_name, source, source_tok), (target_name, target, target_tok)
 
 
@@ -137,14 +153,14 @@ def run_demo(args) -> int:
     try:
         config = handoff_config(args)
     except ValueError as err:
-        print(f"bridgecache demo: error: {err}", file=sys.stderr)
+        print(f"bridgecache demo: error: {printable(str(err), 2000)}", file=sys.stderr)
         return 2
     try:
         bridge, (source_name, source, source_tok), (target_name, target, target_tok) = _bridge_and_models(
-            args
+            args, config
         )
     except _DemoError as err:
-        print(f"bridgecache demo: error: {err}", file=sys.stderr)
+        print(f"bridgecache demo: error: {printable(str(err), 2000)}", file=sys.stderr)
         return 2
     context, question, expected = _document(args, target_tok)
     prompt = f"\nQuestion: {question}\nAnswer:"
@@ -185,7 +201,9 @@ def run_demo(args) -> int:
     result = bridged(context, prompt, source_kv, clock.start())
     bridged_ttft, bridged_text = clock.seconds, result.text.strip()
     report = result.cache.report()
-    print(f"\nsource {source_name}  ->  target {target_name}   ({bridge.method} bridge)")
+    print(
+        f"\nsource {printable(source_name)}  ->  target {printable(target_name)}   ({bridge.method} bridge)"
+    )
     print(f"document: {ids.shape[1]} target tokens with the question; {source_ids.shape[1]} source tokens")
     print(f"question: {question}" + (f"   (expected: {expected})" if expected else ""))
     print(f"\nnative  : {native_text!r}")
@@ -205,7 +223,7 @@ def run_demo(args) -> int:
     for name, value in rows:
         print(f"  {name:<{width}}  " + (f"{value:7.3f} s" if isinstance(value, float) else value))
     print(f"  {'time-to-first-token ratio (native / bridged)':<{width}}  {speedup:7.2f} x\n")
-    print(_verdict(expected, native_text, bridged_text, speedup, args.refresh))
+    print(_verdict(expected, native_text, bridged_text, speedup, config.refresh))
     return 0
 
 
@@ -225,7 +243,8 @@ def _verdict(expected, native_text, bridged_text, speedup, refresh) -> str:
             f"the target misses {expected!r} even after reading the document itself: use a stronger target"
         )
     elif not correct(bridged_text):
-        more = min(1.0, 2 * (refresh or 0.05))
+        amount = refresh.amount if refresh is not None and isinstance(refresh.amount, float) else 0.05
+        more = min(1.0, 2 * amount)
         advice.append(f"the bridged answer missed {expected!r}: refresh more tokens (--refresh {more:.2f})")
     if not fast:
         advice.append(

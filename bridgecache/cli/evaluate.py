@@ -10,8 +10,9 @@ The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh cho
 source's attention), as every other path. Models come from the bridge's metadata
 (`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
-`report.format_table`; --json writes `report.summarise`'s object. Data errors exit with status 2
-and one line naming the file, line and field.
+`report.format_table`; --json writes `report.summarise`'s object. Every option, the bridge, the
+data, the model names and both output paths (--json, --controls) are checked before a model
+loads; errors exit with status 2 and one line naming the file, line and field.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import math
 import sys
 from pathlib import Path
 
-from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+from bridgecache.cli.handoff_flags import add_handoff_arguments, config_problem, handoff_config
+from bridgecache.untrusted import printable
 
 __all__ = ["add_eval_command", "run_eval"]
 
@@ -72,11 +74,34 @@ def _json_safe(value):
 
 
 def _short(name: str) -> str:
-    """A model name for people: the directory name of a path."""
-    return Path(name).name if "/" in name and Path(name).exists() else name
+    """A model name for people: the directory name of a path (escaped: it may come from a file)."""
+    return printable(Path(name).name if "/" in name and Path(name).exists() else name, 200)
+
+
+def check_model_names(names) -> str | None:
+    """The first (flag, model name) that cannot possibly load, in words; None if none."""
+    from bridgecache.fitting.options import check_model_reference
+    from bridgecache.models.zoo import BUILTIN_MODELS
+
+    for flag, name in names:
+        problem = check_model_reference(name, BUILTIN_MODELS)
+        if problem:
+            return f"{flag}: {problem}"
+    return None
+
+
+def _check_outputs(args) -> str | None:
+    from bridgecache.files import writable_file
+
+    for flag, path in (("--json", args.json), ("--controls", args.controls)):
+        problem = writable_file(path) if path is not None else None
+        if problem:
+            return f"{flag}: {problem}"
+    return None
 
 
 def run_eval(args) -> int:
+    from bridgecache.bridge.builtin import check_models
     from bridgecache.bridge.maps import Bridge, BridgeFormatError
     from bridgecache.evaluation.data import data_task, load_items
     from bridgecache.evaluation.items import EvaluationError
@@ -84,23 +109,39 @@ def run_eval(args) -> int:
     from bridgecache.evaluation.runner import ControlScores, Variant, evaluate
     from bridgecache.models.zoo import load_model
 
-    def fail(err: Exception) -> int:
-        print(f"bridgecache eval: {err}", file=sys.stderr)
+    def fail(err) -> int:
+        print(f"bridgecache eval: error: {printable(str(err), 2000)}", file=sys.stderr)
         return 2
 
     builtin = args.data.startswith("builtin:")
+    problem = _check_outputs(args)  # before anything is read: a late failure would lose the run
+    if args.limit is not None and args.limit < 1:
+        problem = problem or f"--limit is {args.limit}; expected an integer >= 1"
+    if problem:
+        return fail(problem)
     try:  # everything that can be checked before the models load (seconds to minutes)
         config = handoff_config(args)
         bridge = Bridge.from_pretrained(args.bridge)
         task = data_task(args.data, args.task)
         items = None if builtin else load_items(args.data, task, limit=args.limit)[1]
-    except (BridgeFormatError, EvaluationError, ValueError) as err:
+    except (BridgeFormatError, EvaluationError, OSError, ValueError) as err:
         return fail(err)
     source_name = args.source or bridge.source.name
     target_name = args.target or bridge.target.name
+    problem = config_problem(config, bridge)
+    names = [
+        (flag if given else f"the bridge's {flag[2:]} model (no {flag} given)", name)
+        for flag, given, name in (
+            ("--source", args.source, source_name),
+            ("--target", args.target, target_name),
+        )
+    ]
+    problem = problem or check_model_names(names)
+    if problem:
+        return fail(problem)
     target, target_tok = load_model(target_name)
     source, source_tok = (target, target_tok) if source_name == target_name else load_model(source_name)
-    bridge.check(source, target)
+    check_models(bridge, source, target, source_tok, target_tok)
     variant = Variant(bridge, config)
     try:
         if builtin:
@@ -121,7 +162,20 @@ def run_eval(args) -> int:
     )
     print(format_table(summary))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_json_safe(summary), indent=1))
+        text = json.dumps(_json_safe(summary), indent=1)
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(text)
+        except OSError as err:  # checked up front, but the disk can fill: never lose the records
+            import tempfile
+
+            fd, rescue = tempfile.mkstemp(prefix="bridgecache-unsaved-", suffix=".json")
+            with open(fd, "w") as f:
+                f.write(text)
+            print(
+                f"bridgecache eval: error: could not write {args.json} ({err}); wrote {rescue}",
+                file=sys.stderr,
+            )
+            return 1
         print(f"\nwrote {args.json}")
     return 0

@@ -3,10 +3,14 @@
     bridgecache fit --source qwen2.5-coder-1.5b --target qwen2.5-coder-0.5b \\
         --method cachebridge --out bridges/q15-q05 [--calib-seqs 32 --seq-len 256 --layers-k 2]
 
+    bridgecache fit --recipe builtin:NAME --out DIR [--calib-seqs 4 --seq-len 64]
+
 `add_fit_command(subparsers)` registers the subcommand; `bridgecache/cli.py` wires it in.
-Every option, both model references and `--out` are checked before a model loads: a fit can
-take an hour, and it is never lost to a typo or an unwritable destination. An existing bridge
-in `--out` is replaced only with `--force`.
+Every option, both model references (or the recipe, validated with the bridge it comes from, and
+the models it names) and `--out` are checked before a model loads: a fit can take an hour, and
+it is never lost to a typo or an unwritable destination. An existing bridge in `--out` is
+replaced only with `--force`; if `--out` breaks while the fit runs, the bridge is saved to a
+`bridgecache-unsaved-*` folder in the temporary directory instead.
 
 Knows argparse and the zoo; the fitting itself is `bridgecache.fitting.fit_bridge`.
 """
@@ -19,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["add_fit_command", "run_fit"]
+from bridgecache.untrusted import printable
+
+__all__ = ["add_fit_command", "run_fit", "save_or_rescue"]
 
 DEFAULT_CALIB_SEQS = 32
 DEFAULT_SEQ_LEN = 256
@@ -89,14 +95,15 @@ def check_fit_args(args) -> str | None:
     from bridgecache.fitting.options import check_fit_options, check_model_reference
     from bridgecache.models.zoo import BUILTIN_MODELS
 
-    # With --recipe the recipe holds the options and names the models; sizes given here override it.
-    sizes = {"num_sequences": args.calib_seqs, "seq_len": args.seq_len}
     if args.recipe:
-        sizes = {k: v for k, v in sizes.items() if v is not None}
+        problem = _check_recipe(args)
+        if problem:
+            return problem
     try:
         check_fit_options(
             method=args.method,
-            **sizes,
+            num_sequences=args.calib_seqs,
+            seq_len=args.seq_len,
             domain=args.domain,
             layers_k=args.layers_k,
             lam=args.lam,
@@ -105,15 +112,13 @@ def check_fit_args(args) -> str | None:
         )
     except ValueError as err:
         name, _, rest = str(err).partition(" is ")
-        return f"{_FLAGS.get(name, name)} is {rest}"
+        return f"{_FLAGS.get(name, name)} is {rest}" + (" (the recipe's value)" if args.recipe else "")
     for flag, name in (("--source", args.source), ("--target", args.target)):
-        if args.recipe:  # the recipe names the models (run_fit_recipe refuses --source/--target)
-            continue
         if name is None:
             return "give --source and --target (or --recipe BRIDGE)"
         problem = check_model_reference(name, BUILTIN_MODELS)
         if problem:
-            return f"{flag}: {problem}"
+            return f"{flag}: {problem}" + (" (named by the recipe)" if args.recipe else "")
     problem = writable_destination(args.out)
     if problem:
         return f"--out: {problem}"
@@ -124,6 +129,32 @@ def check_fit_args(args) -> str | None:
     return None
 
 
+def _check_recipe(args) -> str | None:
+    """With --recipe: load the bridge (every field validated, the recipe included) and take the
+    recipe's options into `args` (--calib-seqs/--seq-len given here override it)."""
+    from bridgecache.bridge.format import BridgeFormatError
+    from bridgecache.bridge.maps import Bridge
+
+    if args.source or args.target:
+        return "--recipe names the models; drop --source/--target"
+    try:
+        recipe = dict(Bridge.from_pretrained(args.recipe).calibration.get("recipe") or {})
+    except (BridgeFormatError, OSError, ValueError) as err:
+        return f"--recipe: {err}"
+    if not recipe:
+        return f"--recipe: {args.recipe} records no fit recipe (an identity bridge, or fitted before recipes)"
+    sizes = (("num_sequences", args.calib_seqs), ("seq_len", args.seq_len))
+    fields = {**recipe, **{k: v for k, v in sizes if v is not None}}
+    args.recipe_fields = fields
+    args.source, args.target = fields["source"], fields["target"]
+    args.calib_seqs, args.seq_len = fields.get("num_sequences"), fields.get("seq_len")
+    for key in ("method", "domain", "layers_k", "lam", "native_head"):  # checked as the options are
+        if key in fields:
+            setattr(args, key, fields[key])
+    args.alignment_policy = fields.get("alignment_policy")
+    return None
+
+
 def run_fit(args) -> int:
     """Check the arguments, load both models, fit, save, print the report. Returns the exit status."""
     if not args.recipe:  # a recipe brings its own sizes; options given here override them
@@ -131,7 +162,7 @@ def run_fit(args) -> int:
         args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     problem = check_fit_args(args)
     if problem:
-        print(f"bridgecache fit: error: {problem}", file=sys.stderr)
+        print(f"bridgecache fit: error: {printable(problem, 2000)}", file=sys.stderr)
         return 2
 
     import torch
@@ -140,9 +171,7 @@ def run_fit(args) -> int:
     from bridgecache.models.zoo import load_model
 
     if args.recipe:
-        from bridgecache.cli.artifacts import run_fit_recipe
-
-        return run_fit_recipe(args)
+        return _fit_recipe(args)
     torch.manual_seed(args.seed)
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)
@@ -156,15 +185,7 @@ def run_fit(args) -> int:
         stats_precision=args.stats_precision,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    try:
-        bridge.save_pretrained(args.out, overwrite=args.force)
-    except OSError as err:  # the destination changed during the fit: keep the work anyway
-        rescue = Path(tempfile.mkdtemp(prefix="bridgecache-unsaved-"))
-        bridge.save_pretrained(rescue)
-        print(
-            f"bridgecache fit: error: could not save to {args.out} ({err}); saved to {rescue}",
-            file=sys.stderr,
-        )
+    if not save_or_rescue(bridge, args.out, args.force, "fit"):
         return 1
     print(bridge.summary())
     if "rows" in bridge.calibration:
@@ -175,3 +196,43 @@ def run_fit(args) -> int:
         )
     print(f"fit time: {seconds:.1f} s; saved to {args.out}")
     return 0
+
+
+def _fit_recipe(args) -> int:
+    """Fit again from the recipe a bridge records (checked by `_check_recipe`; the zoo loads the
+    models it names), then save like a plain fit."""
+    import torch
+
+    from bridgecache.bridge.recipe import recipe_command
+    from bridgecache.fitting.refit import refit
+    from bridgecache.models.zoo import load_model
+
+    recipe = args.recipe_fields
+    torch.manual_seed(recipe.get("seed", 0))
+    source, source_tok = load_model(recipe["source"], device=args.device)
+    target, target_tok = load_model(recipe["target"], device=args.device)
+    print(f"recipe of {printable(args.recipe)}: {printable(recipe_command(recipe, args.out))}")
+    start = time.perf_counter()
+    bridge = refit(recipe, source, target, source_tok, target_tok)
+    if not save_or_rescue(bridge, args.out, args.force, "fit"):
+        return 1
+    print(bridge.summary())
+    print(f"fit time: {time.perf_counter() - start:.1f} s; saved to {args.out}")
+    return 0
+
+
+def save_or_rescue(bridge, out, overwrite: bool, command: str) -> bool:
+    """Save `bridge` to `out`; if that fails (the destination changed or filled up during a long
+    run, another process saved a bridge there meanwhile), save it to a `bridgecache-unsaved-*`
+    folder in the temporary directory and say where, on stderr. True if it reached `out`."""
+    try:
+        bridge.save_pretrained(out, overwrite=overwrite)
+        return True
+    except OSError as err:  # FileExistsError included: never lose finished work
+        rescue = Path(tempfile.mkdtemp(prefix="bridgecache-unsaved-"))
+        bridge.save_pretrained(rescue)
+        print(
+            f"bridgecache {command}: error: could not save to {out} ({err}); saved to {rescue}",
+            file=sys.stderr,
+        )
+        return False

@@ -8,10 +8,11 @@ handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s ow
 from __future__ import annotations
 
 import argparse
+import math
 
 from bridgecache.runtime.config import DEFAULT_REFRESH, HandoffConfig, QualityPolicy, RefreshConfig
 
-__all__ = ["add_handoff_arguments", "handoff_config", "native_layers_arg"]
+__all__ = ["add_handoff_arguments", "config_problem", "handoff_config", "native_layers_arg"]
 
 _DEFAULT = HandoffConfig()
 
@@ -27,20 +28,14 @@ def native_layers_arg(text: str):
 
 
 def _refresh(text: str):
-    """A fraction in (0, 1] (has a point), a token count, or none."""
+    """A fraction (has a point), a token count, or none (ranges are checked by handoff_config)."""
     if text == "none":
         return None
     try:
-        value = float(text) if "." in text else int(text)
+        return float(text) if "." in text or "e" in text.lower() else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a fraction like 0.15, a token count, or none"
-        ) from None
-    if value == 0:
-        return None
-    if value < 0 or (isinstance(value, float) and value > 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: a fraction lies in (0, 1]; a count is >= 1")
-    return value
+        expected = "a fraction like 0.15, a token count, or none"
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}") from None
 
 
 def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +79,19 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handoff_config(args) -> HandoffConfig:
-    """The HandoffConfig the flags of `add_handoff_arguments` describe (ValueError if invalid)."""
-    refresh = None if args.refresh is None else RefreshConfig(args.refresh, args.refresh_by)
+    """The HandoffConfig the flags of `add_handoff_arguments` describe (ValueError naming the flag
+    when one is out of range)."""
+    for flag, value in (("--native-head", args.native_head), ("--native-tail", args.native_tail)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} is {value}; expected an integer >= 0")
+    amount = args.refresh
+    if amount == 0:
+        amount = None
+    if amount is not None and not (0 < amount <= 1 if isinstance(amount, float) else amount >= 1):
+        raise ValueError(
+            f"--refresh is {amount}; expected a share of the context in (0, 1], a token count or none"
+        )
+    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by)
     return HandoffConfig(
         native_head=args.native_head,
         native_tail=args.native_tail,
@@ -94,3 +100,22 @@ def handoff_config(args) -> HandoffConfig:
         refresh=refresh,
         quality=QualityPolicy(args.min_quality),
     )
+
+
+def config_problem(config: HandoffConfig, bridge) -> str | None:
+    """The first setting of `config` that cannot work with `bridge`'s target, in words (None if
+    none): checked before any model loads."""
+    from bridgecache.runtime.native import resolve_native_layers
+
+    limit = bridge.target.max_position_embeddings
+    if config.native_head is not None and config.native_head > limit:
+        head = config.native_head
+        return f"--native-head is {head}; expected an integer in [0, {limit}] (the target's positions)"
+    try:
+        resolve_native_layers(config.native_layers, bridge.target.num_layers)
+    except ValueError as err:
+        return f"--native-layers: {err}"
+    quality = config.quality.min_quality
+    if quality is not None and not math.isfinite(quality):
+        return f"--min-quality is {quality}; expected a finite number (a held-out score, at most 1)"
+    return None

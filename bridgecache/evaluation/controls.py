@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from bridgecache.files import apply_umask
+from bridgecache.files import clean_leftovers, publish, staging_folder
 
 __all__ = ["ControlScores"]
 
@@ -43,11 +41,13 @@ class ControlScores:
         self.path = None if path is None else Path(path)
         self.entries: dict = {}
         self._fingerprints: dict[int, str] = {}
-        if self.path is not None and self.path.exists():
+        if self.path is not None and self.path.is_file():
             try:
-                self.entries = json.loads(self.path.read_text())
-            except json.JSONDecodeError:
-                self.entries = {}  # a damaged file costs a recomputation, never a wrong score
+                entries = json.loads(self.path.read_text())
+            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, a nesting bomb
+                entries = {}
+            # a damaged or foreign file costs a recomputation, never a wrong score or a crash
+            self.entries = entries if isinstance(entries, dict) else {}
 
     def key(self, target, *ids) -> str:
         """The entry of (target weights, every id sequence given)."""
@@ -69,9 +69,9 @@ class ControlScores:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # write then rename: a killed run never leaves a half-written file behind
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.entries, f)
-        apply_umask(Path(tmp))  # mkstemp makes 0600; a shared cache needs the user's usual mode
-        os.replace(tmp, self.path)
+        # write then rename: a killed run never leaves a half-written file behind, and what it
+        # leaves in its staging folder the next write removes
+        clean_leftovers(self.path.parent)
+        with staging_folder(self.path.parent) as staging:
+            (staging / self.path.name).write_text(json.dumps(self.entries))
+            publish(staging / self.path.name, self.path)  # the umask's mode, one rename

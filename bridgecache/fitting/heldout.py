@@ -58,7 +58,7 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     counts = torch.zeros(len(modules), dtype=torch.float64)
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
         # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
-        source_kv = capture_kv(source.get_decoder(), source_ids)
+        source_kv = capture_kv(source, source_ids)
         # The maps alone: no refresh (the native head, as every handoff computes it, included).
         cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment, config=_MAPS_ONLY)
         cache.materialize()

@@ -3,10 +3,12 @@
 `capture_kv(model, input_ids)` returns a `SourceKV` holding, per layer, keys and values of
 shape [batch, kv_heads, tokens, head_dim] exactly as the model caches them (keys after q/k-norm
 and RoPE), plus the attention mask, the position ids and the model's rotary tables, so
-`unrotated_keys(layer)` can remove RoPE. Sliding-window layers keep ALL tokens here (a plain,
-config-less DynamicCache is used), because a bridge may need rows that a sliding cache would
-already have dropped; the model's masks still apply its window, so the values are exactly those
-of a normal forward.
+`unrotated_keys(layer)` can remove RoPE, and what they belong to: the token ids and the model's
+spec and weight fingerprint (so a bridge or a later `as_source`/`load_kv` can refuse KV of another
+model or document). Only the model's decoder runs: no logits are computed. Sliding-window layers
+keep ALL tokens here (a plain, config-less DynamicCache is used), because a bridge may need rows
+that a sliding cache would already have dropped; the model's masks still apply its window, so
+the values are exactly those of a normal forward.
 
 This module knows nothing about bridges or tokenizers.
 """
@@ -19,6 +21,7 @@ from transformers import DynamicCache
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.source import SourceKV, position_ids_from_mask
+from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import model_spec
 
 __all__ = ["capture_kv", "cache_to_layers", "position_ids_from_mask"]
@@ -41,12 +44,13 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         keys, values = _empty_layers(model, input_ids.shape[0])
     else:
         cache = DynamicCache()  # no config: every layer keeps every token
-        model(
+        decoder = _decoder(model)  # the KV without the logits: no [batch, tokens, vocab] tensor
+        decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            **cache_kwargs(model, cache),
+            **cache_kwargs(decoder, cache),
         )
         keys, values = cache_to_layers(cache)
     return SourceKV(
@@ -56,8 +60,17 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         position_ids=position_ids,
         first_token=(0,) * len(keys),
         rope=RopeTables.from_model(model),
-        token_ids=input_ids,
+        input_ids=input_ids.detach().cpu(),
+        model=model_spec(model),
+        fingerprint=weight_fingerprint(model),
     )
+
+
+def _decoder(model):
+    """The model's decoder (a causal LM's base model), or the model itself."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def _empty_layers(model, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

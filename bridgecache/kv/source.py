@@ -10,37 +10,52 @@ Shapes: keys/values per layer [batch, kv_heads, tokens, head_dim] (keys post-RoP
 attention_mask and position_ids [batch, tokens]. Padding is read from the attention mask (left
 padding only), never inferred from the positions. A sliding-window source layer may hold only its
 last tokens: `first_token[l]` says which context token its row 0 is.
+
+KV know where they came from where that is known: the spec and weight fingerprint of the model
+that computed them and the token ids they hold (`capture_kv` records all three; `as_source(...,
+model=, input_ids=)` checks them, or records them for a bare cache). A KV file always carries
+them, and `load_kv(path, model=, input_ids=)` refuses a file of another model or another
+document (KVMismatchError); a bridge refuses KV of a model of another architecture (`check`).
+Every count in a file's header is bounded by the tensors the file holds before anything is
+allocated, keys and values must be finite floating-point numbers, and error messages are short.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
+import re
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from bridgecache.files import apply_umask
 from bridgecache.kv.rope import RopeTables, unrotate
+from bridgecache.models.spec import ModelSpec, SpecMismatchError, WeightMismatchWarning
+from bridgecache.untrusted import printable
 
 __all__ = [
     "SourceKV",
-    "as_source",
-    "save_kv",
-    "load_kv",
     "KVFileError",
+    "KVMismatchError",
     "check_mask",
     "position_ids_from_mask",
 ]
 
-_KV_FORMAT = "bridgecache.kv/2"  # /2: a sha256 of all tensors in the header, verified on load
+# /2: a sha256 of all tensors in the header; /3: the model (spec, weight fingerprint) and the
+# token ids (tensor "input_ids") the KV belong to.
+_KV_FORMAT = "bridgecache.kv/3"
+_HEADER = ("format", "num_layers", "first_token", "sha256", "model", "model_fingerprint")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTEGERS = (torch.int64, torch.int32)
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class KVFileError(ValueError):
     """A KV file is missing, truncated, corrupted or not a bridgecache KV file."""
+
+
+class KVMismatchError(ValueError):
+    """Source KV used with a model or tokens other than the ones they were computed from."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +68,9 @@ class SourceKV:
     position_ids: [batch, tokens] int64, the positions RoPE was applied at.
     first_token: per layer, the context token of row 0 (0 unless a sliding layer dropped rows).
     rope: the model's rotary tables (set by `capture_kv`; None for KV made elsewhere).
-    token_ids: [batch, tokens] the context's token ids (set by `capture_kv`; None elsewhere).
+    input_ids: [batch, tokens] the token ids the KV hold (None: not known).
+    model, fingerprint: the ModelSpec and weight fingerprint (bridgecache.models.fingerprint) of the model
+        that computed them (None: not known).
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -62,11 +79,14 @@ class SourceKV:
     position_ids: torch.Tensor
     first_token: tuple[int, ...]
     rope: RopeTables | None = field(default=None, compare=False, repr=False)
-    token_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    input_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    model: ModelSpec | None = field(default=None, compare=False, repr=False)
+    fingerprint: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "values", tuple(self.values))
+        _check_tensors(self)
         check_mask(self.attention_mask, tuple(self.position_ids.shape), "source attention_mask")
 
     @property
@@ -96,8 +116,29 @@ class SourceKV:
         keys = self.keys[layer].float()
         return unrotate(keys, cos.to(keys.device), sin.to(keys.device))
 
-    def check(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        """Raise ValueError unless every layer has the shape the bridge's source spec says."""
+    def check(self, spec: ModelSpec, fingerprint: str | None = None) -> None:
+        """Raise unless these KV can stand for a model of `spec` (a bridge's source).
+
+        The model that computed them, where recorded, must have `spec` (SpecMismatchError: KV of
+        another family with the same shapes are refused), other weights than `fingerprint` warn
+        (WeightMismatchWarning), and every layer must have the shape `spec` says (ValueError).
+        """
+        if self.model is not None and spec.mismatches(self.model):
+            raise SpecMismatchError(
+                f"the source KV were computed by a model other than the bridge's source model "
+                f"{printable(spec.name, 200)!r} ({printable(spec.model_type, 60)}): "
+                + "; ".join(spec.mismatches(self.model))
+            )
+        if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
+            warnings.warn(
+                f"the source KV were computed by a model with weights {self.fingerprint}, not the ones "
+                f"this bridge was fitted on ({fingerprint}): same architecture, other checkpoint",
+                WeightMismatchWarning,
+                stacklevel=3,
+            )
+        self._check_shapes(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+
+    def _check_shapes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         if self.num_layers != num_layers:
             raise ValueError(
                 f"source KV has {self.num_layers} layers; the bridge's source model has {num_layers}"
@@ -132,35 +173,91 @@ def check_mask(mask: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
         raise ValueError(f"{name} row {bad} is not left padding (expected 0s, then 1s)")
 
 
-def as_source(source, attention_mask: torch.Tensor | None = None) -> SourceKV:
-    """A `SourceKV` of a cache, per-layer (k, v) pairs, a KV file path, or a SourceKV itself.
+def _is_pair(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) == 2
 
-    attention_mask: [batch, tokens] 0/1 for left-padded batches. A SourceKV (or file) carries its
-    own mask; one given as well must agree with it.
-    """
-    if isinstance(source, (str, Path)):
-        source = load_kv(source)
-    if isinstance(source, SourceKV):
-        if attention_mask is not None and not torch.equal(
-            attention_mask.long().cpu(), source.attention_mask.long().cpu()
-        ):
-            raise ValueError(
-                "source_attention_mask differs from the attention mask the source KV were captured with"
-            )
-        return source
-    if hasattr(source, "layers"):  # a transformers Cache
-        return _from_cache(source, attention_mask)
-    if isinstance(source, (list, tuple)) and source and all(len(p) == 2 for p in source):
-        keys = tuple(k for k, _ in source)
-        values = tuple(v for _, v in source)
-        mask, positions = _mask_and_positions(keys[0], attention_mask)
-        return SourceKV(
-            keys, values, attention_mask=mask, position_ids=positions, first_token=(0,) * len(keys)
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+    return f"a {type(t).__name__}"
+
+
+def _check_tensors(kv: SourceKV) -> None:
+    """Types, dtypes and dimensions of every tensor (metadata only: no pass over the data)."""
+    if len(kv.keys) != len(kv.values) or not kv.keys:
+        raise ValueError(
+            f"source KV have {len(kv.keys)} key and {len(kv.values)} value layers; expected the same, >= 1"
         )
-    raise TypeError(
-        f"cannot read source KV from {type(source).__name__}: expected a transformers Cache, a "
-        "SourceKV (capture_kv), a list of (keys, values) per layer, or a path written by save_kv"
-    )
+    for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        for name, t in (("keys", k), ("values", v)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS or t.dim() != 4:
+                raise TypeError(
+                    f"source layer {layer} {name} are {_describe(t)}; expected a float16, bfloat16, "
+                    "float32 or float64 tensor [batch, kv_heads, tokens, head_dim]"
+                )
+    for name in ("attention_mask", "position_ids", "input_ids"):
+        t = getattr(kv, name)
+        if name == "input_ids" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in (*_INTEGERS, torch.bool) or t.dim() != 2:
+            raise TypeError(f"source {name} is {_describe(t)}; expected an integer tensor [batch, tokens]")
+    if kv.input_ids is not None and kv.input_ids.shape != kv.position_ids.shape:
+        raise ValueError(
+            f"source input_ids have shape {tuple(kv.input_ids.shape)}; the KV hold "
+            f"{tuple(kv.position_ids.shape)} [batch, tokens]"
+        )
+
+
+def _bind(kv: SourceKV, model, input_ids, where: str) -> SourceKV:
+    """`kv`, checked against (and, where it recorded nothing, bound to) a model and token ids."""
+    changes = {}
+    if model is not None and not hasattr(model, "named_parameters"):
+        raise TypeError(f"model= is the source model (a transformers model), not a {type(model).__name__}")
+    if model is not None:
+        from bridgecache.models.fingerprint import weight_fingerprint
+        from bridgecache.models.spec import model_spec
+
+        spec, weights = model_spec(model), weight_fingerprint(model)
+        if kv.fingerprint is not None and kv.fingerprint != weights:
+            made_by = f" ({printable(kv.model.name, 200)!r})" if kv.model is not None else ""
+            raise KVMismatchError(
+                f"{where} were computed by a model with weights {kv.fingerprint}{made_by}, not by the "
+                f"source model given ({printable(spec.name, 200)!r}, weights {weights})"
+            )
+        if kv.model is not None and kv.model.mismatches(spec):
+            raise KVMismatchError(
+                f"{where} were computed by another model than the source model given: "
+                + "; ".join(kv.model.mismatches(spec))
+            )
+        if kv.fingerprint is None:
+            changes.update(model=spec, fingerprint=weights)
+    if input_ids is not None:
+        ids = torch.as_tensor(input_ids).detach().long().cpu()
+        ids = ids[None] if ids.dim() == 1 else ids
+        held = kv.input_ids
+        if held is not None:
+            held = held.long().cpu()
+            if held.shape != ids.shape:
+                raise KVMismatchError(
+                    f"{where} hold {tuple(held.shape)} tokens [batch, tokens]; the context given has "
+                    f"{tuple(ids.shape)}: another document"
+                )
+            if not torch.equal(held, ids):
+                first = int((held != ids).flatten().nonzero()[0])
+                raise KVMismatchError(
+                    f"{where} hold the tokens of another document of the same length (first difference "
+                    f"at token {first % ids.shape[-1]}: {int(held.flatten()[first])} in the KV, "
+                    f"{int(ids.flatten()[first])} in the context)"
+                )
+        elif tuple(ids.shape) != tuple(kv.position_ids.shape):
+            raise KVMismatchError(
+                f"{where} hold {tuple(kv.position_ids.shape)} tokens [batch, tokens]; the context given "
+                f"has {tuple(ids.shape)}"
+            )
+        else:
+            changes["input_ids"] = ids
+    return dataclasses.replace(kv, **changes) if changes else kv
 
 
 def _from_cache(cache, attention_mask) -> SourceKV:
@@ -195,121 +292,3 @@ def _mask_and_positions(keys: torch.Tensor, attention_mask: torch.Tensor | None)
     check_mask(attention_mask, (batch, tokens), "source attention_mask")
     mask = attention_mask.to(device=keys.device, dtype=torch.long)
     return mask, position_ids_from_mask(mask)
-
-
-def save_kv(path: str | Path, source, attention_mask: torch.Tensor | None = None, **metadata: str) -> Path:
-    """Write a context's source KV to one safetensors file.
-
-    The header holds the format, the layer count, each layer's first token, a sha256 of every
-    tensor (verified by `load_kv`) and any `metadata` given. The file gets the umask's mode.
-    """
-    kv = as_source(source, attention_mask)
-    tensors = {"position_ids": kv.position_ids.contiguous().cpu()}
-    tensors["attention_mask"] = kv.attention_mask.contiguous().cpu()
-    for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-        tensors[f"keys.{layer}"] = k.contiguous().cpu()
-        tensors[f"values.{layer}"] = v.contiguous().cpu()
-    reserved = {"format", "num_layers", "first_token", "sha256"} & set(metadata)
-    if reserved:
-        raise ValueError(f"metadata keys {sorted(reserved)} are reserved by the KV file format")
-    header = {k: str(v) for k, v in metadata.items()}
-    header |= {
-        "format": _KV_FORMAT,
-        "num_layers": str(kv.num_layers),
-        "first_token": json.dumps(kv.first_token),
-        "sha256": _kv_digest(tensors),
-    }
-    path = Path(path)
-    save_file(tensors, str(path), metadata=header)
-    apply_umask(path)  # safetensors writes 0600; a shared cache needs the user's usual mode
-    return path
-
-
-def load_kv(path: str | Path, device: str | torch.device = "cpu") -> SourceKV:
-    """Read a file written by `save_kv`; corrupted, malformed or foreign files raise KVFileError."""
-    path = Path(path)
-    if not path.exists():
-        raise KVFileError(f"no KV file at {path}")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise KVFileError(
-            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}"
-        ) from err
-    n, first = _check_kv_header(path, header)
-    missing = [f"{kind}.{i}" for i in range(n) for kind in ("keys", "values") if f"{kind}.{i}" not in tensors]
-    if missing or "position_ids" not in tensors:
-        raise KVFileError(f"{path} lacks tensors {missing or ['position_ids']} for its {n} layers")
-    if _kv_digest(tensors) != header["sha256"]:
-        raise KVFileError(
-            f"{path}: checksum mismatch (sha256 in the header differs from the tensors'): corrupted"
-        )
-    _check_kv_shapes(path, tensors, n, first)
-    keys = tuple(tensors[f"keys.{i}"].to(device) for i in range(n))
-    values = tuple(tensors[f"values.{i}"].to(device) for i in range(n))
-    positions = tensors["position_ids"].to(device)
-    mask = tensors.get("attention_mask")
-    mask = torch.ones_like(positions) if mask is None else mask.to(device)
-    return SourceKV(keys, values, attention_mask=mask, position_ids=positions, first_token=first)
-
-
-def _kv_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
-    hasher = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        hasher.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return hasher.hexdigest()
-
-
-def _check_kv_header(path: Path, header: dict) -> tuple[int, tuple[int, ...]]:
-    """(num_layers, first_token) from a KV file's header, or KVFileError naming the bad field."""
-    fmt = header.get("format")
-    if fmt == "bridgecache.kv/1":
-        raise KVFileError(f"{path} was written by an older bridgecache without a checksum; save it again")
-    if fmt != _KV_FORMAT:
-        raise KVFileError(f"{path} is not a bridgecache KV file (format {fmt!r}, expected {_KV_FORMAT!r})")
-    raw = header.get("num_layers")
-    if raw is None or not raw.isdigit() or int(raw) < 1:
-        raise KVFileError(f"{path}: header field 'num_layers' is {raw!r}; expected a positive integer")
-    n = int(raw)
-    try:
-        first = json.loads(header.get("first_token", ""))
-    except json.JSONDecodeError:
-        first = header.get("first_token")
-    if not isinstance(first, list) or len(first) != n or not all(type(x) is int and x >= 0 for x in first):
-        raise KVFileError(
-            f"{path}: header field 'first_token' is {header.get('first_token')!r}; "
-            f"expected a JSON list of {n} integers >= 0"
-        )
-    sha = header.get("sha256")
-    if not isinstance(sha, str) or len(sha) != 64:
-        raise KVFileError(f"{path}: header field 'sha256' is {sha!r}; expected 64 hex digits")
-    return n, tuple(first)
-
-
-def _check_kv_shapes(path: Path, tensors: dict, n: int, first: tuple[int, ...]) -> None:
-    """Keys and values agree per layer, are [batch, heads, rows, dim], and fit in the context."""
-    positions = tensors["position_ids"]
-    if positions.dim() != 2:
-        raise KVFileError(
-            f"{path}: position_ids has shape {tuple(positions.shape)}; expected [batch, tokens]"
-        )
-    batch, tokens = positions.shape
-    for i in range(n):
-        k, v = tensors[f"keys.{i}"], tensors[f"values.{i}"]
-        if k.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:
-            raise KVFileError(
-                f"{path}: layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)}; expected "
-                f"[batch={batch}, kv_heads, rows, head_dim] each, with the same rows"
-            )
-        if first[i] + k.shape[2] > tokens:
-            raise KVFileError(
-                f"{path}: layer {i} holds rows {first[i]}..{first[i] + k.shape[2] - 1} "
-                f"of a {tokens}-token context"
-            )

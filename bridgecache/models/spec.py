@@ -12,11 +12,41 @@ import json
 import weakref
 from dataclasses import asdict, dataclass
 
-__all__ = ["ModelSpec", "model_spec", "tokenizer_fingerprint", "SpecMismatchError"]
+from bridgecache.untrusted import shown
+
+__all__ = [
+    "ModelSpec",
+    "model_spec",
+    "tokenizer_fingerprint",
+    "SpecMismatchError",
+    "WeightMismatchWarning",
+    "SPEC_LIMITS",
+    "check_spec_dict",
+    "spec_from_untrusted",
+]
+
+# Upper bounds of a spec's counts. Real models are far inside them (the largest open models have
+# ~128 layers, 128 heads, head_dim 256, hidden size 25,600, 10M positions); a value beyond them
+# comes from a corrupted or hostile file.
+SPEC_LIMITS = {
+    "num_layers": 1024,
+    "num_kv_heads": 4096,
+    "num_q_heads": 4096,
+    "head_dim": 4096,
+    "hidden_size": 2**20,
+    "max_position_embeddings": 2**31,
+    "sliding_window": 2**31,
+    "bos_token_id": 2**31 - 1,
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class SpecMismatchError(ValueError):
     """A bridge was used with a model it was not fitted for."""
+
+
+class WeightMismatchWarning(UserWarning):
+    """A model has the bridge's architecture but not the weights the bridge was fitted on."""
 
 
 @dataclass(frozen=True)
@@ -129,3 +159,62 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_spec_dict(spec, role: str, fail) -> None:
+    """Check a spec read from a file (bridge.json, a KV file's header) field by field, with bounds;
+    `fail(field, value, expected)` raises. A missing field is reported with the value None."""
+    if not isinstance(spec, dict):
+        fail(role, spec, "an object describing a model")
+    for key in (
+        "num_layers",
+        "num_kv_heads",
+        "num_q_heads",
+        "head_dim",
+        "hidden_size",
+        "max_position_embeddings",
+    ):
+        _int(fail, f"{role}.{key}", spec.get(key), 1, SPEC_LIMITS[key])
+    for key, limit in (("model_type", 200), ("rope", 65536), ("name", 4096), ("tokenizer", 200)):
+        value = spec.get(key, "" if key in ("name", "tokenizer") else None)
+        if not isinstance(value, str) or len(value) > limit:
+            fail(f"{role}.{key}", value, f"a string of at most {limit:,} characters")
+    try:
+        rope = json.loads(spec["rope"])
+    except (ValueError, RecursionError):
+        rope = ...
+    if not (rope is None or isinstance(rope, dict)):
+        fail(f"{role}.rope", spec["rope"], "the JSON text of an object (the rope parameters) or null")
+    types = spec.get("layer_types")
+    if (
+        not isinstance(types, list)
+        or len(types) != spec["num_layers"]
+        or any(t not in _LAYER_TYPES for t in types)
+    ):
+        fail(f"{role}.layer_types", types, f"a list of {spec['num_layers']} of {_LAYER_TYPES}")
+    if spec.get("sliding_window") is not None:
+        _int(
+            fail,
+            f"{role}.sliding_window",
+            spec["sliding_window"],
+            1,
+            SPEC_LIMITS["sliding_window"],
+            "null or ",
+        )
+    if spec.get("bos_token_id") is not None:
+        _int(fail, f"{role}.bos_token_id", spec["bos_token_id"], 0, SPEC_LIMITS["bos_token_id"], "null or ")
+
+
+def spec_from_untrusted(d) -> ModelSpec:
+    """A ModelSpec from a dict read from a file, every field checked (ValueError names it)."""
+
+    def fail(field: str, value, expected: str):
+        raise ValueError(f"field {field!r} is {shown(value)} ({type(value).__name__}); expected {expected}")
+
+    check_spec_dict(d, "model", fail)
+    return ModelSpec.from_dict(d)
+
+
+def _int(fail, field: str, value, low: int, high: int, prefix: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        fail(field, value, f"{prefix}an integer in [{low}, {high:,}]")

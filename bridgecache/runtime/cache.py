@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from bridgecache.kv.source import as_source
+from bridgecache.kv.files import as_source
 from bridgecache.runtime import native_pass
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.grouped import LayerGroups, groups_apply

@@ -12,7 +12,6 @@ also does the cache's native work.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import torch
 from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
-from bridgecache.kv.source import SourceKV, as_source
+from bridgecache.kv.files import as_source
 from bridgecache.models.spec import tokenizer_fingerprint
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
@@ -70,15 +69,6 @@ def same_tokenization(source_tokenizer, target_tokenizer) -> bool:
     return tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
 
 
-def with_token_ids(source_kv, source_ids: torch.Tensor, attention_mask=None) -> SourceKV:
-    """`source_kv` as a SourceKV that knows its context's token ids [batch, tokens] (a selection
-    rule reads them when there is no prompt); KV files and caches made elsewhere do not."""
-    kv = as_source(source_kv, attention_mask)
-    if kv.token_ids is None:
-        kv = dataclasses.replace(kv, token_ids=source_ids.to(kv.position_ids.device))
-    return kv
-
-
 def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     """(alignment or None, source_ids [1, S], target_ids [1, T]) for one context text; the same
     ids tensor for both when the tokenizers agree (tokenized once)."""
@@ -123,13 +113,14 @@ def handoff(
     check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
     source_prefill_s = 0.0
-    if source_kv is None:
-        if source is None:
-            raise ValueError("pass either the source model or its KV of the context (source_kv=)")
+    if source_kv is not None:  # KV of another model or another document are refused here
+        source_kv = as_source(source_kv, model=source, input_ids=source_ids)
+    elif source is None:
+        raise ValueError("pass either the source model or its KV of the context (source_kv=)")
+    else:
         start = time.perf_counter()
         source_kv = capture_kv(source, source_ids)
         source_prefill_s = time.perf_counter() - start
-    source_kv = with_token_ids(source_kv, source_ids)
     device = target.get_input_embeddings().weight.device
     target_prompt = prompt_ids(target_tokenizer, prompt)
     same = alignment is None

@@ -128,13 +128,13 @@ class SourceAttention(Selector):
 
 
 def _context_ids(kv) -> torch.Tensor:
-    ids = getattr(kv, "token_ids", None)
+    ids = kv.input_ids
     if ids is None:
         raise ValueError(
             "refresh by the source's attention without a prompt needs the source's context token ids: "
             "capture the source with bridgecache.capture_kv (it records them), or pass a prompt"
         )
-    return ids
+    return ids.to(kv.position_ids.device)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ class Translator:
         self, bridge, source: SourceKV, target, target_ids, *, target_mask, alignment, config, windows
     ):
         spec = bridge.source
-        source.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        source.check(spec, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
         bridge.target.check(model_spec(target), "target")
         self.bridge = bridge
         self.source = source
