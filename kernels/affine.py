@@ -23,8 +23,14 @@ or, when every head reads the same inputs (full-head), of several heads, which t
 gathered, un-rotated X (a GEMM tile). Every layer of a cache is one launch. Arithmetic: gathered
 rows are cast to float32; dot products run on tensor cores in TF32 for bf16 outputs (well below
 bf16 rounding) and 3xTF32 for fp16/fp32 outputs (about float32). Triton needs power-of-two head
-dims >= 32; other dims use the reference. Calls with one input slot per head run by default on
-the persistent kernel of `bridgecache.kernels.persistent` instead (same function; APPLY_KERNEL).
+dims >= 32; other dims use the reference.
+
+Which Triton kernel runs (`launch_affine`'s `kernel`, "auto" unless a caller asks): maps with one
+input slot per head and a source head dim of 32..256 (identity maps, head-local CacheBridge maps
+with k = 1) run on the persistent kernel of `bridgecache.kernels.persistent` (same function,
+weights kept on chip across token blocks); every other call runs on this module's tiled kernel:
+full-head maps, so both shipped bridges (8 and 12 inputs per head), map_fullhead, and head-local
+maps with k > 1.
 
 Knows nothing about models, bridges or which source heads feed which target head.
 """
@@ -50,6 +56,7 @@ from .persistent import launch_persistent, supports_persistent
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
 __all__ = [
+    "APPLY_KERNELS",
     "affine_reference",
     "gathered_affine",
     "launch_affine",
@@ -277,6 +284,9 @@ def triton_supports(src_dim: int, tgt_dim: int) -> bool:
     return all(d >= 32 and d & (d - 1) == 0 for d in (src_dim, tgt_dim))
 
 
+APPLY_KERNELS = ("auto", "tiled", "persistent")
+
+
 def launch_affine(
     view: SourceView,
     rows: torch.Tensor,
@@ -288,19 +298,25 @@ def launch_affine(
     tgt_cos: torch.Tensor | None,
     tgt_sin: torch.Tensor | None,
     out: torch.Tensor,
+    kernel: str = "auto",
 ) -> None:
-    """Run the Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
-    with the source layers as a SourceView. A program computes _TILE_N output columns: one head's
-    (or, when all heads share their inputs, several heads') matching blocks of both rope halves."""
+    """Run a Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
+    with the source layers as a SourceView. kernel (APPLY_KERNELS): "auto" (the module
+    docstring's rule), "tiled" (any call) or "persistent" (calls with one input slot per head).
+    A tiled program computes _TILE_N output columns: one head's (or, when all heads share their
+    inputs, several heads') matching blocks of both rope halves."""
     src = view.base
     bsz, hs, _, ds = src.shape
     n_layers, n_heads, n = heads.shape
     dt = out.shape[-1]
     t = rows.shape[1]
-    if APPLY_KERNEL == "persistent" and supports_persistent(ds, dt, n):
-        launch_persistent(
-            view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, resolved=_RESOLVED
-        )
+    if kernel not in APPLY_KERNELS:
+        raise ValueError(f"kernel must be one of {APPLY_KERNELS}, got {kernel!r}")
+    persistent = supports_persistent(ds, dt, n)
+    if kernel == "persistent" and not persistent:
+        raise ValueError(f"the persistent kernel takes one input slot and source dims 32..256, got {n}, {ds}")
+    if kernel != "tiled" and persistent:
+        launch_persistent(view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
         return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
@@ -334,8 +350,6 @@ def launch_affine(
     with device_of(src):
         if src.device.type != "cuda" or interpreting():
             _KERNEL[grid](*args, **meta, **_INTERPRET_CONFIG)
-        elif not DIRECT_LAUNCH:
-            _KERNEL.autotuned[grid](*args, **meta)
         else:
             # The autotuner runs once per shape bucket; later launches skip its per-call work.
             key = (src.device, src.dtype, out.dtype, next_pow2(t), n_heads, n, *meta.values())
@@ -348,18 +362,9 @@ def launch_affine(
                 _KERNEL[grid](*args, **meta, **config)
 
 
-# Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs).
+# Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs): state of
+# the launcher, read by no one else.
 _RESOLVED: dict[tuple, dict] = {}
-
-# Which kernel runs the calls it supports: "persistent" (kernels/persistent.py: weights kept on
-# chip across token blocks, one input slot) or "tiled" (this module's kernel, every call).
-# The persistent one is the default: 1.26-1.51x faster on an H200 at the same accuracy
-# (docs/benchmarks_gpu_kernels.md, issue 14).
-APPLY_KERNEL = "persistent"
-
-# False routes eager calls through the torch custom op and the autotuner on every call, as before
-# launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).
-DIRECT_LAUNCH = True
 
 
 def _launch_options(config) -> dict:
@@ -484,7 +489,7 @@ def gathered_affine(
         weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
     # The custom op is what torch.compile / export (and fake tensors) trace; eager calls skip its dispatch.
     traced = torch.compiler.is_compiling() or is_fake(out)
-    run = _gathered_affine_op if traced or not DIRECT_LAUNCH else _run_affine
+    run = _gathered_affine_op if traced else _run_affine
     run(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
     return out
 

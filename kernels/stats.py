@@ -384,11 +384,11 @@ def _add(ptr, val, mask, ATOMIC: tl.constexpr):
 
 _KERNEL = LazyKernel(_stats_kernel, helpers=(_chunk, _x_chunk, _add))
 _BLOCK_T = 64
-_CHUNK = 128
+_CHUNK = 128  # Gram tile edge on CUDA: whole heads up to 128 dims
 _INTERPRET_BLOCK_T = 16
 _INTERPRET_CHUNK = 32
-# Token splits per tile: about SPLITS[0] programs per SM, each at least SPLITS[1] token blocks.
-SPLITS = (2, 8)
+# Default token splits per tile: about 2 programs per SM, each at least 8 token blocks.
+_SPLIT_POLICY = (2, 8)
 
 
 @functools.cache
@@ -406,10 +406,13 @@ def _tiles(nxc: int, nyc: int, g: int, n_heads: int, device) -> torch.Tensor:
 _TILES_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits: int | None = None,
-                 precision: str = "tf32x3") -> None:  # fmt: skip
+def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs,
+                 splits: int | tuple[int, int] | None = None, precision: str = "tf32x3",
+                 tile: int | None = None) -> None:  # fmt: skip
     """Run the Triton kernel; arguments as the operator's. splits: programs per tile along the
-    tokens (None: about two per SM); > 1 makes them add with atomics. precision: see PRECISIONS."""
+    tokens, or a policy (programs per SM, fewest token blocks per program) that picks them
+    (None: (2, 8)); > 1 makes them add with atomics. precision: see PRECISIONS. tile: edge of the
+    Gram tiles, a power of two >= 16 (None: the head dim up to 128; 32 in the interpreter)."""
     xtx = bufs[0]
     view = source_view(layers)
     src = view.base
@@ -420,7 +423,7 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
     interp = src.device.type != "cuda" or interpreting()
     # [C, C] tiles of the Gram matrix: whole heads up to 128 dims (one gather and un-rotation of X
     # per tile row); in the interpreter at most 32, so tiles also split a head at its rope halves
-    c = min(next_pow2(max(ds, 16)), _INTERPRET_CHUNK if interp else _CHUNK)
+    c = min(next_pow2(max(ds, 16)), tile or (_INTERPRET_CHUNK if interp else _CHUNK))
     nc = -(-ds // c)
     nxc, nyc = n * nc, -(-dt // c)
     g = xtx.shape[0]
@@ -430,9 +433,10 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs, splits
     tiles = _TILES_CACHE[key]
     block_t = _INTERPRET_BLOCK_T if interp else _BLOCK_T
     n_blocks = bsz * -(-t // block_t)
-    if splits is None:  # programs per SM, each at least a few token blocks (its atomic adds)
+    if not isinstance(splits, int):  # programs per SM, each at least a few token blocks (its atomic adds)
+        per_sm, fewest = splits or _SPLIT_POLICY
         sms = 1 if interp else _sm_count(src.device)
-        splits = max(1, min(-(-SPLITS[0] * sms // tiles.shape[0]), n_blocks // SPLITS[1]))
+        splits = max(1, min(-(-per_sm * sms // tiles.shape[0]), n_blocks // fewest))
     per_split = -(-n_blocks // splits)
     splits = -(-n_blocks // per_split)
     src_rope, has_w = src_cos is not None, weights is not None
