@@ -153,6 +153,13 @@ def flex_runner(case: Case, block: int = 128):
         bm = BlockMask.from_kv_blocks(
             shaped(part_n), shaped(part_idx), shaped(full_n), shaped(full_idx), **kwargs
         )
+    # every row brings new shapes and a new mask_mod: let dynamo recompile rather than fall back to
+    # eager flex_attention (which materialises the scores)
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
     flex = torch.compile(flex_attention)
     return lambda: flex(case.q, case.k, case.v, block_mask=bm, scale=case.scale, enable_gqa=True)
 
