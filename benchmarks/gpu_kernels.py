@@ -9,9 +9,12 @@ flushed between runs):
 - apply: KV cache shapes of real model pairs (random data, random head-local maps with k = 1
   source layer per target layer, a cross-tokenizer-like alignment with NATIVE rows):
     tiled, persistent
-              map_layers for keys + values with each apply kernel (kernels.affine.APPLY_KERNEL):
-              every layer of the cache in 2 launches, called from Python (host overhead
-              included), and replayed from a CUDA graph (GPU time alone);
+              keys + values with each apply kernel through its launcher
+              (kernels.affine.launch_affine(..., kernel=)): every layer of the cache in 2
+              launches, called from Python (launch overhead included), and replayed from a CUDA
+              graph (GPU time alone);
+    fused     map_layers as the library calls it (argument checks included; its default
+              kernel: persistent for these one-input maps);
     copy      torch copy of a buffer moving the same bytes (read + write) as `fused` must;
     torch     the PyTorch reference path (per target layer) on the GPU;
     fullhead  map_fullhead per target layer, k = 4 source layers, keys + values;
@@ -19,9 +22,11 @@ flushed between runs):
               sdpa), i.e. what translation replaces.
 - accuracy: one layer of each pair, fused vs torch vs a float64 reference.
 - stats: ridge statistics for 500 x 1024 tokens at Qwen3-14B -> Qwen3-32B shapes (all 64 target
-  layers, keys and values): SufficientStats.update fused (Triton, each precision mode and Gram
-  tile, also replayed from a CUDA graph; a sweep of token splits) vs materialised (PyTorch),
-  measured on --stats-seqs sequences and scaled; errors of layer 0's moments vs float64.
+  layers, keys and values): SufficientStats.update fused (Triton, each precision mode; the
+  64-wide Gram tile and a sweep of token-split policies through the launcher
+  kernels.stats.launch_stats(..., tile=, splits=); also replayed from a CUDA graph) vs
+  materialised (PyTorch), measured on --stats-seqs sequences and scaled; errors of layer 0's
+  moments vs float64. The persistent kernel's tuning times come from its logger (DEBUG).
 Time to first token through generate() lives in benchmarks/gpu_ttft.py.
 
 Bytes counted for the apply kernels: the source rows of every source head read (once), the target cache
@@ -31,8 +36,10 @@ written, the first halves of the rope tables and the weights (once each).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 import platform
@@ -90,10 +97,8 @@ QWEN25_15B = Side("Qwen2.5-1.5B", 28, 2, 128)
 GEMMA2_2B = Side("Gemma-2-2B", 26, 4, 256)
 QWEN3_14B = Side("Qwen3-14B", 40, 8, 128)
 QWEN3_32B = Side("Qwen3-32B", 64, 8, 128)
-# The apply kernels compared side by side (kernels/affine.py's tiled one, kernels/persistent.py);
-# map_layers uses DEFAULT_KERNEL afterwards.
+# The apply kernels compared side by side (kernels/affine.py's tiled one, kernels/persistent.py).
 KERNELS = ("tiled", "persistent")
-DEFAULT_KERNEL = "persistent"
 PAIRS = [
     (QWEN25_7B, QWEN25_15B, (1024, 4096, 16384, 32768)),
     (QWEN25_15B, GEMMA2_2B, (1024, 4096, 16384, 32768)),
@@ -204,18 +209,28 @@ class Case:
         v = kernels.map_layers(self.values, self.rows, self.heads, self.wv, self.bv, backend=backend)
         return k, v
 
-    def graphed(self, kernels):
-        """fused() captured in a CUDA graph (autotuned first): its replay times the GPU work alone."""
-        self.fused(kernels)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fused(kernels)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.fused(kernels)
-        return graph.replay
+    def launcher(self, kernels, kernel: str):
+        """fused() by one apply kernel: its launcher on arguments prepared once (as map_layers
+        prepares them), keys then values, into buffers allocated once."""
+        affine = kernels.affine
+        src, tgt = self.src, self.tgt
+        t = self.tokens
+        sc, ss = affine.source_tables(self.sc, self.ss, 1, src.layers, src.kv_heads, t, src.head_dim)
+        tc, ts = affine.target_tables(self.tc, self.ts, tgt.layers, 1, t, tgt.head_dim)
+        shape = (tgt.layers, 1, tgt.kv_heads, t, tgt.head_dim)
+        out_k = torch.empty(shape, dtype=self.dtype, device=self.rows.device)
+        out_v = torch.empty_like(out_k)
+        view_k, view_v = kernels._dispatch.source_view(self.keys), kernels._dispatch.source_view(self.values)
+
+        def run():
+            affine.launch_affine(
+                view_k, self.rows, self.heads, self.wk, self.bk, sc, ss, tc, ts, out_k, kernel
+            )
+            no_rope = (None, None, None, None)
+            affine.launch_affine(view_v, self.rows, self.heads, self.wv, self.bv, *no_rope, out_v, kernel)
+            return out_k, out_v
+
+        return run
 
     def bytes_moved(self) -> int:
         """Fewest bytes the fused translation must move (see the module docstring)."""
@@ -275,10 +290,10 @@ def copy_time(timer: Timer, nbytes: int, device) -> float:
     return timer(lambda: b.copy_(a))
 
 
-def accuracy(kernels, case: Case) -> dict:
-    """Layer 0 keys: relative error of fused and torch vs float64 (the STYLE.md rule's numbers)."""
+def accuracy(kernels, case: Case, kernel: str) -> dict:
+    """Layer 0 keys: relative error of one apply kernel and torch vs float64 (the STYLE.md rule's numbers)."""
+    fused = case.launcher(kernels, kernel)()[0][0].double()
     args = (case.rows, case.heads[:1], case.wk[:1], case.bk[:1], case.sc, case.ss, case.tc, case.ts)
-    fused = kernels.map_layers(case.keys, *args, backend="triton")[0].double()
     ref = kernels.map_layers(case.keys, *args, backend="torch")[0].double()
     exact = torch.zeros_like(fused)
     half_s, half_t = case.src.head_dim // 2, case.tgt.head_dim // 2
@@ -305,6 +320,26 @@ def accuracy(kernels, case: Case) -> dict:
 
 # (programs per SM, fewest token blocks per program) of the statistics kernel's token splits
 SPLIT_SWEEP = ((1, 8), (2, 32), (8, 2), (16, 1))
+
+
+class TuningLog(logging.Handler):
+    """What the persistent apply kernel's tuner measured (its logger, DEBUG), while attached."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+        self.logger = logging.getLogger("bridgecache.kernels.persistent")
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+    def close(self):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+        super().close()
 
 
 def graphed(fn):
@@ -351,6 +386,16 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
             bufs["k"][l].update(src_l, rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
             bufs["v"][l].update(src_l, rows, heads, ys, backend=backend, precision=precision)
 
+    tables = kernels.affine.source_tables(cos, sin, seqs, 1, src.kv_heads, tokens, src.head_dim)
+
+    def launch(precision, tile=None, splits=None):  # run("triton", ...) through the launcher itself
+        for l in range(tgt.layers):
+            src_l = [keys[layer_of[l]]]
+            for kind, (c, s) in (("k", tables), ("v", (None, None))):
+                moments = dataclasses.astuple(bufs[kind][l])
+                kernels.stats.launch_stats(src_l, rows, heads, ys, None, c, s, moments, splits=splits,
+                                           precision=precision, tile=tile)  # fmt: skip
+
     # float64 moments of layer 0's keys (X gathered and un-rotated in float64): the accuracy yardstick
     x = keys[0].double()[:, heads[:, 0]]  # [B, Ht, T, Ds] (rows are 0..T-1 with two -1 up front)
     half = src.head_dim // 2
@@ -363,45 +408,48 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
     yg = ys.double()[:, :, keep].permute(1, 0, 2, 3).reshape(tgt.kv_heads, -1, tgt.head_dim)
     exact_xtx, exact_xty = xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ yg
 
-    def errors(backend, precision="tf32x3"):
+    def errors(backend, precision="tf32x3", tile=None):
         st = kernels.SufficientStats.zeros(tgt.kv_heads, src.head_dim, tgt.head_dim, device=device)
-        st.update(keys[0], rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
+        if tile is None:
+            st.update(keys[0], rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
+        else:
+            kernels.stats.launch_stats([keys[0]], rows, heads, ys, None, *tables, dataclasses.astuple(st),
+                                       precision=precision, tile=tile)  # fmt: skip
         return {
             "xtx_err": float((st.xtx - exact_xtx).norm() / exact_xtx.norm()),
             "xty_err": float((st.xty - exact_xty).norm() / exact_xty.norm()),
         }
 
     out = []
-    stats_mod = kernels.stats
-    default_chunk = stats_mod._CHUNK
-    for tile in (64, 128):
-        stats_mod._CHUNK = tile  # the Gram tile edge: 64 (per rope half) or 128 (whole head)
-        for precision in stats_mod.PRECISIONS:
+    default_tile = 128  # the launcher's Gram tile edge on CUDA (whole heads up to 128 dims)
+    for tile in (64, 128):  # 64: per rope half, through the launcher; 128: SufficientStats.update
+        launched = tile != default_tile and device.type == "cuda"  # the interpreter tiles at 32 either way
+
+        def fused(p, tile=tile, launched=launched):
+            return launch(p, tile=tile) if launched else run("triton", p)
+
+        for precision in kernels.stats.PRECISIONS:
             try:
-                ms = timer(lambda p=precision: run("triton", p), repeats=3)
+                ms = timer(lambda p=precision: fused(p), repeats=3)
                 row = {"path": "fused", "precision": precision, "tile": tile, "ms_per_batch": ms}
                 if device.type == "cuda":  # the same 128 updates replayed from a CUDA graph: GPU time
-                    row["graph_ms"] = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
-                row.update(errors("triton", precision))
+                    row["graph_ms"] = timer(graphed(lambda p=precision: fused(p)), repeats=3)
+                row.update(errors("triton", precision, tile if launched else None))
             except Exception as e:
                 row = {"error": f"fused {precision} tile {tile}: {type(e).__name__}: {e}"[:300]}
             out.append(row)
             print(json.dumps(row), flush=True)
-    stats_mod._CHUNK = default_chunk
     # Token splits (programs per tile, adding with float64 atomics), default tile: what bounds the kernel
-    default_splits = stats_mod.SPLITS
     for splits in SPLIT_SWEEP if device.type == "cuda" else ():
-        stats_mod.SPLITS = splits
         for precision in ("tf32x3", "bf16"):
             try:
-                ms = timer(graphed(lambda p=precision: run("triton", p)), repeats=3)
-                row = {"path": f"fused, splits {splits}", "precision": precision, "tile": default_chunk,
+                ms = timer(graphed(lambda p=precision, sp=splits: launch(p, splits=sp)), repeats=3)
+                row = {"path": f"fused, splits {splits}", "precision": precision, "tile": default_tile,
                        "ms_per_batch": ms, "graph_ms": ms}  # fmt: skip
             except Exception as e:
                 row = {"error": f"fused {precision} splits {splits}: {type(e).__name__}: {e}"[:300]}
             out.append(row)
             print(json.dumps(row), flush=True)
-    stats_mod.SPLITS = default_splits
     ms = timer(lambda: run("torch"), repeats=3)
     out.append({"path": "materialised", "ms_per_batch": ms, **errors("torch")})
     flops = (
@@ -532,7 +580,7 @@ def main() -> None:
     print(json.dumps(info), flush=True)
 
     apply_rows, acc_rows = [], []
-    affine = kernels.affine
+    tuning = TuningLog()
     for src, tgt, token_counts in pairs:
         if args.pair and not any(f in f"{src.name} -> {tgt.name}" for f in args.pair):
             continue
@@ -543,17 +591,18 @@ def main() -> None:
                 row["MB"] = case.bytes_moved() / 1e6
                 row["copy_ms"] = copy_time(timer, case.bytes_moved(), device)
                 for kernel in KERNELS:  # old (tiled) and new (persistent) apply kernels, same inputs
-                    affine.APPLY_KERNEL = kernel
-                    row[f"{kernel}_ms"] = timer(lambda c=case: c.fused(kernels))
+                    launch = case.launcher(kernels, kernel)
+                    row[f"{kernel}_ms"] = timer(launch)
                     if device.type == "cuda":
-                        row[f"{kernel}_graph_ms"] = timer(case.graphed(kernels))
+                        row[f"{kernel}_graph_ms"] = timer(graphed(launch))
                     kernel_ms = row.get(f"{kernel}_graph_ms", row[f"{kernel}_ms"])
                     row[f"{kernel}_frac_of_copy"] = row["copy_ms"] / kernel_ms
                     row[f"{kernel}_GBps"] = case.bytes_moved() / (kernel_ms * 1e-3) / 1e9
                     if t == (args.tokens or token_counts)[0]:
-                        acc_rows.append({"pair": row["pair"], "kernel": kernel, **accuracy(kernels, case)})
-                affine.APPLY_KERNEL = DEFAULT_KERNEL
-                row["fused_ms"] = row[f"{DEFAULT_KERNEL}_ms"]
+                        acc = accuracy(kernels, case, kernel)
+                        acc_rows.append({"pair": row["pair"], "kernel": kernel, **acc})
+                    del launch
+                row["fused_ms"] = timer(lambda c=case: c.fused(kernels))
                 if not args.no_baselines:
                     row["torch_ms"] = timer(lambda c=case: c.fused(kernels, backend="torch"), repeats=3)
                     full = FullHead(case, device)
@@ -562,7 +611,6 @@ def main() -> None:
                 del case
             except Exception as e:  # keep the other rows
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-            affine.APPLY_KERNEL = DEFAULT_KERNEL
             print(json.dumps(row), flush=True)
             apply_rows.append(row)
             if device.type == "cuda":
@@ -570,7 +618,8 @@ def main() -> None:
     if device.type == "cuda":
         best = kernels.affine._KERNEL.autotuned
         info["autotune"] = {str(k): str(v) for k, v in best.cache.items()}
-        info["persistent_tuning"] = {str(k): str(v) for k, v in kernels.persistent.TUNING.items()}
+        info["persistent_tuning"] = tuning.records
+    tuning.close()
 
     stats = []
     try:

@@ -1,4 +1,4 @@
-"""One fused apply (map_layers for keys, then values) inside an NVTX range, for Nsight Compute.
+"""One fused apply (keys, then values: the apply kernel's launcher) inside an NVTX range, for Nsight Compute.
 
     ncu --nvtx --nvtx-include "profile/" --clock-control none --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \\
@@ -35,20 +35,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--kernel", default="persistent", choices=("tiled", "persistent"),
-                        help="the apply kernel profiled (kernels.affine.APPLY_KERNEL)")  # fmt: skip
+                        help="the apply kernel profiled (kernels.affine.launch_affine's kernel)")  # fmt: skip
     parser.add_argument("--stats", choices=("tf32x3", "tf32", "bf16"), help="profile a statistics update")
     args = parser.parse_args()
     kernels = import_kernels()
     if args.stats:
         profile_stats(kernels, args.stats)
         return
-    kernels.affine.APPLY_KERNEL = args.kernel
     for tokens in args.tokens:
         case = Case(QWEN25_7B, QWEN25_15B, tokens, torch.device("cuda"))
-        case.fused(kernels)
+        launch = case.launcher(kernels, args.kernel)
+        launch()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_push("profile")
-        case.fused(kernels)
+        launch()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
         print(f"profiled {tokens} tokens: bytes moved (fewest) {case.bytes_moved() / 1e6:.1f} MB", flush=True)

@@ -1,16 +1,26 @@
-"""bridgecache.kernels: fused mapping and statistics kernels (Triton on CUDA, PyTorch elsewhere).
+"""bridgecache.kernels: mapping, statistics and attention kernels (Triton on CUDA, PyTorch elsewhere).
 
 - `map_heads(src, rows, heads, weight, bias, ...)`: head-local map of one target layer.
 - `map_layers(src_layers, rows, heads, weight, bias, ...)`: the same for every layer, one launch.
 - `map_fullhead(src, rows, weight, bias, ...)`: every target head reads all source heads.
 - `SufficientStats` / `accumulate_stats`: weighted ridge statistics without materialising X.
+- `column_attention(query, key, value, query_columns, key_columns, first_column, ...)`: attention
+  of queries at scattered context columns to the keys up to each one's column (block-skipping).
 
 Ships as `bridgecache.kernels` (the folder `kernels/` at the repository top). Knows nothing about
-models, tokenizers or bridges, and imports nothing else from bridgecache.
+models, tokenizers, caches or bridges, and imports nothing else from bridgecache.
 """
 
+from .attention import column_attention
 from .map_fullhead import map_fullhead
 from .map_heads import map_heads, map_layers
 from .stats import SufficientStats, accumulate_stats
 
-__all__ = ["SufficientStats", "accumulate_stats", "map_fullhead", "map_heads", "map_layers"]
+__all__ = [
+    "SufficientStats",
+    "accumulate_stats",
+    "column_attention",
+    "map_fullhead",
+    "map_heads",
+    "map_layers",
+]

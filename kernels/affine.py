@@ -23,8 +23,14 @@ or, when every head reads the same inputs (full-head), of several heads, which t
 gathered, un-rotated X (a GEMM tile). Every layer of a cache is one launch. Arithmetic: gathered
 rows are cast to float32; dot products run on tensor cores in TF32 for bf16 outputs (well below
 bf16 rounding) and 3xTF32 for fp16/fp32 outputs (about float32). Triton needs power-of-two head
-dims >= 32; other dims use the reference. Calls with one input slot per head run by default on
-the persistent kernel of `bridgecache.kernels.persistent` instead (same function; APPLY_KERNEL).
+dims >= 32; other dims use the reference.
+
+Which Triton kernel runs (`launch_affine`'s `kernel`, "auto" unless a caller asks): maps with one
+input slot per head and a source head dim of 32..256 (identity maps, head-local CacheBridge maps
+with k = 1) run on the persistent kernel of `bridgecache.kernels.persistent` (same function,
+weights kept on chip across token blocks); every other call runs on this module's tiled kernel:
+full-head maps, so both shipped bridges (8 and 12 inputs per head), map_fullhead, and head-local
+maps with k > 1.
 
 Knows nothing about models, bridges or which source heads feed which target head.
 """
@@ -45,11 +51,14 @@ from ._dispatch import (
     resolve_backend,
     source_view,
 )
+from .checks import FLOATS, expect, last_contiguous
 from .persistent import launch_persistent, supports_persistent
+from .reference import affine_reference, rope_halves, source_tables, target_tables, unrope_halves
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
 __all__ = [
+    "APPLY_KERNELS",
     "affine_reference",
     "gathered_affine",
     "launch_affine",
@@ -58,78 +67,6 @@ __all__ = [
     "target_tables",
     "unrope_halves",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# PyTorch reference
-
-
-def unrope_halves(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Undo RoPE. x: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    r = c * c + s * s
-    return torch.cat(((x1 * c + x2 * s) / r, (x2 * c - x1 * s) / r), dim=-1)
-
-
-def rope_halves(z: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE. z: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
-    h = z.shape[-1] // 2
-    z1, z2 = z[..., :h], z[..., h:]
-    return torch.cat((z1 * c - z2 * s, z2 * c + z1 * s), dim=-1)
-
-
-def _gather_table(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """[B, Ls, Hs, S, D] table -> its first half at rows idx [B, T]: [B, Ls*Hs or 1, T, D/2] float32."""
-    b, ls, hs, s, d = table.shape
-    half = d // 2
-    if table.stride(1) == 0 and table.stride(2) == 0:  # shared by every head: gather once
-        table = table[:, 0, :1]
-    else:
-        table = table.reshape(b, ls * hs, s, d)
-    table = table[..., :half].float()
-    index = idx[:, None, :, None].expand(b, table.shape[1], idx.shape[1], half)
-    return table.gather(2, index)
-
-
-def affine_reference(
-    src: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    heads: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    src_cos: torch.Tensor | None,
-    src_sin: torch.Tensor | None,
-    tgt_cos: torch.Tensor | None,
-    tgt_sin: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """Write the function of the module docstring into `out`; shapes as in `gathered_affine`."""
-    b, t = rows.shape
-    n_layers, n_heads, n = heads.shape
-    ds = src[0].shape[-1]
-    valid = rows >= 0
-    idx = rows.clamp(min=0)
-    index = idx[:, None, :, None].expand(b, src[0].shape[1], t, ds)
-    x = torch.cat([layer.gather(2, index) for layer in src], dim=1).float()  # [B, Hv, T, Ds]
-    if src_cos is not None:
-        x = unrope_halves(x, _gather_table(src_cos, idx), _gather_table(src_sin, idx))
-    shared = heads.stride(1) == 0  # every target head reads the same inputs: one GEMM
-    for layer in range(n_layers):
-        w = weight[layer].float()  # [Ht, n * Ds, Dt]
-        if shared:
-            xl = x[:, heads[layer, 0]].permute(0, 2, 1, 3).reshape(b, t, n * ds)
-            z = torch.einsum("btk,hkd->bhtd", xl, w)
-        else:
-            xl = x[:, heads[layer].reshape(-1)].view(b, n_heads, n, t, ds)
-            z = torch.einsum("bhjtk,hjkd->bhtd", xl, w.view(n_heads, n, ds, -1))
-        z = z + bias[layer].float()[None, :, None, :]
-        if tgt_cos is not None:
-            half = z.shape[-1] // 2
-            z = rope_halves(
-                z, tgt_cos[layer, ..., :half].float()[:, None], tgt_sin[layer, ..., :half].float()[:, None]
-            )
-        out[layer].copy_(z.masked_fill(~valid[:, None, :, None], 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,6 +214,9 @@ def triton_supports(src_dim: int, tgt_dim: int) -> bool:
     return all(d >= 32 and d & (d - 1) == 0 for d in (src_dim, tgt_dim))
 
 
+APPLY_KERNELS = ("auto", "tiled", "persistent")
+
+
 def launch_affine(
     view: SourceView,
     rows: torch.Tensor,
@@ -288,19 +228,25 @@ def launch_affine(
     tgt_cos: torch.Tensor | None,
     tgt_sin: torch.Tensor | None,
     out: torch.Tensor,
+    kernel: str = "auto",
 ) -> None:
-    """Run the Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
-    with the source layers as a SourceView. A program computes _TILE_N output columns: one head's
-    (or, when all heads share their inputs, several heads') matching blocks of both rope halves."""
+    """Run a Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
+    with the source layers as a SourceView. kernel (APPLY_KERNELS): "auto" (the module
+    docstring's rule), "tiled" (any call) or "persistent" (calls with one input slot per head).
+    A tiled program computes _TILE_N output columns: one head's (or, when all heads share their
+    inputs, several heads') matching blocks of both rope halves."""
     src = view.base
     bsz, hs, _, ds = src.shape
     n_layers, n_heads, n = heads.shape
     dt = out.shape[-1]
     t = rows.shape[1]
-    if APPLY_KERNEL == "persistent" and supports_persistent(ds, dt, n):
-        launch_persistent(
-            view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, resolved=_RESOLVED
-        )
+    if kernel not in APPLY_KERNELS:
+        raise ValueError(f"kernel must be one of {APPLY_KERNELS}, got {kernel!r}")
+    persistent = supports_persistent(ds, dt, n)
+    if kernel == "persistent" and not persistent:
+        raise ValueError(f"the persistent kernel takes one input slot and source dims 32..256, got {n}, {ds}")
+    if kernel != "tiled" and persistent:
+        launch_persistent(view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
         return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
@@ -334,8 +280,6 @@ def launch_affine(
     with device_of(src):
         if src.device.type != "cuda" or interpreting():
             _KERNEL[grid](*args, **meta, **_INTERPRET_CONFIG)
-        elif not DIRECT_LAUNCH:
-            _KERNEL.autotuned[grid](*args, **meta)
         else:
             # The autotuner runs once per shape bucket; later launches skip its per-call work.
             key = (src.device, src.dtype, out.dtype, next_pow2(t), n_heads, n, *meta.values())
@@ -348,18 +292,9 @@ def launch_affine(
                 _KERNEL[grid](*args, **meta, **config)
 
 
-# Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs).
+# Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs): state of
+# the launcher, read by no one else.
 _RESOLVED: dict[tuple, dict] = {}
-
-# Which kernel runs the calls it supports: "persistent" (kernels/persistent.py: weights kept on
-# chip across token blocks, one input slot) or "tiled" (this module's kernel, every call).
-# The persistent one is the default: 1.26-1.51x faster on an H200 at the same accuracy
-# (docs/benchmarks_gpu_kernels.md, issue 14).
-APPLY_KERNEL = "persistent"
-
-# False routes eager calls through the torch custom op and the autotuner on every call, as before
-# launch configurations were resolved once (kept for benchmarks/gpu_ttft.py's old-vs-new rows).
-DIRECT_LAUNCH = True
 
 
 def _launch_options(config) -> dict:
@@ -440,30 +375,30 @@ def gathered_affine(
     out: [Lt, B, Ht, T, Dt] float32/bfloat16/float16, last axis contiguous.
     backend: "triton" | "torch" | None (see bridgecache.kernels._dispatch.resolve_backend).
     """
-    src = [_last_contiguous(t) for t in src]
+    src = [last_contiguous(t) for t in src]
     bsz, hs, s, ds = src[0].shape
     n_layers, n_heads, n = heads.shape
     t = rows.shape[1]
     dt = out.shape[-1]
-    _expect(rows, (bsz, t), (torch.int64,), "rows")
-    _expect(heads, (n_layers, n_heads, n), (torch.int64,), "heads")
-    _expect(weight, (n_layers, n_heads, n * ds, dt), (torch.float32,), "weight")
-    _expect(bias, (n_layers, n_heads, dt), (torch.float32,), "bias")
-    _expect(out, (n_layers, bsz, n_heads, t, dt), _FLOATS, "out")
+    expect(rows, (bsz, t), (torch.int64,), "rows")
+    expect(heads, (n_layers, n_heads, n), (torch.int64,), "heads")
+    expect(weight, (n_layers, n_heads, n * ds, dt), (torch.float32,), "weight")
+    expect(bias, (n_layers, n_heads, dt), (torch.float32,), "bias")
+    expect(out, (n_layers, bsz, n_heads, t, dt), FLOATS, "out")
     if ds % 2 or dt % 2:
         raise ValueError(f"head dims must be even (rotate_half), got {ds} and {dt}")
     if (src_cos is None) != (src_sin is None) or (tgt_cos is None) != (tgt_sin is None):
         raise ValueError("pass cos and sin together")
     if src_cos is not None:
         for name, tab in (("src_cos", src_cos), ("src_sin", src_sin)):
-            _expect(tab, (bsz, len(src), hs, s, ds), (torch.float32,), name)
-        src_cos, src_sin = _last_contiguous(src_cos), _last_contiguous(src_sin)
+            expect(tab, (bsz, len(src), hs, s, ds), (torch.float32,), name)
+        src_cos, src_sin = last_contiguous(src_cos), last_contiguous(src_sin)
         if src_cos.stride() != src_sin.stride():
             src_cos, src_sin = src_cos.contiguous(), src_sin.contiguous()
     if tgt_cos is not None:
         for name, tab in (("tgt_cos", tgt_cos), ("tgt_sin", tgt_sin)):
-            _expect(tab, (n_layers, bsz, t, dt), (torch.float32,), name)
-        tgt_cos, tgt_sin = _last_contiguous(tgt_cos), _last_contiguous(tgt_sin)
+            expect(tab, (n_layers, bsz, t, dt), (torch.float32,), name)
+        tgt_cos, tgt_sin = last_contiguous(tgt_cos), last_contiguous(tgt_sin)
         if tgt_cos.stride() != tgt_sin.stride():
             tgt_cos, tgt_sin = tgt_cos.contiguous(), tgt_sin.contiguous()
     if out.stride(-1) != 1:
@@ -484,47 +419,6 @@ def gathered_affine(
         weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
     # The custom op is what torch.compile / export (and fake tensors) trace; eager calls skip its dispatch.
     traced = torch.compiler.is_compiling() or is_fake(out)
-    run = _gathered_affine_op if traced or not DIRECT_LAUNCH else _run_affine
-    run(src, rows, heads, weight, _last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
+    run = _gathered_affine_op if traced else _run_affine
+    run(src, rows, heads, weight, last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
     return out
-
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def source_tables(cos, sin, bsz, n_layers, hs, s, ds):
-    """Public source-table layouts ([B, S, Ds], [B, Ls*Hs, S, Ds] or [B, Ls, Hs, S, Ds]) as
-    [B, Ls, Hs, S, Ds] views."""
-    if cos is None or sin is None:
-        return cos, sin
-    return _as_source5(cos, bsz, n_layers, hs, s, ds), _as_source5(sin, bsz, n_layers, hs, s, ds)
-
-
-def _as_source5(tab, bsz, n_layers, hs, s, ds):
-    if tab.dim() == 3:  # [B, S, Ds] shared by every head
-        return tab[:, None, None].expand(bsz, n_layers, hs, s, ds)
-    if tab.dim() == 4:  # [B, Ls*Hs, S, Ds]: splitting one axis is always a view
-        if tab.shape[1] != n_layers * hs:
-            raise ValueError(f"source tables have {tab.shape[1]} heads, the source {n_layers * hs}")
-        return tab.unflatten(1, (n_layers, hs))
-    return tab
-
-
-def target_tables(cos, sin, n_layers, bsz, t, dt):
-    """Public target-table layouts ([B, T, Dt] shared, or [Lt, B, T, Dt]) as [Lt, B, T, Dt] views."""
-    if cos is None or sin is None:
-        return cos, sin
-    if cos.dim() == 3:
-        cos, sin = cos[None].expand(n_layers, bsz, t, dt), sin[None].expand(n_layers, bsz, t, dt)
-    return cos, sin
-
-
-def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def _expect(t: torch.Tensor, shape: tuple, dtypes: tuple, name: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .affine import gathered_affine, source_tables, target_tables
+from .affine import gathered_affine
+from .reference import source_tables, target_tables
 
 __all__ = ["map_fullhead"]
 

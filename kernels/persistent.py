@@ -1,4 +1,4 @@
-"""The persistent apply kernel: `gathered_affine` for head-local maps with one input slot (n = 1).
+"""The persistent apply kernel: `gathered_affine` for maps with one input slot per head (n = 1).
 
 Computes exactly the function of `bridgecache.kernels.affine` (same arguments, same rope
 convention, same arithmetic: float32 accumulation, TF32 dots for bfloat16 outputs, 3xTF32
@@ -14,12 +14,15 @@ its loads re-reads from L2 of the weights and rope tables; docs/benchmarks_gpu_k
 - The whole source head (both rope halves) is one K chunk: per token block, four dots of
   K = Ds/2 (each input half into each output half), so the output halves need no shuffles.
 - The launch configuration (block, warps, programs per SM, software-pipelining stages of the
-  token loop, optional register cap) is timed once per shape bucket (`TUNING` keeps the times);
-  on an H200 64-token blocks, 4 warps, 2 programs per SM and no pipelining won every shape.
+  token loop, optional register cap) is timed once per shape bucket and kept by the launcher
+  (the times go to this module's logger at DEBUG level); on an H200 64-token blocks, 4 warps,
+  2 programs per SM and no pipelining won every shape.
 
-Only one input slot per target head (n = 1: head-local CacheBridge maps with k = 1, identity
-maps), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports_persistent` says
-which calls it takes, and affine.launch_affine routes the rest to the tiled kernel.
+Only one input slot per target head (n = 1: identity maps, head-local CacheBridge maps with
+k = 1), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports_persistent` says
+which calls it takes, and affine.launch_affine routes every other call to the tiled kernel. A
+unit's weights for n slots would be n times larger than what it keeps on chip, so full-head maps
+(both shipped bridges: 8 and 12 inputs per head) and map_fullhead run the tiled kernel.
 
 Knows nothing about models, bridges or which source heads feed which target head.
 """
@@ -27,6 +30,7 @@ Knows nothing about models, bridges or which source heads feed which target head
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -35,6 +39,8 @@ from ._dispatch import LazyKernel, SourceView, device_of, interpreting, next_pow
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
 __all__ = ["launch_persistent", "supports_persistent"]
+
+_log = logging.getLogger(__name__)
 
 # Output columns per unit: matching column blocks of both rope halves, [BLOCK_T, _TILE_N] float32.
 _TILE_N = 128
@@ -194,11 +200,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out,
-                      resolved: dict) -> None:  # fmt: skip
+def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin,
+                      out) -> None:  # fmt: skip
     """Run the persistent kernel, writing every element of `out`; arguments as in
-    affine.gathered_affine (source layers as a SourceView, heads [Lt, Ht, 1]). resolved: the
-    launch options per shape bucket, filled by the autotuner's first choice."""
+    affine.gathered_affine (source layers as a SourceView, heads [Lt, Ht, 1]). The first CUDA
+    launch of a shape bucket times the configurations (`_tune`); later ones reuse its choice."""
     src = view.base
     bsz, hs, _, ds = src.shape
     n_layers, n_heads, _ = heads.shape
@@ -244,21 +250,22 @@ def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_
         if interp:
             _KERNEL[grid(_INTERPRET_CONFIG)](*args(_INTERPRET_CONFIG["BLOCK_T"]), **meta, **_INTERPRET_CONFIG)
             return
-        key = ("persistent", src.device, src.dtype, out.dtype, next_pow2(t), n_heads, *meta.values())
-        config = resolved.get(key)
+        key = (src.device, src.dtype, out.dtype, next_pow2(t), n_heads, *meta.values())
+        config = _RESOLVED.get(key)
         if config is None:
             # triton.autotune cannot re-derive the block counts per configuration: time each here
             config = _tune(lambda cfg: _KERNEL[grid(cfg)](*args(cfg["BLOCK_T"]), **meta, **cfg), key)
-            resolved[key] = config
+            _RESOLVED[key] = config
         _KERNEL[grid(config)](*args(config["BLOCK_T"]), **meta, **config)
 
 
-# What _tune measured, per shape bucket: [(launch options, median ms or the error)] (benchmarks print it).
-TUNING: dict[tuple, list] = {}
+# Launch options per shape bucket, chosen by _tune (state of the launcher, read by no one else).
+_RESOLVED: dict[tuple, dict] = {}
 
 
 def _tune(run, key: tuple) -> dict:
-    """Time each configuration (CUDA events, median of a few runs) and return the fastest's options."""
+    """Time each configuration (CUDA events, median of a few runs) and return the fastest's options;
+    what was measured goes to the logger (DEBUG): [(launch options, median ms or the error)]."""
     from triton.testing import do_bench
 
     best, best_ms, seen = None, float("inf"), []
@@ -274,7 +281,7 @@ def _tune(run, key: tuple) -> dict:
         seen.append((options, ms))
         if ms < best_ms:
             best, best_ms = options, ms
-    TUNING[key] = seen
+    _log.debug("persistent apply kernel, bucket %s: %s", key, seen)
     if best is None:
         raise RuntimeError(f"no configuration of the persistent apply kernel ran on this device: {seen}")
     return best

@@ -254,7 +254,8 @@ def test_map_layers_writes_a_slice_of_a_larger_buffer_with_shared_heads():
     assert bool((buffer[..., :front, :] == 7.0).all())
 
 
-# The persistent kernel (kernels/persistent.py) on the calls it takes: one input slot per head.
+# The persistent kernel (kernels/persistent.py) on the calls it takes, where "auto" picks it: one
+# input slot per head.
 # Lt, Ht, shared heads, Ds -> Dt, T, source dtype, out dtype, keys, per-head source tables
 PERSISTENT_CASES = [
     (2, 2, False, 64, 256, 21, torch.bfloat16, torch.bfloat16, True, False),
@@ -272,7 +273,6 @@ def test_persistent_kernel_matches_float64(monkeypatch, lt, ht, shared, ds, dt, 
     from bridgecache.kernels import affine
 
     launches = []
-    monkeypatch.setattr(affine, "APPLY_KERNEL", "persistent")
     real = affine.launch_persistent
     monkeypatch.setattr(affine, "launch_persistent", lambda *a, **k: launches.append(1) or real(*a, **k))
     gen = torch.Generator().manual_seed(hash((lt, ht, ds, dt, t)) % 2**31)
@@ -308,3 +308,33 @@ def test_persistent_kernel_matches_float64(monkeypatch, lt, ht, shared, ds, dt, 
     got = check(run, ref, (lt, bsz, ht, t, dt), out_dtype)
     assert launches, "the persistent kernel did not run"
     assert (got[:, :, :, 0] == 0).all() and (got[:, :, :, 1::7] == 0).all()  # rows -1 are zero
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "persistent"])
+def test_apply_kernel_argument(kernel):
+    """launch_affine's kernel: either Triton kernel on a one-input map (the tiled one too, which
+    "auto" does not pick there), writing every element; the persistent one refuses n > 1."""
+    from bridgecache.kernels import affine
+    from bridgecache.kernels._dispatch import source_view
+
+    gen = torch.Generator().manual_seed(len(kernel))
+    bsz, hs, s, ds, t, dt = 1, 2, 13, 64, 17, 64
+    src = torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16)
+    rows = random_rows(bsz, t, s, gen)
+    heads = torch.tensor([[[1], [0]]])
+    weight = torch.randn(1, 2, ds, dt, generator=gen) / ds**0.5
+    bias = torch.randn(1, 2, dt, generator=gen)
+    tc, ts = rope_tables(1, bsz, t, dt, gen=gen)
+    ref = float64_map(src, rows, heads[0], weight[0], bias[0], None, None, tc[0], ts[0])[None]
+    out = torch.full((1, bsz, 2, t, dt), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    args = on_device(rows, heads, weight, bias)
+    affine.launch_affine(source_view([src.to(DEVICE)]), *args, None, None, *on_device(tc, ts), out, kernel)
+    want = map_layers([src], rows, heads, weight, bias, tgt_cos=tc, tgt_sin=ts, backend="torch")
+    err_kernel, err_torch = rel_err(out.cpu(), ref), rel_err(want, ref)
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    if kernel == "persistent":
+        two = torch.tensor([[[1, 0], [0, 1]]], device=DEVICE)
+        wide = weight.repeat(1, 1, 2, 1).to(DEVICE)
+        with pytest.raises(ValueError, match="persistent"):
+            affine.launch_affine(source_view([src.to(DEVICE)]), args[0], two, wide, args[3], None, None, None,
+                                 None, out, kernel)  # fmt: skip

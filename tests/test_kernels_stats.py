@@ -213,3 +213,23 @@ def test_precision_modes_trade_accuracy_as_documented():
     assert 1e-4 < errs["bf16"] < 1e-2, errs
     with pytest.raises(ValueError, match="precision must be one of"):
         SufficientStats.zeros(1, ds, dt).update(src, rows, heads, y, precision="fp8")
+
+
+def test_launcher_tile_and_split_policy():
+    """launch_stats' own choices: a 16-wide Gram tile and a split policy (programs per SM, fewest
+    token blocks per program) instead of the defaults; the same moments as float64."""
+    gen = torch.Generator().manual_seed(9)
+    bsz, hs, s, ds, t, dt = 2, 2, 13, 32, 40, 16
+    src = torch.randn(bsz, hs, s, ds, generator=gen).to(torch.bfloat16)
+    rows = torch.randint(-1, s, (bsz, t), generator=gen)
+    heads = torch.tensor([[1], [0]])
+    y = torch.randn(bsz, 2, t, dt, generator=gen).to(torch.bfloat16)
+    cos, sin = rope_tables(bsz, s, ds, gen=gen)
+    ref = float64_moments(src, rows, heads, y, None, cos, sin, False)
+    stats = SufficientStats.zeros(2, ds, dt, device=DEVICE)
+    src_d, rows_d, heads_d, y_d, cos_d, sin_d = (x.to(DEVICE) for x in (src, rows, heads, y, cos, sin))
+    tables = source_tables(cos_d, sin_d, bsz, 1, hs, s, ds)
+    bufs = [getattr(stats, f.name) for f in fields(stats)]
+    launch_stats([src_d], rows_d, heads_d, y_d, None, *tables, bufs, splits=(32, 1), tile=16)  # 3 splits
+    for f in fields(SufficientStats):
+        assert rel_err(getattr(stats, f.name), ref[f.name]) <= 1e-5, f.name

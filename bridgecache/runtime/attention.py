@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from bridgecache.kernels import column_attention
+
 __all__ = ["ColumnMask", "ReadingMask", "attention_override", "KEYWORD", "NAME"]
 
 NAME = "bridgecache"  # the attention implementation's name
@@ -227,28 +229,3 @@ def attention_override(model):
                     del _ORIGINAL[id(config)]
                 else:
                     _ORIGINAL[id(config)] = (original, depth - 1)
-
-
-def column_attention(query, key, value, query_columns, key_columns, first_column, *, scale, window, softcap):
-    """Reference until the kernel lands: per block of 128 queries, sdpa over the keys it can see."""
-    batch, heads, n_q, dim = query.shape
-    group = heads // key.shape[1]
-    out = query.new_zeros(batch, n_q, heads, dim)
-    for start in range(0, n_q, 128):
-        q = query[:, :, start : start + 128]
-        cols = query_columns[:, start : start + 128]
-        hi = int(torch.searchsorted(key_columns, cols.max(), right=True))
-        lo = 0 if window is None else int(torch.searchsorted(key_columns, cols.min() - window + 1))
-        k = key[:, :, lo:hi].repeat_interleave(group, 1).float()
-        v = value[:, :, lo:hi].repeat_interleave(group, 1).float()
-        kc = key_columns[lo:hi]
-        allowed = (kc[None, None] <= cols[:, :, None]) & (kc[None, None] >= first_column[:, None, None])
-        if window is not None:
-            allowed &= cols[:, :, None] - kc[None, None] < window
-        logits = (q.float() @ k.transpose(-1, -2)) * scale
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-        probs = torch.nan_to_num(logits.softmax(-1))
-        out[:, start : start + 128] = (probs @ v).transpose(1, 2).to(query.dtype)
-    return out

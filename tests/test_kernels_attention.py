@@ -1,0 +1,224 @@
+"""column_attention: the PyTorch reference and the Triton kernel (CPU interpreter) against a float64
+dense computation of the documented function, on fresh random inputs.
+
+Rule (../shared/STYLE.md): relative error of the kernel <= 2x that of the PyTorch reference in the
+same dtype, plus a small floor; outputs start poisoned (NaN) so every element must be written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# Triton runs CPU tensors only in its interpreter, which it picks when it is imported: say so first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bridgecache.kernels.attention import column_attention  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOOR = 1e-6
+# What the PyTorch reference must reach on its own (output rounding), so a shared bug still fails.
+REF_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _triton_compiled_only() -> bool:
+    """True when this process imported triton before TRITON_INTERPRET=1 (its library won't interpret)."""
+    if DEVICE == "cuda" or "triton" not in sys.modules:
+        return False
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(std.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_if_needed(request):
+    if _triton_compiled_only() and request.node.name != "test_in_fresh_process":
+        pytest.skip("triton was imported without its interpreter; test_in_fresh_process runs these")
+
+
+def test_in_fresh_process():
+    """Run this module in a new process with the interpreter on, when this one cannot."""
+    if not _triton_compiled_only():
+        pytest.skip("this process interprets Triton: the tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+
+
+def float64_attention(q, k, v, query_columns, key_columns, first_column, scale, window, softcap):
+    """The documented function, dense and explicit, in float64: [B, Nq, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    logits = (q.double() @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    qc, kc = query_columns[:, :, None], key_columns[None, None, :]
+    seen = (kc <= qc) & (kc >= first_column[:, None, None])
+    if window is not None:
+        seen &= qc - kc < window
+    probs = logits.masked_fill(~seen[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return (probs @ v).transpose(1, 2), seen
+
+
+def columns(gen, batch, n_k, n_q, padded):
+    """key_columns [Nk] strictly ascending with gaps; first_column [B] (row 1 left-padded when
+    `padded`); query_columns [B, Nq] ascending with: a query at each row's first column (its only
+    visible key is itself), one just below it (sees nothing), a repeat, columns past the last key."""
+    span = 2 * n_k
+    key_columns = torch.randperm(span, generator=gen)[:n_k].sort().values
+    first = [int(key_columns[3]) if padded and b == 1 else int(key_columns[0]) for b in range(batch)]
+    rows = []
+    for b in range(batch):
+        row = torch.randint(0, span + 6, (n_q,), generator=gen)
+        if n_q >= 4:
+            row[0], row[1] = first[b], max(first[b] - 1, 0)
+            row[2] = row[3]
+        rows.append(row.sort().values)
+    return torch.stack(rows), key_columns, torch.tensor(first)
+
+
+def make_case(seed, batch, q_heads, kv_heads, dim, n_k, n_q, window, softcap, dtype, padded=True):
+    gen = torch.Generator().manual_seed(seed)
+    qc, kc, first = columns(gen, batch, n_k, n_q, padded)
+    q = torch.randn(batch, q_heads, n_q, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, n_k, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, n_k, dim, generator=gen).to(dtype)
+    scale = 2.0 / dim**0.5 if softcap else dim**-0.5  # logits of a few units: the cap bites
+    ref, seen = float64_attention(q, k, v, qc, kc, first, scale, window, softcap)
+    args = (q, k, v, qc, kc, first)
+    return args, dict(scale=scale, window=window, softcap=softcap), ref, seen
+
+
+def run(args, options, backend, out=None):
+    got = column_attention(*(x.to(DEVICE) for x in args), **options, backend=backend, out=out)
+    return got.cpu()
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "output not fully written (NaN poison left)"
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def assert_blind_rows_zero(got: torch.Tensor, seen: torch.Tensor) -> None:
+    """Queries that see no key come back exactly zero."""
+    blind = ~seen.any(-1)  # [B, Nq]
+    assert (got[blind] == 0).all()
+
+
+# batch, q heads, kv heads, head dim, keys, queries, window, softcap, dtype
+REFERENCE_CASES = [
+    (2, 4, 4, 64, 50, 20, None, None, torch.float32),
+    (2, 4, 2, 128, 60, 30, 8, None, torch.bfloat16),
+    (1, 7, 1, 64, 40, 1, None, None, torch.float32),
+    (2, 2, 1, 256, 45, 25, None, 3.0, torch.bfloat16),
+    (2, 4, 2, 64, 70, 300, 16, 2.0, torch.float32),  # two query blocks of the reference
+    (2, 2, 2, 64, 30, 12, 1, None, torch.float32),  # window 1: each query sees only its own column
+    (1, 6, 2, 128, 33, 17, None, None, torch.float16),
+    (2, 4, 1, 64, 90, 40, 5, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype", REFERENCE_CASES)
+def test_reference_matches_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype):
+    seed = hash((batch, hq, hkv, dim, n_k, n_q, window)) % 2**31
+    args, options, ref, seen = make_case(seed, batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype)
+    got = run(args, options, "torch")
+    assert got.dtype == dtype and got.shape == (batch, n_q, hq, dim)
+    assert rel_err(got, ref) <= REF_TOL[dtype]
+    assert_blind_rows_zero(got, seen)
+
+
+# The Triton kernel (interpreter blocks: 16 queries x 16 keys): small shapes, same rule.
+KERNEL_CASES = [
+    (2, 2, 1, 64, 50, 20, None, None, torch.float32),
+    (2, 2, 2, 64, 50, 20, 8, None, torch.bfloat16),
+    (1, 2, 1, 128, 40, 1, None, None, torch.bfloat16),
+    (1, 2, 1, 256, 40, 18, None, 3.0, torch.float32),
+    (2, 2, 1, 64, 40, 15, 1, 2.0, torch.bfloat16),
+    (1, 3, 1, 96, 37, 33, 20, None, torch.float32),  # head dim padded to 128 inside the kernel
+]
+
+
+@pytest.mark.parametrize("batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype", KERNEL_CASES)
+def test_kernel_matches_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype):
+    seed = hash((batch, hq, hkv, dim, n_k, n_q, window, 1)) % 2**31
+    args, options, ref, seen = make_case(seed, batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype)
+    poisoned = torch.full((batch, n_q, hq, dim), float("nan"), dtype=dtype, device=DEVICE)
+    got = column_attention(*(x.to(DEVICE) for x in args), **options, backend="triton", out=poisoned)
+    assert got.data_ptr() == poisoned.data_ptr()
+    got = got.cpu()
+    want = run(args, options, "torch")
+    err_kernel, err_torch = rel_err(got, ref), rel_err(want, ref)
+    assert err_torch <= REF_TOL[dtype], err_torch
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    assert_blind_rows_zero(got, seen)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_column_a_query_is_causal_attention(backend):
+    """query_columns == key_columns == arange: plain causal attention (sdpa is_causal)."""
+    gen = torch.Generator().manual_seed(3)
+    bsz, hq, hkv, n, dim = 2, 4, 2, 40, 64
+    q, k, v = (torch.randn(bsz, h, n, dim, generator=gen) for h in (hq, hkv, hkv))
+    cols = torch.arange(n)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    args = (q, k, v, cols[None].expand(bsz, n), cols, torch.zeros(bsz, dtype=torch.int64))
+    got = run(args, dict(scale=dim**-0.5), backend)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_skips_key_blocks_out_of_range():
+    """Key blocks outside every query block's range are never read: NaN there changes nothing.
+    Interpreter blocks are 16 keys: queries at columns 40..47 with window 8 reach keys 33..47,
+    i.e. key blocks [32, 48); blocks [0, 32) and [48, 96) hold NaN."""
+    if DEVICE == "cuda":
+        pytest.skip("block sizes on CUDA are the tuned ones; the interpreter's are fixed")
+    gen = torch.Generator().manual_seed(4)
+    n_k, dim = 96, 64
+    q = torch.randn(1, 2, 8, dim, generator=gen)
+    k, v = torch.randn(1, 1, n_k, dim, generator=gen), torch.randn(1, 1, n_k, dim, generator=gen)
+    qc, kc, first = torch.arange(40, 48)[None], torch.arange(n_k), torch.zeros(1, dtype=torch.int64)
+    ref, _ = float64_attention(q, k, v, qc, kc, first, dim**-0.5, 8, None)
+    for x in (k, v):
+        x[:, :, :32] = float("nan")
+        x[:, :, 48:] = float("nan")
+    got = column_attention(q, k, v, qc, kc, first, scale=dim**-0.5, window=8, backend="triton")
+    assert rel_err(got, ref) <= 1e-5
+
+
+def test_fake_tensors_and_opcheck():
+    """The operator traces (fake tensors: what torch.compile sees) and passes torch's op checks."""
+    args, options, _, _ = make_case(0, 2, 4, 2, 64, 30, 9, 5, None, torch.float32)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in args]
+        out = column_attention(*fake, **options)
+        assert out.shape == (2, 9, 4, 64) and out.dtype == torch.float32
+    out = torch.empty(2, 9, 4, 64)
+    op_args = (*args, options["scale"], 5, None, "torch", out)
+    torch.library.opcheck(torch.ops.bridgecache.column_attention.default, op_args)
+
+
+def test_argument_checks():
+    args, options, _, _ = make_case(1, 1, 4, 2, 64, 20, 6, None, None, torch.float32)
+    q, k, v, qc, kc, first = args
+    with pytest.raises(ValueError, match="multiple"):
+        column_attention(q, torch.randn(1, 3, 20, 64), v, qc, kc, first, **options)
+    with pytest.raises(ValueError, match="query_columns"):
+        column_attention(q, k, v, qc.int(), kc, first, **options)
+    with pytest.raises(ValueError, match="value"):
+        column_attention(q, k, v.bfloat16(), qc, kc, first, **options)
+    with pytest.raises(ValueError, match="window"):
+        column_attention(q, k, v, qc, kc, first, scale=1.0, window=0)
+    with pytest.raises(ValueError, match="out"):
+        column_attention(q, k, v, qc, kc, first, **options, out=torch.empty(1, 4, 6, 64))
+    empty = column_attention(q, k[:, :, :0], v[:, :, :0], qc, kc[:0], first, **options)
+    assert empty.shape == (1, 6, 4, 64) and not empty.any()
