@@ -15,8 +15,7 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, capture_kv, fit_bridge, load_model
-from bridgecache.runtime.handoff import align_context
+from bridgecache import Bridge, BridgedCache, align_context, capture_kv, fit_bridge, load_model
 
 CONTEXT = (
     "The lighthouse keeper of Port Ellis kept a logbook in which every ship was written down. "
@@ -59,9 +58,21 @@ def main(argv: list[str] | None = None) -> dict:
     source_kv = capture_kv(source, source_ids)
     prefill_s = time.perf_counter() - start
 
-    # 2. The target's cache of the same context, translated from the source's. Nothing is
-    #    translated yet: layer i is translated when the target's layer i first reads it.
-    cache = BridgedCache(bridge, source_kv, target, context_ids, alignment=alignment)
+    # 2. The target's cache of the same context, translated from the source's. The source reads
+    #    the prompt (in its own tokens) over its cache to choose the 20% of the context that the
+    #    target recomputes itself (HandoffConfig's default). Nothing is translated yet: layer i is
+    #    translated when the target's layer i first reads it, and the recomputed tokens join the
+    #    target's first forward.
+    source_prompt = source_tok(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    cache = BridgedCache(
+        bridge,
+        source_kv,
+        target,
+        context_ids,
+        alignment=alignment,
+        source_model=source,
+        prompt_ids=source_prompt,
+    )
     cached = cache.get_seq_length()  # context positions in the cache (all but the last token)
 
     # 3. The target continues. Pass the context and the prompt: the cache holds the context except
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{len(new_ids)} new tokens in {generate_s:.2f} s"
     )
     print(f"answer: {text.strip()!r}")
+    print(cache.report())  # what the target computed itself, and its share of a prefill in FLOPs
     return {
         "text": text,
         "new_tokens": len(new_ids),

@@ -144,8 +144,8 @@ def test_multi_agent_script(bridges, capsys):
     got = example("multi_agent").main(["--ships", "8", "--questions", "1", "--bridge-dir", str(bridges)])
     printed = capsys.readouterr().out
     assert "fitting" not in printed  # both bridges were loaded from --bridge-dir
-    assert set(got["own_prefill_s"]) == set(got["bridged_s"]) == set(AGENTS)
-    assert got["read_s"] > 0 and min(got["own_prefill_s"].values()) > 0 and min(got["bridged_s"].values()) > 0
+    assert set(got["own_s"]) == set(got["bridged_s"]) == set(AGENTS)
+    assert got["read_s"] > 0 and min(got["own_s"].values()) > 0 and min(got["bridged_s"].values()) > 0
     assert got["answers"] == 2  # one question per agent
     assert f"time saved: {got['saved_s']:.2f} s" in printed
     assert f"answers right: {got['correct']}/2" in printed
@@ -174,6 +174,7 @@ def test_accelerate_multi_gpu_script_on_two_cpu_processes(tmp_path):
     assert f"2 processes, 5 requests, bridge {tmp_path}/tiny-source -> {tmp_path}/tiny-target" in out
     shares = re.findall(r"process (\d): source on cpu, target layers 3 on cpu; (\d) requests", out)
     assert sorted(shares) == [("0", "3"), ("1", "2")]  # split_between_processes: 3 + 2
-    assert "all: 5 handoffs in" in out
+    assert len(re.findall(r"handoffs/s; native batched prefill [\d.]+ s, [\d.]+ requests/s\)", out)) == 2
+    assert "all: 5 handoffs in" in out and "native batched prefill: " in out
     assert "translated layers on their target layer's device: 5/5 requests" in out
     assert (tmp_path / "bridge" / "bridge.json").exists()  # fitted once, by the main process
