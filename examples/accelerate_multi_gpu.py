@@ -11,9 +11,13 @@ GPUs: the source sits on the first of its GPUs and the target is spread over all
 device_map="auto". With several GPUs per process the target's layers sit on several devices, and
 each translated layer lands on the device of its own target layer. A process answers its requests
 in batches of --batch-size, sorted by length so a batch holds contexts of similar lengths
-(`bridgecache.runtime.batch.handoff_batch`: the source reads the batch's contexts in one forward pass, one
-BridgedCache translates every row, the target answers them in one generate()). The main process
-gathers the results and prints the throughput of each process.
+(`bridgecache.handoff_batch` with the default `HandoffConfig`: the source reads the batch's
+contexts in one forward pass and the prompt in one more, choosing each row's 20% of tokens that
+the target recomputes; one BridgedCache translates every row; the target answers them in one
+generate(), whose first forward also recomputes the chosen tokens). Then, on the same devices and
+batches, the target reads the contexts and the prompt itself (batched prefill) and generates the
+same number of tokens: the native reference. The main process gathers the results and prints the
+handoffs per second of each process and of all, beside the native requests per second.
 
 --bridge DIR loads the bridge saved there; if there is none, the main process fits one and saves
 it there first. --random-config builds random-weight Qwen2-style models at the shapes of a preset
@@ -32,8 +36,9 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import Bridge, fit_bridge, load_model, load_tokenizer
-from bridgecache.runtime.batch import handoff_batch
+from bridgecache import Bridge, HandoffConfig, fit_bridge, handoff_batch, load_model, load_tokenizer
+from bridgecache.runtime.batch import left_pad
+from bridgecache.runtime.handoff import context_ids, pad_token_id, prompt_ids
 from bridgecache.text import text_chunks
 
 PROMPT = "\n\nIn one sentence, the text above is about"
@@ -123,11 +128,34 @@ def main(argv: list[str] | None = None) -> None:
             ).save_pretrained(bridge_dir)  # fmt: skip
         bridge = Bridge.from_pretrained(bridge_dir)
 
+    # Exactly --max-new-tokens per request on both paths, so that they do the same work.
+    gen = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
+    config = HandoffConfig()  # the defaults: 20% of each context refreshed, chosen by the source
+
     def answer(contexts: list[str]):
         return handoff_batch(
             bridge, source, target, contexts, PROMPT, source_tokenizer=source_tok,
-            target_tokenizer=target_tok, max_new_tokens=args.max_new_tokens, do_sample=False,
+            target_tokenizer=target_tok, config=config, **gen,
         )  # fmt: skip
+
+    prompt = prompt_ids(target_tok, PROMPT)
+    pad_id = pad_token_id(target_tok)
+    target_device = target.get_input_embeddings().weight.device
+
+    def native(contexts: list[str]):  # the target reads each context and the prompt itself
+        rows = [torch.cat([context_ids(target_tok, text), prompt], dim=1) for text in contexts]
+        ids, mask = left_pad(rows, pad_id=pad_id if pad_id is not None else 0)
+        ids, mask = ids.to(target_device), mask.to(target_device)
+        return target.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad_id, **gen)
+
+    def timed(fn, batches) -> float:
+        state.wait_for_everyone()
+        start = time.perf_counter()
+        for batch in batches:
+            fn(batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
 
     requests = list(enumerate(text_chunks("prose", "eval", args.requests, chars=args.context_chars)))
     results = []
@@ -137,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
         if batches:  # warm-up: first-call costs (kernel compilation, allocator) untimed
             answer([context for _, context in batches[0]])
-        state.wait_for_everyone()
-        start = time.perf_counter()
-        for batch in batches:
+            native([context for _, context in batches[0]])
+
+        def handoffs(batch):
             result = answer([context for _, context in batch])
             on_own_device = all(
                 layer.keys.device == device for layer, device in zip(result.cache.layers, layer_devices)
@@ -149,29 +177,34 @@ def main(argv: list[str] | None = None) -> None:
                     dict(request=index, text=result.texts[row], new_tokens=result.output_ids.shape[1],
                          on_own_device=on_own_device, context_tokens=lengths[index])
                 )  # fmt: skip
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+
+        seconds = timed(handoffs, batches)
+        native_seconds = timed(lambda batch: native([context for _, context in batch]), batches)
 
     devices = [str(d) for d in layer_devices]
     split = ", ".join(f"{devices.count(d)} on {d}" for d in dict.fromkeys(devices))
     processes = gather_object(
-        [dict(process=state.process_index, requests=len(results), seconds=seconds, source=source_device,
-              target=split)]
+        [dict(process=state.process_index, requests=len(results), seconds=seconds, native=native_seconds,
+              source=source_device, target=split)]
     )  # fmt: skip
     results = gather_object(results)
     if not state.is_main_process:
         return
     print(f"{state.num_processes} processes, {len(results)} requests, bridge {bridge.source.name} -> "
           f"{bridge.target.name} ({bridge.method})")  # fmt: skip
+    rate = lambda n, seconds: n / seconds if seconds else 0.0  # noqa: E731
     for p in processes:
-        rate = p["requests"] / p["seconds"] if p["seconds"] else 0.0
+        n = p["requests"]
         print(f"process {p['process']}: source on {p['source']}, target layers {p['target']}; "
-              f"{p['requests']} requests in {p['seconds']:.2f} s ({rate:.2f} handoffs/s)")  # fmt: skip
+              f"{n} requests in {p['seconds']:.2f} s ({rate(n, p['seconds']):.2f} handoffs/s; native "
+              f"batched prefill {p['native']:.2f} s, {rate(n, p['native']):.2f} requests/s)")  # fmt: skip
     wall = max(p["seconds"] for p in processes)
+    native_wall = max(p["native"] for p in processes)
     tokens = sum(r["new_tokens"] for r in results)
-    print(f"all: {len(results)} handoffs in {wall:.2f} s ({len(results) / wall:.2f} handoffs/s, "
-          f"{tokens / wall:.1f} new tokens/s)")  # fmt: skip
+    print(f"all: {len(results)} handoffs in {wall:.2f} s ({rate(len(results), wall):.2f} handoffs/s, "
+          f"{rate(tokens, wall):.1f} new tokens/s); native batched prefill: {native_wall:.2f} s "
+          f"({rate(len(results), native_wall):.2f} requests/s); handoff / native throughput "
+          f"{rate(native_wall, wall):.2f}x")  # fmt: skip
     print(f"context: {sum(r['context_tokens'] for r in results) / len(results):.0f} target tokens "
           f"per request on average; {args.max_new_tokens} new tokens each; batches of up to "
           f"{args.batch_size}")  # fmt: skip
