@@ -1,7 +1,7 @@
 """A captured reading reads bucketed buffers: its scores equal the eager reading's exactly.
 
 The buffers are larger than the context and the prompt (shape buckets); the masks keep the extra
-columns and prompt slots out. On the CPU the same buffers run eagerly (`capture=False`); the
+columns and prompt slots out. On the CPU the same buffers run eagerly (`captured=False`); the
 capture itself runs on CUDA machines only.
 """
 
@@ -16,9 +16,11 @@ from bridgecache.runtime.graphs import ReadingGraph, bucket
 from bridgecache.runtime.reading import attention_scores
 
 
-def test_buckets_are_powers_of_two_from_the_smallest():
-    assert [bucket(n, 16) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
-    assert bucket(3000, 256) == 4096
+def test_buckets_waste_at_most_an_eighth_past_256():
+    assert [bucket(n, 16) for n in (1, 16, 17, 100, 256)] == [16, 16, 32, 128, 256]
+    assert bucket(3000, 256) == 3072 and bucket(6566, 16) == 6656 and bucket(32785, 256) == 36864
+    for n in range(200, 70000, 997):
+        assert n <= bucket(n, 16) <= max(256, n * 1.125)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -29,7 +31,7 @@ def test_bucketed_reading_scores_what_the_eager_reading_scores(family, reduce):
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # a left-padded row
     kv = capture_kv(model, ids, attention_mask=mask)
-    graph = ReadingGraph(model, batch=2, queries=16, capacity=64, reduce=reduce, capture=False)
+    graph = ReadingGraph(model, batch=2, queries=16, capacity=64, reduce=reduce, captured=False)
     for _ in range(2):  # a second run over the same buffers: nothing stale leaks in
         prompt = torch.randint(3, 300, (2, int(torch.randint(1, 6, ()))))
         expected = attention_scores(

@@ -18,6 +18,8 @@ natively and why from bridgecache.runtime.plan, what it cost from `report()`.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -213,6 +215,8 @@ class BridgedCache(DynamicCache):
         prompt_ids: torch.Tensor | None = None,
     ):
         config = HandoffConfig() if config is None else config
+        if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
+            prompt_ids = prompt_ids.to(source_model.get_input_embeddings().weight.device, non_blocking=True)
         if not isinstance(config, HandoffConfig):
             raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
         layers = _bridged_layers(target.config)
@@ -245,6 +249,16 @@ class BridgedCache(DynamicCache):
         self._plan = plan
         if self.pending_work is not None:
             native_pass.install(target)
+
+    def __deepcopy__(self, memo):
+        """A copy whose layers are copied; the read-only parts (the target model, the translator
+        with the source KV and the bridge, the plan) are shared, not copied."""
+        for shared in (self._target, self.translator, self._plan, self.pending_work):
+            memo[id(shared)] = shared
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.layers = copy.deepcopy(self.layers, memo)
+        return new
 
     # ------------------------------------------------------------------ the native work
     def run_pending(self) -> None:

@@ -59,7 +59,9 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        by = self.by if isinstance(self.by, str) else self.selector.name
+        """amount:rule, the rule by its name or, for an instance, its repr (two rules with other
+        parameters never share a label)."""
+        by = self.by if isinstance(self.by, str) else repr(self.by)
         return f"{self.amount}:{by}"
 
 

@@ -14,7 +14,7 @@ its own and replayed per handoff:
                   buffers are already shape-bucketed (placeholder slots, rows past the last
                   column are never visible), so the replay computes what the eager pass computes.
 
-`capture=False` (ReadingGraph) runs the same buffers eagerly: the CPU tests' path.
+`captured=False` (ReadingGraph) runs the same buffers eagerly: the CPU tests' path.
 
 Knows transformers' forward conventions and the masks; nothing about bridges or tokenizers.
 """
@@ -44,11 +44,16 @@ def capture(forward):
 
 
 def bucket(n: int, smallest: int = 16) -> int:
-    """The shape bucket of n: the next power of two (at least `smallest`)."""
+    """The shape bucket of n: at least `smallest`, then 8 steps between consecutive powers of two
+    (a bucket wastes at most 12.5% of its slots: at 6,566 refreshed tokens, 6,656 rather than
+    8,192), so a few dozen captured shapes cover 16 to 64K."""
     size = smallest
     while size < n:
         size *= 2
-    return size
+    if size <= smallest or size <= 256:
+        return size
+    step = size // 16  # 8 steps across (size / 2, size]
+    return max(smallest, -(-n // step) * step)
 
 
 class ReadingGraph:
@@ -58,7 +63,7 @@ class ReadingGraph:
     ReadingMask's. The model's cache layout (layers, kv heads, head dim) comes from its config.
     """
 
-    def __init__(self, model, batch: int, queries: int, capacity: int, reduce: str, capture: bool):
+    def __init__(self, model, batch: int, queries: int, capacity: int, reduce: str, captured: bool):
         config = model.config.get_text_config()
         weight = model.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
@@ -82,7 +87,7 @@ class ReadingGraph:
             context_end=zeros(batch),
             query_valid=zeros(batch, queries, kind=torch.bool),
         )
-        self.graph = capture(self._forward)[0] if capture else None
+        self.graph = capture(self._forward)[0] if captured else None
 
     @torch.no_grad()
     def _forward(self) -> None:

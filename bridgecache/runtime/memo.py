@@ -107,7 +107,7 @@ class RuntimeMemo:
         if key not in graphs:
             if len(graphs) >= 4:
                 del graphs[next(iter(graphs))]
-            graphs[key] = ReadingGraph(model, batch, queries, capacity, reduce, capture=True)
+            graphs[key] = ReadingGraph(model, batch, queries, capacity, reduce, captured=True)
         graphs[key] = graphs.pop(key)  # most recent last
         return graphs[key]
 

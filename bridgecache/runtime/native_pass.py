@@ -52,16 +52,14 @@ class NativePass:
         self.target, self.slots, self.capacity = target, slots, capacity
         self.ids = torch.zeros(batch, slots, dtype=torch.long, device=device)
         self.positions = torch.zeros_like(self.ids)
+        # [keys | values, layers, batch, heads, capacity, dim] in one allocation: one copy out
+        self.store = torch.zeros(2, layers, batch, heads, capacity, dim, dtype=dtype, device=device)
         self.mask = ColumnMask(
             query_columns=torch.zeros_like(self.ids),
             write_rows=torch.zeros_like(self.ids),
             first_column=torch.zeros(batch, dtype=torch.long, device=device),
-            keys=tuple(
-                torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device) for _ in range(layers)
-            ),
-            values=tuple(
-                torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device) for _ in range(layers)
-            ),
+            keys=tuple(self.store[0]),
+            values=tuple(self.store[1]),
         )
 
     def load(
@@ -134,14 +132,16 @@ class NativePass:
         """The buffers' columns [0, prefix + new_tokens) become the cache's layers (copied when the
         buffers outlive this pass, as a captured graph's do)."""
         total = cache.translator.prefix_length + new_tokens
+        block = self.store[..., :total, :]
+        if copy:  # one copy of every layer's columns
+            block = block.clone()
         for idx, layer in enumerate(cache.layers):
-            keys, values = self.mask.keys[idx][:, :, :total], self.mask.values[idx][:, :, :total]
+            keys, values = block[0, idx], block[1, idx]
             window = getattr(layer, "sliding_window", None)
             if window is not None:  # transformers' sliding layer keeps the last window - 1 columns
                 keys, values = keys[:, :, -(window - 1) :], values[:, :, -(window - 1) :]
                 layer.cumulative_length = total
-            if copy or window is not None:
-                keys, values = keys.clone(), values.clone()
+                keys, values = keys.clone(), values.clone()  # not a view keeping the whole block
             layer.settle(keys, values)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PendingWork", "pending_columns", "refresh_budget"]
+__all__ = ["PendingPlan", "PendingWork", "pending_columns", "refresh_budget"]
 
 
 def refresh_budget(amount, eligible: int) -> int:
@@ -63,36 +63,57 @@ class PendingWork:
         )
 
 
-def pending_columns(
-    always: torch.Tensor, scores: torch.Tensor | None, eligible: torch.Tensor, budgets: list[int]
-):
-    """[batch, n] pending columns (ascending) and their validity (None: all valid).
+@dataclass
+class PendingPlan:
+    """What `pending_columns` knows before the scores exist, already on the device (so that the
+    device never waits for the host between the scoring and the selection).
 
-    always: [batch, prefix] bool (CPU), columns computed natively whatever the budget (native head,
-    no source text); scores: [batch, prefix] float (any device) or None; eligible: [batch, prefix]
-    bool (CPU), columns a refresh may pick; budgets: per row, how many of them to pick.
-    Returns tensors on the scores' device (CPU without scores).
+    order: [batch, max always] the always-native columns of each row first (by column);
+    known: [batch, max always + max budget] bool, which slots are real; budgets: per row.
     """
+
+    order: torch.Tensor
+    known: torch.Tensor
+    eligible: torch.Tensor
+    counts: list[int]
+    budgets: list[int]
+
+    @classmethod
+    def prepare(cls, always: torch.Tensor, eligible: torch.Tensor, budgets: list[int], device) -> PendingPlan:
+        """always, eligible: [batch, prefix] bool (CPU); budgets: refreshed columns per row."""
+        counts = always.sum(1).tolist()
+        order = torch.argsort((~always).to(torch.uint8), dim=1, stable=True)[:, : max(counts)]
+        known = [torch.arange(max(counts))[None] < torch.tensor(counts)[:, None]]
+        if max(budgets):
+            known.append(torch.arange(max(budgets))[None] < torch.tensor(budgets)[:, None])
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return cls(move(order), move(torch.cat(known, dim=1)), move(eligible), counts, budgets)
+
+    def select(self, scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[batch, n] pending columns (ascending) and their validity (None: all valid), on the
+        device: the always-native columns, then each row's budget of the best-scoring eligible
+        ones (scores [batch, prefix], higher first; None without a budget)."""
+        counts, budgets = self.counts, self.budgets
+        width = max(c + b for c, b in zip(counts, budgets))
+        parts = [self.order]
+        if max(budgets):
+            masked = torch.where(self.eligible, scores.float(), float("-inf"))
+            parts.append(masked.topk(max(budgets), dim=1).indices)
+        columns = torch.cat(parts, dim=1)
+        valid = self.known
+        # Unused slots repeat the row's last valid column, so after sorting the surplus sits at the
+        # end and is cut; rows with none keep a placeholder (column 0, marked invalid).
+        last = torch.where(valid, columns, -1).amax(dim=1, keepdim=True).clamp(min=0)
+        columns = torch.where(valid, columns, last).sort(dim=1).values[:, :width]
+        empty = [c + b == 0 for c, b in zip(counts, budgets)]
+        if not any(empty):
+            return columns, None
+        row_valid = torch.tensor([not e for e in empty])[:, None].to(columns.device)
+        return columns, row_valid.expand(-1, columns.shape[1]).contiguous()
+
+
+def pending_columns(always: torch.Tensor, scores: torch.Tensor | None, eligible: torch.Tensor, budgets: list):
+    """`PendingPlan.prepare(...).select(scores)` in one call, on the scores' device (the CPU
+    without scores)."""
     device = scores.device if scores is not None else torch.device("cpu")
-    batch = always.shape[0]
-    counts = always.sum(1).tolist()
-    width = max(c + b for c, b in zip(counts, budgets)) if batch else 0
-    # Always-native columns first (stable order on the CPU), then the budget's best.
-    order = torch.argsort((~always).to(torch.uint8), dim=1, stable=True)[:, : max(counts)].to(device)
-    parts, known = [order], [torch.arange(max(counts))[None] < torch.tensor(counts)[:, None]]
-    top = max(budgets)
-    if top:
-        masked = torch.where(eligible.to(device), scores.float(), float("-inf"))
-        parts.append(masked.topk(top, dim=1).indices)
-        known.append(torch.arange(top)[None] < torch.tensor(budgets)[:, None])
-    columns = torch.cat(parts, dim=1)
-    valid = torch.cat(known, dim=1).to(device)
-    # Unused slots repeat the row's last valid column, so after sorting the surplus sits at the
-    # end and is cut; rows with none keep a placeholder (column 0, marked invalid).
-    last = torch.where(valid, columns, -1).amax(dim=1, keepdim=True).clamp(min=0)
-    columns = torch.where(valid, columns, last).sort(dim=1).values[:, :width]
-    empty = [c + b == 0 for c, b in zip(counts, budgets)]
-    if not any(empty):
-        return columns, None
-    row_valid = torch.tensor([not e for e in empty], device=device)[:, None]
-    return columns, row_valid.expand(-1, columns.shape[1]).contiguous()
+    return PendingPlan.prepare(always, eligible, budgets, device).select(scores)

@@ -20,7 +20,7 @@ import torch
 
 from bridgecache.runtime.gate import layer_scores
 from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
-from bridgecache.runtime.pending import PendingWork, pending_columns, refresh_budget
+from bridgecache.runtime.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.selection import SelectionRequest
 
@@ -77,31 +77,35 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, m
     tr.native_kv = native_layer_kv(target, ids, tr.target_mask[:, :prefix], native)
     eligible = translated & has_source
     budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
-    graphs = config.cuda_graphs
-    if graphs is None:
-        graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
-    request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs)
-    column_scores = selector.scores(request) if any(budgets) else None
     always = head | (translated & ~has_source)  # the native head; columns without source text
     if all_native:
         always = torch.zeros_like(always)
     pending = None
     if bool(always.any()) or any(budgets):
-        cols, valid = pending_columns(always, column_scores, eligible, budgets)
+        # Everything the host knows goes to the device before any scoring is queued: the
+        # device then never waits for a host-to-device copy between two of its own steps.
         device = tr.home_device
-        cols = cols.to(device)
-        positions = tr.target_positions[:, :prefix]
+        plan = PendingPlan.prepare(always, eligible, budgets, device)
+        ids = target_ids[:, :prefix].to(device, non_blocking=True)
+        first_column = tr.target_pad.to(device, non_blocking=True)
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
+        request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs)
+        cols, valid = plan.select(selector.scores(request) if any(budgets) else None)
         pending = PendingWork(
             columns=cols,
-            valid=None if valid is None else valid.to(device),
-            ids=target_ids.to(device)[:, :prefix].gather(1, cols),
-            positions=positions.gather(1, cols),
-            first_column=tr.target_pad.to(device),
+            valid=valid,
+            ids=ids.gather(1, cols),
+            positions=tr.target_positions[:, :prefix].gather(1, cols),
+            first_column=first_column,
         )
     if make_groups is not None:  # translated lazily; every column when the pass will read them all
         tr.groups = make_groups(pending is not None)
     guide = selector.reading_flops(request) if any(budgets) else 0.0
     report = _report(tr, target, native, scores, decision.fallback, budgets, refresh, guide, always)
+    if config.refresh is not None and tr.bridge.method == "identity":
+        report.notes.append("no refresh: an identity bridge translates exactly")
     return NativePlan(pending, always, budgets, report)
 
 

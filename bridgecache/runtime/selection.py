@@ -83,7 +83,7 @@ class SourceAttention(Selector):
     name = "source attention"
 
     def scores(self, request: SelectionRequest) -> torch.Tensor:
-        source, kv = request.source_model, request.source_kv
+        source, kv = request.source_model, request.translator.reading_source
         if source is None:
             raise ValueError(
                 "refresh by the source's attention needs the source model: pass source_model= (handoff() "
@@ -96,7 +96,7 @@ class SourceAttention(Selector):
         prompted = request.prompt_ids is not None and request.prompt_ids.shape[1] > 0
         reduce = self.reduce or ("max" if prompted else "sum")
         after = (4 if prompted else 0) if self.after is None else self.after
-        first = kv.padding.to(kv.position_ids.device)
+        first = (kv.attention_mask == 0).sum(1)  # on the device: no host round trip
         tokens = kv.num_tokens
         if prompted:
             scores = attention_scores(
@@ -118,13 +118,15 @@ class SourceAttention(Selector):
         if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens
             padded = torch.nn.functional.pad(scores[:, None], (after, 0), value=float("-inf"))
             scores = torch.nn.functional.max_pool1d(padded, after + 1, stride=1)[:, 0]
-        rows = request.translator.rows.to(scores.device)
+        rows = request.translator.reading_rows.to(scores.device)
         return torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
 
     def reading_flops(self, request: SelectionRequest) -> float:
         prompt = request.prompt_ids
         queries = prompt.shape[1] if prompt is not None and prompt.shape[1] else self.recent
-        return reading_flops(request.source_model.config, queries, request.source_kv.num_tokens)
+        return reading_flops(
+            request.source_model.config, queries, request.translator.reading_source.num_tokens
+        )
 
 
 def _context_ids(kv) -> torch.Tensor:

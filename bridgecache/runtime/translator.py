@@ -40,6 +40,9 @@ class Translator:
 
     Attributes read by the cache and the native work:
         rows [batch, prefix] int64 (CPU): the source row feeding each cached column (-1: none).
+        reading_source, reading_rows: the source's own KV (as captured, not pooled) and the source
+            token each cached column reads in it ([batch, prefix] on the device): what a model
+            reading the source's cache scores.
         target_mask [batch, T] int64 (CPU); target_positions [batch, T] on the target's device.
         head_end [batch] int64 (CPU): each row's first translated column; begin = its minimum.
         prefix_length: cached columns; windows: per target layer, its sliding window or None.
@@ -78,6 +81,7 @@ class Translator:
         policy = bridge.alignment_policy
         source_tables = MEMO.source_rope(spec)
         pooled = policy == "mean" and alignment is not None
+        self.reading_source = source
         if pooled:
             # Each target row averages several un-rotated source rows: pool them once, up front,
             # so translation then reads one (already un-rotated) row per target position.
@@ -94,12 +98,17 @@ class Translator:
         )
         self.begin = int(self.head_end.min()) if self.prefix_length else 0
         self.rows = rows[:, : self.prefix_length]
+        # Moved now, before this cache queues any device work: a later copy would wait for it.
+        reading = plan_rows(self.reading_source, self.target_mask, alignment, "last") if pooled else rows
+        self.reading_rows = reading[:, : self.prefix_length].to(self.home_device, non_blocking=True)
         self.native_layers: set[int] = set()
         self.native_kv: dict = {}  # layer -> the target's own (keys, values), until the layer reads them
         self.groups = None  # LayerGroups when layers are translated in groups (set by the cache)
         self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
-        self._device_rows: dict = {}
+        self._device_rows: dict = {
+            (self.begin, self.home_device): self.rows[:, self.begin :].to(self.home_device)
+        }
         self.target_rope = RopeTables.from_model(target)
         scales = MEMO.key_norm_scales(target) if config.key_norm else None
         self.key_norm_scales = scales
