@@ -97,7 +97,7 @@ class PendingPlan:
         width = max(c + b for c, b in zip(counts, budgets))
         parts = [self.order]
         if max(budgets):
-            masked = torch.where(self.eligible, scores.float(), float("-inf"))
+            masked = torch.where(self.eligible, scores.to(self.eligible.device).float(), float("-inf"))
             parts.append(masked.topk(max(budgets), dim=1).indices)
         columns = torch.cat(parts, dim=1)
         valid = self.known
