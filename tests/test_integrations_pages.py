@@ -13,16 +13,15 @@ from tiny_models import tiny_model
 from bridgecache.bridge import Bridge
 from bridgecache.cache import BridgedCache
 from bridgecache.capture import capture_kv
-from bridgecache.integrations.pages import (
+from bridgecache.integrations.keys import (
     EngineMismatchError,
-    PageFormatError,
-    PageStore,
     bridge_salt,
     head_range,
     namespace_seed,
     page_keys,
-    publish,
 )
+from bridgecache.integrations.pages import PageFormatError, PageStore
+from bridgecache.integrations.publish import publish, publish_context
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_head_range_splits_or_replicates_heads():
 
 def test_publish_writes_only_full_pages_before_the_prefix(handoff, tmp_path):
     cache = _cache(handoff, native_tail=5)  # prefix_length 19: four pages of 4, three positions left over
-    pub = publish(cache, handoff[3], tmp_path, page_size=4, dtype=torch.bfloat16)
+    pub = publish(cache, handoff[3], tmp_path, page_size=4, model_name="tiny", dtype=torch.bfloat16)
     assert pub.num_tokens == 16 and len(pub.page_keys) == 4
     store = PageStore(tmp_path)
     keys, values = store.page(pub.page_keys[3])
@@ -95,7 +94,14 @@ def test_publish_writes_only_full_pages_before_the_prefix(handoff, tmp_path):
 def test_the_quality_gate_can_refuse_and_then_nothing_is_written(handoff, tmp_path):
     seen = []
     assert (
-        publish(_cache(handoff), handoff[3], tmp_path, page_size=4, accept=lambda c: seen.append(c) or False)
+        publish(
+            _cache(handoff),
+            handoff[3],
+            tmp_path,
+            page_size=4,
+            model_name="tiny",
+            accept=lambda c: seen.append(c) or False,
+        )
         is None
     )
     assert len(seen) == 1 and seen[0].materialized_layers == [0, 1, 2]
@@ -104,19 +110,19 @@ def test_the_quality_gate_can_refuse_and_then_nothing_is_written(handoff, tmp_pa
 
 def test_publish_refuses_what_it_cannot_serve(handoff, tmp_path):
     with pytest.raises(ValueError, match="fewer than one page"):
-        publish(_cache(handoff), handoff[3], tmp_path, page_size=32)
+        publish(_cache(handoff), handoff[3], tmp_path, page_size=32, model_name="tiny")
     ids = handoff[3].repeat(2, 1)
     with pytest.raises(ValueError, match="one context"):
-        publish(_cache(handoff, ids), ids, tmp_path, page_size=4)
+        publish(_cache(handoff, ids), ids, tmp_path, page_size=4, model_name="tiny")
     gemma = tiny_model("gemma3")
     ids = torch.randint(3, 300, (1, 20))
     cache = BridgedCache(Bridge.identity(gemma), capture_kv(gemma, ids), gemma, ids)
     with pytest.raises(ValueError, match="sliding-window"):
-        publish(cache, ids, tmp_path, page_size=4)
+        publish(cache, ids, tmp_path, page_size=4, model_name="tiny")
 
 
 def test_a_corrupted_or_foreign_context_is_never_loaded(handoff, tmp_path):
-    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4)
+    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4, model_name="tiny")
     tensors = pub.manifest_path.with_suffix(".safetensors")
     good = tensors.read_bytes()
     tensors.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
@@ -139,12 +145,12 @@ def test_the_source_cache_is_not_mutated_by_publishing(handoff, tmp_path):
     source, target, bridge, ids = handoff
     kv = capture_kv(source, ids)
     before = [k.clone() for k in kv.keys]
-    publish(BridgedCache(bridge, kv, target, ids), ids, tmp_path, page_size=4)
+    publish(BridgedCache(bridge, kv, target, ids), ids, tmp_path, page_size=4, model_name="tiny")
     assert all(torch.equal(a, b) for a, b in zip(before, kv.keys))
 
 
 def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_read(handoff, tmp_path):
-    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4)
+    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4, model_name="tiny")
     store = PageStore(tmp_path)
     (tmp_path / ".tmp-half-written.json").write_text("{")  # a writer's temporary file: ignored
     (tmp_path / "late.json").write_text("{not json")
@@ -158,15 +164,20 @@ def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_pat
     from tiny_models import byte_tokenizer
 
     from bridgecache.handoff import context_ids
-    from bridgecache.integrations.pages import publish_context
 
     source, target, bridge, _ = handoff
     tok = byte_tokenizer()
     text = "the ship lost its mast near the rocks"
-    pub = publish_context(bridge, text, target, tok, tok, tmp_path / "a", page_size=8, source=source)
+    pub = publish_context(
+        bridge, text, target, tok, tok, tmp_path / "a", page_size=8, model_name="tiny", source=source
+    )
     ids = context_ids(tok, text)
     manual = publish(
-        BridgedCache(bridge, capture_kv(source, ids), target, ids), ids, tmp_path / "b", page_size=8
+        BridgedCache(bridge, capture_kv(source, ids), target, ids),
+        ids,
+        tmp_path / "b",
+        page_size=8,
+        model_name="tiny",
     )
     assert pub.page_keys == manual.page_keys and pub.num_tokens == 32
     a, b = PageStore(tmp_path / "a"), PageStore(tmp_path / "b")
