@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -94,18 +95,34 @@ def close_engine(instance_id: str) -> None:
     LMCacheEngineBuilder.destroy(instance_id)
 
 
+def _wait_for_puts(engine, keys: list, timeout: float) -> None:
+    """Block until every backend but the CPU buffer holds `keys` (LMCache writes asynchronously;
+    closing an engine with writes in flight frees their buffers under the writer)."""
+    backends = [b for name, b in engine.storage_manager.storage_backends.items() if name != "LocalCPUBackend"]
+    deadline = time.monotonic() + timeout
+    for backend in backends:
+        for key in keys:
+            while backend.exists_in_put_tasks(key) or not backend.contains(key):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"LMCache backend {type(backend).__name__} did not store chunk {key.to_string()} "
+                        f"within {timeout} s"
+                    )
+                time.sleep(0.01)
+
+
 class LMCachePublisher:
     """Stores `publish.BridgedPages` as LMCache chunks through LMCache's own engine.
 
     config: LMCache's `LMCacheEngineConfig` as the engine uses it (chunk_size, backends, serde).
     world_size: vLLM's tensor-parallel size; each rank's chunks hold its KV heads and go under
-    its worker id. Use as a context manager, or call `close()`: writes are queued by LMCache and
-    are complete only when the publisher is closed."""
+    its worker id. `write_pages` returns when every configured backend holds every chunk (or
+    raises TimeoutError after `timeout` seconds). Use as a context manager, or call `close()`."""
 
-    def __init__(self, config, *, world_size: int = 1):
+    def __init__(self, config, *, world_size: int = 1, timeout: float = 60.0):
         if config.save_unfull_chunk:
             config.save_unfull_chunk = False  # a partial chunk can never answer a longer prompt
-        self.config, self.world_size = config, world_size
+        self.config, self.world_size, self.timeout = config, world_size, timeout
         self._engines: list[str] = []
 
     def write_pages(self, pages) -> list[str]:
@@ -135,7 +152,12 @@ class LMCachePublisher:
             )
             self._engines.append(instance)
             engine.post_init()
-            engine.store(torch.tensor(pages.token_ids), request_configs=request_configs(pages.cache_salt))
+            tokens, configs = torch.tensor(pages.token_ids), request_configs(pages.cache_salt)
+            engine.store(tokens, request_configs=configs)
+            stored = [
+                key for _, _, key in engine.token_database.process_tokens(tokens, request_configs=configs)
+            ]
+            _wait_for_puts(engine, stored, self.timeout)
             ids.append(instance)
         return ids
 
