@@ -173,7 +173,9 @@ def test_lmcache_reads_back_the_bridged_chunks_bit_identical(handoff, tmp_path, 
         names = sorted(p.name for p in (tmp_path / "lmcache").iterdir())
         assert len(names) == 6 * world_size
         tail = f"@float@bridgecache%{pub.cache_salt}.data"
-        assert all(n.startswith(f"org-SEP-tiny-qwen2@{world_size}@") and n.endswith(tail) for n in names), names
+        assert all(n.startswith(f"org-SEP-tiny-qwen2@{world_size}@") and n.endswith(tail) for n in names), (
+            names
+        )
 
 
 def test_lmcache_local_disk_backend_holds_and_returns_the_chunks(handoff, tmp_path):

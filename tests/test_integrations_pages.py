@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +186,103 @@ def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_pat
     assert pub.page_keys == manual.page_keys and pub.num_tokens == 32
     a, b = PageStore(tmp_path / "a"), PageStore(tmp_path / "b")
     assert all(torch.equal(a.page(k)[0], b.page(k)[0]) for k in pub.page_keys)
+
+
+# ---------------------------------------------------------------------------------- hostile files
+
+
+def _manifest_with(path, **fields):
+    d = json.loads(path.read_text())
+    d.update(fields)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "bad", ["../../../x", "/etc/passwd", "a" * 63, "A" * 64, "g" * 64, "", "a" * 64 + "/..", 7, None]
+)
+def test_page_keys_that_are_not_hex_digests_are_refused(handoff, tmp_path, bad):
+    pub = publish(_cache(handoff), handoff[3], tmp_path, page_size=4, model_name="tiny")
+    keys = list(pub.page_keys)
+    keys[2] = bad
+    _manifest_with(pub.manifest_path, page_keys=keys)
+    with pytest.raises(PageFormatError, match=r"page_keys\[2\] is .*expected 64 lowercase hex digits"):
+        PageStore(tmp_path)
+    (tmp_path / "empty").mkdir()  # while serving: skipped, logged, never indexed
+    live = PageStore(tmp_path / "empty")
+    pub.manifest_path.rename(tmp_path / "empty" / pub.manifest_path.name)
+    assert live.refresh(strict=False) == [] and all(k not in live for k in pub.page_keys)
+
+
+def test_check_page_key_names_what_is_wrong():
+    from bridgecache.integrations.keys import check_page_key
+
+    assert check_page_key("ab" * 32) == "ab" * 32
+    with pytest.raises(ValueError, match=r"manifest key is '\.\./x'; expected 64 lowercase hex digits"):
+        check_page_key("../x", "manifest key")
+
+
+def test_temp_files_never_write_through_a_planted_symlink(tmp_path, monkeypatch):
+    from bridgecache.integrations import pages
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    store = tmp_path / "store"
+    store.mkdir()
+    monkeypatch.setattr(pages.secrets, "token_hex", lambda n: "0" * 32)  # make the name guessable
+    (store / ".tmp-00000000000000000000000000000000.part").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        pages.write_new_file(store / "x.json", b"attacker gets nothing")
+    assert victim.read_bytes() == b"precious" and not (store / "x.json").exists()
+    monkeypatch.undo()
+    (store / "y.json").symlink_to(victim)  # a symlink at the final name is replaced, not followed
+    pages.write_new_file(store / "y.json", b"new")
+    assert victim.read_bytes() == b"precious"
+    assert not (store / "y.json").is_symlink() and (store / "y.json").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
+def test_published_files_follow_the_umask(handoff, tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        pub = publish(_cache(handoff), handoff[3], tmp_path / "s", page_size=4, model_name="tiny")
+    finally:
+        os.umask(old)
+    for path in (pub.manifest_path, pub.manifest_path.with_suffix(".safetensors")):
+        assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+WRITER = """
+import sys
+from bridgecache.integrations.pages import write_new_file
+me, target = sys.argv[1], sys.argv[2]
+for i in range(150):
+    write_new_file(target, (me * 5000 + str(i)).encode())
+"""
+
+
+def test_concurrent_writers_in_real_processes_leave_one_whole_file_and_no_temp_files(tmp_path):
+    target = tmp_path / "page.json"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, name, str(target)], stderr=subprocess.PIPE)
+        for name in ("a", "b", "c")
+    ]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    data = target.read_text()
+    assert data[:5000] in {"a" * 5000, "b" * 5000, "c" * 5000} and data[5000:] == "149"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.json"]
+
+
+def test_publish_needs_the_served_model_name(handoff, tmp_path):
+    source, target, bridge, ids = handoff
+    with pytest.raises(ValueError, match="publish needs model_name"):
+        publish(_cache(handoff), ids, tmp_path, page_size=4)
+    target.config._name_or_path = "org/named-target"
+    try:
+        pub = publish(_cache(handoff), ids, tmp_path, page_size=4)
+    finally:
+        target.config._name_or_path = ""
+    assert json.loads(pub.manifest_path.read_text())["model_name"] == "org/named-target"
+    _manifest_with(pub.manifest_path, model_name=None)  # e.g. written by an older bridgecache
+    with pytest.raises(PageFormatError, match="names no served model"):
+        PageStore(tmp_path)

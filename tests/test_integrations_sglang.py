@@ -341,3 +341,47 @@ def test_the_zero_copy_interface_fills_the_host_pool_the_same_way(published, han
     assert torch.equal(
         backend.native.get("native-page", pool.get_dummy_flat_data_page()), pool.get_data_page(5 * PAGE)
     )
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_page_file_damaged_after_startup_is_a_miss_never_an_exception(published, handoff, damage):
+    cache, pub = published
+    pool = HostPool("page_first", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool, interface_v1=1)
+    keys = _engine_keys(handoff[3], pub.cache_salt)[:6]
+    assert backend.batch_exists(keys) == 6  # the engine's lookup, before the damage
+    tensors = pub.manifest_path.with_suffix(".safetensors")
+    raw = tensors.read_bytes()
+    if damage == "flip":
+        tensors.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    elif damage == "truncate":
+        tensors.write_bytes(raw[: len(raw) // 2])
+    else:
+        tensors.unlink()
+    dst = [pool.get_dummy_flat_data_page() for _ in keys]
+    assert backend.batch_get(keys, dst) == [None] * 6  # SGLang: a failed prefetch, recomputed
+    host_indices = torch.arange(6 * PAGE)
+    assert backend.batch_get_v1(keys, host_indices) == [False] * 6
+    assert backend.batch_exists(keys) == 0 and not backend.exists(keys[0])  # not offered again
+
+
+def test_keys_that_are_not_hex_digests_never_name_a_file(published, handoff, tmp_path):
+    import dataclasses
+
+    from bridgecache.integrations.pages import PageStore
+
+    cache, pub = published
+    manifest = PageStore(pub.manifest_path.parent).manifests[0]
+    hostile = dataclasses.replace(manifest, page_keys=("../../../escaped",) + manifest.page_keys[1:])
+    out = tmp_path / "deep" / "er" / "hicache"
+    with pytest.raises(ValueError, match="'../../../escaped'; expected 64 lowercase hex digits"):
+        export_hicache_file(pub.manifest_path.parent, out, layout="page_first", manifests=[hostile])
+    assert not list(tmp_path.rglob("*escaped*"))
+    storage = _hicachefile(tmp_path / "h", 0, 1, model_name="tiny-qwen2")
+    from bridgecache.integrations.hicache import write_hicache
+    from bridgecache.integrations.publish import stored_pages
+
+    pages = dataclasses.replace(stored_pages(manifest), page_keys=("a/b",) * 6)
+    with pytest.raises(ValueError, match="'a/b'"):
+        write_hicache(pages, storage, layout="page_first")
+    assert not list((tmp_path / "h").rglob("*.bin"))
