@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from bridgecache.integrations.keys import EngineMismatchError, check_page_key
+from bridgecache.integrations.keys import EngineMismatchError, bridge_fingerprint, check_page_key
 
 __all__ = [
     "FORMAT",
@@ -39,6 +39,7 @@ __all__ = [
     "Manifest",
     "PageFormatError",
     "PageStore",
+    "bridge_fingerprint",  # lives in keys; importable from here as before
     "check_engine",
     "read_context",
     "write_new_file",

@@ -60,7 +60,7 @@ class BridgedHiCacheStorage(HiCacheStorage):
         if "page_store" not in extra:
             raise ValueError(
                 'bridgecache backend: --hicache-storage-backend-extra-config needs "page_store": '
-                "the directory that bridgecache.integrations.pages.publish writes"
+                "the directory that bridgecache.integrations.publish writes"
             )
         if storage_config.is_mla_model:
             raise EngineMismatchError("bridgecache backend: MLA models are not supported (per-head KV only)")

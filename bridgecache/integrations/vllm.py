@@ -88,7 +88,7 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not store:
             raise ValueError(
                 'BridgedKVConnector: kv_connector_extra_config needs "page_store": the directory '
-                "that bridgecache.integrations.pages.publish writes"
+                "that bridgecache.integrations.publish writes"
             )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
