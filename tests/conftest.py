@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny random models (no download) and the smallest real model."""
+"""Shared fixtures: tiny random models (no download), the smallest real model, and the engine
+import rule (`require_engine`: skip where absent, fail where .ci/run installed it)."""
 
 from __future__ import annotations
+
+import importlib
+import os
+import shutil
 
 import pytest
 import torch
@@ -20,3 +25,41 @@ def smollm2():
 
     torch.manual_seed(0)
     return load_model("smollm2-135m")
+
+
+# ---------------------------------------------------------------------------------- engines
+
+REQUIRE_VARIABLE = "BRIDGECACHE_REQUIRE"
+
+
+def required_engines() -> set[str]:
+    """What .ci/run installed and exported in BRIDGECACHE_REQUIRE (packages, or programs)."""
+    return {name.strip() for name in os.environ.get(REQUIRE_VARIABLE, "").split(",") if name.strip()}
+
+
+def require_engine(module: str):
+    """Import an engine package for a test module: the module, or a skip where it is not
+    installed. Where .ci/run installed it (its top-level name is in BRIDGECACHE_REQUIRE), an
+    import failure FAILS the suite instead: CI can never hide a broken install as a skip."""
+    try:
+        return importlib.import_module(module)
+    except Exception as err:  # ImportError, or anything the package raises while importing
+        if module.split(".")[0] in required_engines():
+            pytest.fail(
+                f"{module} does not import ({type(err).__name__}: {err}), but {REQUIRE_VARIABLE} says "
+                ".ci/run installed it: fix .ci/run's install lines",
+                pytrace=False,
+            )
+        pytest.skip(f"{module} is not installed here ({err}); .ci/run installs it", allow_module_level=True)
+
+
+def require_program(name: str) -> str:
+    """The path of an executable a test starts (e.g. redis-server); fail/skip as require_engine."""
+    path = shutil.which(name)
+    if path is None:
+        if name in required_engines():
+            pytest.fail(
+                f"{name} is not on PATH, but {REQUIRE_VARIABLE} says .ci/run installed it", pytrace=False
+            )
+        pytest.skip(f"{name} is not installed here; .ci/run installs it", allow_module_level=True)
+    return path

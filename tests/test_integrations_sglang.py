@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_engine
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
-from bridgecache.integrations.pages import EngineMismatchError, publish
+from bridgecache.integrations.keys import EngineMismatchError
+from bridgecache.integrations.publish import publish
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 
-sglang = pytest.importorskip("sglang", reason="SGLang's storage code is needed (.ci/run installs it)")
+sglang = require_engine("sglang")
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed  # noqa: E402
@@ -199,33 +201,64 @@ def test_engine_order_driver_generates_what_bridgedcache_generates(published, ha
     assert not torch.equal(reference, native)  # the pages carry the source's reading, not the target's
 
 
-def test_hicachefile_reads_the_exported_directory(published, handoff, tmp_path):
+def _hicachefile(directory, rank, tp_size, model_name="org/tiny-qwen2"):
+    """SGLang's own file backend, built from its own config, as the engine builds it."""
+    return HiCacheFile(
+        _config(tp_rank=rank, tp_size=tp_size, model_name=model_name, file_storage_path=str(directory))
+    )
+
+
+def _read_back(storage, layout, heads, keys, host_pages):
+    """What the engine loads: SGLang's generic page get (batch_get into dummy flat pages, then
+    its own set_from_flat_data_page). Returns per layer (keys, values) [heads, tokens, head_dim]."""
+    pool = HostPool(layout, 3, heads, 16, torch.float32)
+    assert storage.batch_exists(keys) == len(keys)
+    slots = _load(storage, pool, keys, host_pages=host_pages)
+    return [pool.read(slots, layer) for layer in range(3)]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_publish_through_sglangs_hicachefile_reads_back_bit_identical(handoff, tmp_path, layout, tp_size):
+    """publish() straight into SGLang's HiCacheFile (one per TP rank) in every layout; SGLang's
+    batch_get with the request's salted keys returns exactly what BridgedCache holds."""
+    cache = _cache(handoff).materialize()
+    ranks = [_hicachefile(tmp_path / "hicache", r, tp_size) for r in range(tp_size)]
+    pub = publish(cache, handoff[3], ranks, page_size=PAGE, model_name="org/tiny-qwen2", layout=layout)
+    keys = _engine_keys(handoff[3], pub.cache_salt)[:6]
+    assert list(pub.page_keys) == keys
+    files = sorted(p.name for p in (tmp_path / "hicache").glob("*.bin"))
+    assert len(files) == 6 * tp_size and all("_org-tiny-qwen2_" in f for f in files)
+    for rank in range(tp_size):
+        heads = slice(rank * 2 // tp_size, (rank + 1) * 2 // tp_size)
+        reader = _hicachefile(tmp_path / "hicache", rank, tp_size)  # a fresh engine-side instance
+        for layer, (k, v) in enumerate(_read_back(reader, layout, 2 // tp_size, keys, [4, 0, 5, 1, 3, 2])):
+            assert torch.equal(k, cache.layers[layer].keys[0, heads, :24])
+            assert torch.equal(v, cache.layers[layer].values[0, heads, :24])
+    # without the salt (or with another) the engine's keys find nothing
+    reader = _hicachefile(tmp_path / "hicache", 0, tp_size)
+    assert reader.batch_exists(get_hash_str(handoff[3][0].tolist(), None, page_size=PAGE)) == 0
+    assert reader.batch_exists(_engine_keys(handoff[3], "bridgecache-someone-else")) == 0
+    # another served model's HiCacheFile (the file names carry the name) finds nothing either
+    assert _hicachefile(tmp_path / "hicache", 0, tp_size, model_name="org/other").batch_exists(keys) == 0
+
+
+def test_export_hicache_file_is_publishing_through_hicachefile(published, handoff, tmp_path):
     cache, pub = published
     files = export_hicache_file(
-        pub.manifest_path.parent,
-        tmp_path / "hicache",
-        layout="page_first",
-        model_name="org/tiny-qwen2",
-        tp_size=2,
+        pub.manifest_path.parent, tmp_path / "hicache", layout="page_first", tp_size=2
     )
-    assert len(files) == 6 * 2
-    keys = _engine_keys(handoff[3], pub.cache_salt)
+    assert len(files) == 6 * 2 and all(f.is_file() for f in files)
+    keys = _engine_keys(handoff[3], pub.cache_salt)[:6]
     for rank in range(2):
-        storage = HiCacheFile(
-            _config(
-                tp_rank=rank,
-                tp_size=2,
-                model_name="org/tiny-qwen2",
-                file_storage_path=str(tmp_path / "hicache"),
-            )
-        )
-        assert storage.batch_exists(keys) == 6
-        pool = HostPool("page_first", 3, 1, 16, torch.float32)
-        slots = _load(storage, pool, keys[:6], host_pages=[0, 1, 2, 3, 4, 5])
-        for layer in range(3):
-            k, v = pool.read(slots, layer)
+        reader = _hicachefile(tmp_path / "hicache", rank, 2, model_name="tiny-qwen2")
+        for layer, (k, v) in enumerate(_read_back(reader, "page_first", 1, keys, list(range(6)))):
             assert torch.equal(k, cache.layers[layer].keys[0, rank : rank + 1, :24])
             assert torch.equal(v, cache.layers[layer].values[0, rank : rank + 1, :24])
+    with pytest.raises(EngineMismatchError, match="published for model 'tiny-qwen2'"):
+        export_hicache_file(
+            pub.manifest_path.parent, tmp_path / "x", layout="page_first", model_name="org/other"
+        )
 
 
 def test_bridged_pages_never_answer_another_namespace(published, handoff, tmp_path):
@@ -235,7 +268,9 @@ def test_bridged_pages_never_answer_another_namespace(published, handoff, tmp_pa
     backend = _backend(pub.manifest_path.parent, pool, refresh_seconds=0)
     assert backend.batch_exists(get_hash_str(ids[0].tolist(), None, page_size=PAGE)) == 0  # no salt
     assert backend.batch_exists(_engine_keys(ids, "someone-else")) == 0
-    other = publish(_cache(handoff), ids, tmp_path / "store", page_size=PAGE, salt="tenant-b")
+    other = publish(
+        _cache(handoff), ids, tmp_path / "store", page_size=PAGE, salt="tenant-b", model_name="tiny-qwen2"
+    )
     assert other.cache_salt != pub.cache_salt
     assert backend.batch_exists(_engine_keys(ids, other.cache_salt)) == 6  # found after a rescan
     # the engine's own write-back never replaces a published page, and clear() keeps them
@@ -306,3 +341,47 @@ def test_the_zero_copy_interface_fills_the_host_pool_the_same_way(published, han
     assert torch.equal(
         backend.native.get("native-page", pool.get_dummy_flat_data_page()), pool.get_data_page(5 * PAGE)
     )
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_page_file_damaged_after_startup_is_a_miss_never_an_exception(published, handoff, damage):
+    cache, pub = published
+    pool = HostPool("page_first", 3, 2, 16, torch.float32)
+    backend = _backend(pub.manifest_path.parent, pool, interface_v1=1)
+    keys = _engine_keys(handoff[3], pub.cache_salt)[:6]
+    assert backend.batch_exists(keys) == 6  # the engine's lookup, before the damage
+    tensors = pub.manifest_path.with_suffix(".safetensors")
+    raw = tensors.read_bytes()
+    if damage == "flip":
+        tensors.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    elif damage == "truncate":
+        tensors.write_bytes(raw[: len(raw) // 2])
+    else:
+        tensors.unlink()
+    dst = [pool.get_dummy_flat_data_page() for _ in keys]
+    assert backend.batch_get(keys, dst) == [None] * 6  # SGLang: a failed prefetch, recomputed
+    host_indices = torch.arange(6 * PAGE)
+    assert backend.batch_get_v1(keys, host_indices) == [False] * 6
+    assert backend.batch_exists(keys) == 0 and not backend.exists(keys[0])  # not offered again
+
+
+def test_keys_that_are_not_hex_digests_never_name_a_file(published, handoff, tmp_path):
+    import dataclasses
+
+    from bridgecache.integrations.pages import PageStore
+
+    cache, pub = published
+    manifest = PageStore(pub.manifest_path.parent).manifests[0]
+    hostile = dataclasses.replace(manifest, page_keys=("../../../escaped",) + manifest.page_keys[1:])
+    out = tmp_path / "deep" / "er" / "hicache"
+    with pytest.raises(ValueError, match="'../../../escaped'; expected 64 lowercase hex digits"):
+        export_hicache_file(pub.manifest_path.parent, out, layout="page_first", manifests=[hostile])
+    assert not list(tmp_path.rglob("*escaped*"))
+    storage = _hicachefile(tmp_path / "h", 0, 1, model_name="tiny-qwen2")
+    from bridgecache.integrations.hicache import write_hicache
+    from bridgecache.integrations.publish import stored_pages
+
+    pages = dataclasses.replace(stored_pages(manifest), page_keys=("a/b",) * 6)
+    with pytest.raises(ValueError, match="'a/b'"):
+        write_hicache(pages, storage, layout="page_first")
+    assert not list((tmp_path / "h").rglob("*.bin"))

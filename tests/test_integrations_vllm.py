@@ -16,7 +16,8 @@ from transformers import DynamicCache
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.integrations import _vllm_api
-from bridgecache.integrations.pages import EngineMismatchError, publish
+from bridgecache.integrations.keys import EngineMismatchError
+from bridgecache.integrations.publish import publish
 from bridgecache.integrations.vllm import VLLM_INSTALLED, BridgedKVConnector, KVConnectorRole
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
@@ -79,7 +80,7 @@ def _cache(handoff):
 @pytest.fixture
 def published(handoff, tmp_path):
     cache = _cache(handoff).materialize()
-    return cache, publish(cache, handoff[3], tmp_path / "store", page_size=BLOCK)
+    return cache, publish(cache, handoff[3], tmp_path / "store", page_size=BLOCK, model_name="tiny-qwen2")
 
 
 def _request(ids, salt, rid="req-0"):
@@ -229,11 +230,29 @@ def test_a_bridge_that_does_not_fit_the_engine_model_is_refused(published, model
         BridgedKVConnector(_vllm_config(pub.manifest_path.parent, **model), KVConnectorRole.WORKER, None)
 
 
-def test_a_paged_cache_in_another_layout_is_refused(published, handoff):
+def test_a_paged_cache_in_another_layout_is_refused_at_startup_and_reported_while_serving(published, handoff):
     _, pub = published
-    layers = {name: SimpleNamespace(kv_cache=torch.zeros(16, 2, 2, BLOCK, 16)) for name in LAYERS}
+    worker = BridgedKVConnector(_vllm_config(pub.manifest_path.parent), KVConnectorRole.WORKER, None)
+    other = {name: torch.zeros(16, 2, 2, BLOCK, 16) for name in LAYERS}  # [2, blocks, ...]: not ours
     with pytest.raises(EngineMismatchError, match="2 \\* head_dim"):
-        _run(pub.manifest_path.parent, _request(handoff[3], pub.cache_salt), list(range(7)), layers=layers)
+        worker.register_kv_caches(other)
+    worker.register_kv_caches({name: torch.zeros(16, 2, BLOCK, 32) for name in LAYERS})
+    layers = {name: SimpleNamespace(kv_cache=kv) for name, kv in other.items()}
+    _, layers, worker = _run(
+        pub.manifest_path.parent, _request(handoff[3], pub.cache_salt), list(range(7)), layers=layers
+    )
+    assert worker.get_block_ids_with_load_errors() == set(range(6))
+    assert not layers[LAYERS[0]].kv_cache.any()  # nothing written
+
+
+@pytest.mark.parametrize("bad_block", [16, 99, -1])
+def test_block_ids_beyond_the_cache_are_a_reported_load_error_not_an_exception(published, handoff, bad_block):
+    _, pub = published
+    block_ids = [3, 1, 8, bad_block, 12, 10, 14]  # one block the cache (16 blocks) does not have
+    matched, layers, worker = _run(pub.manifest_path.parent, _request(handoff[3], pub.cache_salt), block_ids)
+    assert matched == 24
+    assert worker.get_block_ids_with_load_errors() == set(block_ids[:6])
+    assert torch.isnan(layers[LAYERS[0]].kv_cache).all()  # a load that fails writes nothing
 
 
 # ---------------------------------------------------------------------------------- vLLM itself

@@ -318,7 +318,7 @@ def test_a_killed_save_kv_leaves_the_old_file_and_the_next_load_removes_what_it_
 def test_every_entry_point_refuses_a_source_model_of_another_family_with_the_same_shapes(tmp_path, llama):
     """Bridge.check would refuse it; the entry points once checked only built-in bridges."""
     from bridgecache import handoff_batch
-    from bridgecache.integrations.pages import publish_context
+    from bridgecache.integrations.publish import publish_context
     from bridgecache.runtime.conversation import Conversation
 
     qwen, tok = tiny_model("qwen2"), byte_tokenizer()

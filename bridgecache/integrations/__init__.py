@@ -1,29 +1,28 @@
-"""Serving engines: translated KV as engine pages.
+"""Serving engines and fleet stores: translated KV as engine pages.
 
-`pages` (no engine import): publish a BridgedCache's full pages under the target's page-hash
-chain, namespaced by source, target, bridge and salt; read them back verified.
-`sglang`: a HiCache L3 storage backend and a HiCacheFile exporter (imports sglang).
-`vllm`: a KV connector (kv_consumer) that loads published pages into vLLM's paged cache.
+`keys`: page keys (SGLang's hash chain), bridge namespaces and salts, key validation.
+`pages`: the page store directory and its verified reads (no engine import).
+`publish`: translate a context once and publish its full pages to a page store, any SGLang
+HiCache L3 store, or LMCache.
+`hicache`: pages into any SGLang `HiCacheStorage` through its own batch_set(_v1) (imports sglang).
+`sglang`: a HiCache L3 storage backend serving the page store, and a HiCacheFile exporter.
+`vllm`: a KV connector (kv_consumer) that loads page-store pages into vLLM's paged cache.
+`lmcache`: a publisher that stores pages as LMCache chunks (vLLM + LMCache fleets).
 See docs/serving.md.
 """
 
-from bridgecache.integrations.pages import (
-    EngineMismatchError,
-    PageFormatError,
-    PageStore,
-    Published,
-    bridge_salt,
-    page_keys,
-    publish,
-    publish_context,
-)
+from bridgecache.integrations.keys import EngineMismatchError, bridge_salt, check_page_key, page_keys
+from bridgecache.integrations.pages import PageFormatError, PageStore
+from bridgecache.integrations.publish import BridgedPages, Published, publish, publish_context
 
 __all__ = [
+    "BridgedPages",
     "EngineMismatchError",
     "PageFormatError",
     "PageStore",
     "Published",
     "bridge_salt",
+    "check_page_key",
     "page_keys",
     "publish",
     "publish_context",

@@ -13,12 +13,8 @@ and send `"cache_salt": published.cache_salt` with the request. SGLang hashes th
 then `batch_get`s each into a flat host page and copies it into its host pool; from there the
 device loads it layer by layer.
 
-A flat page, per `--hicache-mem-layout` (pool_host/mha.py, `set_from_flat_data_page`):
-    layer_first        [2, layers, page_size, heads, head_dim]
-    page_first         [2, page_size, layers, heads, head_dim]
-    page_first_direct  [2, 1, layers, page_size, heads, head_dim]
-    page_head          [2, 1, heads, page_size, layers, head_dim]
-where 2 is (keys, values) and heads are those of this tensor-parallel rank. Both of SGLang's
+Pages are served in SGLang's flat host-page format of the engine's `--hicache-mem-layout`
+(`hicache.flat_page`), with this tensor-parallel rank's heads. Both of SGLang's
 page paths work: the generic one (batch_get into flat pages, the default for a dynamic backend)
 and the zero-copy one (`"interface_v1": 1`: batch_get_v1 writes into the host pool).
 
@@ -41,35 +37,14 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
 
-from bridgecache.integrations.pages import (
-    EngineMismatchError,
-    Manifest,
-    PageStore,
-    check_engine,
-    head_range,
-)
+from bridgecache.integrations.hicache import LAYOUTS, flat_page, write_hicache
+from bridgecache.integrations.keys import EngineMismatchError, head_range
+from bridgecache.integrations.pages import Manifest, PageFormatError, PageStore, check_engine
+from bridgecache.integrations.publish import stored_pages
 
 __all__ = ["LAYOUTS", "BridgedHiCacheStorage", "export_hicache_file", "flat_page"]
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 logger = logging.getLogger(__name__)
-
-
-def flat_page(keys: torch.Tensor, values: torch.Tensor, layout: str) -> torch.Tensor:
-    """One page in SGLang's flat host-page format for `layout`.
-
-    keys, values: [layers, heads, page_size, head_dim] (this rank's heads). Returns a 1-D
-    contiguous tensor of 2 * layers * heads * page_size * head_dim elements."""
-    kv = torch.stack([keys, values])  # [2, layers, heads, page, dim]
-    if layout in ("layer_first", "page_first_direct"):
-        page = kv.permute(0, 1, 3, 2, 4)  # [2, layers, page, heads, dim]
-    elif layout == "page_first":
-        page = kv.permute(0, 3, 1, 2, 4)  # [2, page, layers, heads, dim]
-    elif layout == "page_head":
-        page = kv.permute(0, 2, 3, 1, 4)  # [2, heads, page, layers, dim]
-    else:
-        raise ValueError(f"unsupported --hicache-mem-layout {layout!r}; expected one of {LAYOUTS}")
-    return page.contiguous().reshape(-1)
 
 
 class BridgedHiCacheStorage(HiCacheStorage):
@@ -85,7 +60,7 @@ class BridgedHiCacheStorage(HiCacheStorage):
         if "page_store" not in extra:
             raise ValueError(
                 'bridgecache backend: --hicache-storage-backend-extra-config needs "page_store": '
-                "the directory that bridgecache.integrations.pages.publish writes"
+                "the directory that bridgecache.integrations.publish writes"
             )
         if storage_config.is_mla_model:
             raise EngineMismatchError("bridgecache backend: MLA models are not supported (per-head KV only)")
@@ -129,7 +104,7 @@ class BridgedHiCacheStorage(HiCacheStorage):
             head_dim=pool.head_dim,
             dtype=pool.dtype,
             page_size=pool.page_size,
-            model_name=cfg.model_name,
+            model_names=(cfg.model_name,) if cfg.model_name else (),
         )
         heads = head_range(manifest.num_kv_heads, cfg.tp_rank, cfg.tp_size)
         if len(heads) != pool.head_num:
@@ -160,6 +135,11 @@ class BridgedHiCacheStorage(HiCacheStorage):
             return None
         return found[0]
 
+    def _unreadable(self, manifest: Manifest, key: str, err: Exception) -> None:
+        """A page that fails to load is a miss; its context is not offered again."""
+        logger.error("bridgecache backend: page %s of %s cannot be served: %s", key, manifest.path, err)
+        self._verdicts[manifest.path] = False
+
     def _flat(self, key: str, manifest: Manifest) -> torch.Tensor:
         keys, values = self.store.page(key)
         heads = head_range(manifest.num_kv_heads, self.storage_config.tp_rank, self.storage_config.tp_size)
@@ -168,21 +148,26 @@ class BridgedHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ HiCacheStorage
 
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None):
+        """The flat page under `key` (into `target_location` when given), or None: a miss."""
         manifest = self._bridged(key)
         if manifest is None:
             if target_location is None:
                 return None
             return self.native.get(key, target_location, target_sizes)
-        page = self._flat(key, manifest)
-        if target_location is None:
-            return page
-        if target_location.numel() != page.numel() or target_location.dtype != page.dtype:
-            raise EngineMismatchError(
-                f"page {key}: the engine's buffer holds {target_location.numel()} {target_location.dtype}, "
-                f"the page {page.numel()} {page.dtype}"
-            )
-        target_location.copy_(page.view(target_location.shape))
-        return target_location
+        try:
+            page = self._flat(key, manifest)
+            if target_location is None:
+                return page
+            if target_location.numel() != page.numel() or target_location.dtype != page.dtype:
+                raise EngineMismatchError(
+                    f"the engine's buffer holds {target_location.numel()} {target_location.dtype}, "
+                    f"the page {page.numel()} {page.dtype}"
+                )
+            target_location.copy_(page.view(target_location.shape))
+            return target_location
+        except (PageFormatError, EngineMismatchError, KeyError, OSError, RuntimeError) as err:
+            self._unreadable(manifest, key, err)
+            return None
 
     def batch_get(
         self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
@@ -236,30 +221,42 @@ def export_hicache_file(
     directory: str | os.PathLike,
     *,
     layout: str,
-    model_name: str,
+    model_name: str | None = None,
     tp_size: int = 1,
     manifests: list[Manifest] | None = None,
 ) -> list[Path]:
-    """Write published pages as SGLang `HiCacheFile` files (`--hicache-storage-backend file`,
-    no bridgecache code in the engine): `<key>_<model>_<tp_rank>_<tp_size>.bin` per page and
-    rank, raw bytes of the flat page in `layout`. model_name: the engine's served model name
-    (`--served-model-name`, else `--model-path`). Returns the files written."""
+    """Write published pages through SGLang's own `HiCacheFile` (`--hicache-storage-backend
+    file`, no bridgecache code in the engine): one `HiCacheFile` per tensor-parallel rank,
+    built from SGLang's `HiCacheStorageConfig` with `model_name` and the rank, fed by its own
+    `batch_set`. model_name: the engine's served model name (`--served-model-name`, else
+    `--model-path`), default the name each context was published for; a context published for
+    another name is refused. Returns the files that now hold the pages (`<key>_<model>_<rank>_
+    <tp_size>.bin`)."""
     store = store if isinstance(store, PageStore) else PageStore(store)
-    model = "-".join(model_name.split("/"))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for manifest in manifests or store.manifests:
-        for key in manifest.page_keys:
-            keys, values = store.page(key)
-            for rank in range(tp_size):
-                heads = head_range(manifest.num_kv_heads, rank, tp_size)
-                page = flat_page(
-                    keys[:, heads.start : heads.stop], values[:, heads.start : heads.stop], layout
+        name = model_name or manifest.model_name
+        if manifest.model_name != name:
+            raise EngineMismatchError(
+                f"{manifest.path} was published for model {manifest.model_name!r}; the export is for {name!r}"
+            )
+        pages = stored_pages(manifest)
+        files = []
+        for rank in range(tp_size):
+            config = HiCacheStorageConfig(
+                tp_rank=rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                model_name=name, extra_config={"file_storage_path": str(directory)},
+            )  # fmt: skip
+            files.append(HiCacheFile(config, file_path=str(directory)))
+            if Path(files[-1].file_path).resolve() != directory.resolve():
+                raise RuntimeError(
+                    f"SGLang's HiCacheFile writes to {files[-1].file_path}, not {directory} "
+                    "(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR is set): unset it to export"
                 )
-                path = directory / f"{key}_{model}_{rank}_{tp_size}.bin"
-                tmp = path.with_name(f".{path.name}.tmp")
-                page.view(torch.uint8).numpy().tofile(tmp)
-                os.replace(tmp, path)
-                written.append(path)
+        write_hicache(pages, files, layout=layout)
+        for storage in files:
+            written += [directory / f"{key}{storage.config_suffix}.bin" for key in pages.page_keys]
     return written

@@ -20,6 +20,12 @@ before the forward, which writes each page into every layer's cache through the 
 (slot = block_id * block_size + offset) and `wait_for_layer_load` per layer (a no-op: loads are
 synchronous). Per-layer cache view: [blocks, kv_heads, block_size, 2 * head_dim], keys in the
 first head_dim channels, values in the rest (FlashAttention's layout).
+
+Inside the engine a load that fails (a file corrupted or removed after the lookup, a block id
+beyond the cache, a cache view of another shape) writes nothing more for that request, is
+logged, and its blocks are reported through `get_block_ids_with_load_errors` (vLLM then
+recomputes them under `kv_load_failure_policy: recompute`); it never raises out of
+`start_load_kv`. A cache view of another layout is refused once, at `register_kv_caches`.
 """
 
 from __future__ import annotations
@@ -31,16 +37,8 @@ from typing import Any
 
 import torch
 
-from bridgecache.integrations.pages import (
-    EngineMismatchError,
-    Manifest,
-    PageFormatError,
-    PageStore,
-    check_engine,
-    head_range,
-    namespace_seed,
-    page_keys,
-)
+from bridgecache.integrations.keys import EngineMismatchError, head_range, namespace_seed, page_keys
+from bridgecache.integrations.pages import Manifest, PageFormatError, PageStore, check_engine
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,7 +88,7 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not store:
             raise ValueError(
                 'BridgedKVConnector: kv_connector_extra_config needs "page_store": the directory '
-                "that bridgecache.integrations.pages.publish writes"
+                "that bridgecache.integrations.publish writes"
             )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -105,6 +103,7 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
             dtype=_kv_dtype(model.dtype, cache.cache_dtype),
             page_size=self.block_size,
             model_type=model.hf_text_config.model_type,
+            model_names=_served_names(model),
         )
         self.store = PageStore(store)
         for manifest in self.store.manifests:
@@ -192,6 +191,14 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         return get_tensor_model_parallel_rank()
 
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """At startup: every attention layer's cache must be the view the connector writes."""
+        for name, kv_cache in kv_caches.items():
+            if isinstance(kv_cache, torch.Tensor):
+                _layer_index(name)
+                heads = len(head_range(self.engine["num_kv_heads"], self.tp_rank(), self.tp_size))
+                _check_view(kv_cache, heads, self.block_size, self.engine["head_dim"])
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, BridgedConnectorMetadata) or not meta.loads:
@@ -204,14 +211,17 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
         for load in meta.loads:
             try:
                 self._load(load, layers)
-            except (PageFormatError, KeyError) as err:
+            except (PageFormatError, EngineMismatchError, KeyError, IndexError, OSError, RuntimeError) as err:
                 # vLLM recomputes these blocks (kv_load_failure_policy="recompute")
                 logger.error("BridgedKVConnector could not load request %s: %s", load.req_id, err)
                 self._failed_blocks.update(load.block_ids)
 
     def _load(self, load: PageLoad, layers: dict[int, torch.Tensor]) -> None:
+        """Read and check every page and block of `load` first, then write: a load that fails
+        writes nothing."""
         rank = self.tp_rank()
         slot_offsets = torch.arange(self.block_size)
+        pages = []
         for key, block in zip(load.page_keys, load.block_ids):
             keys, values = self.store.page(key)  # [layers, kv_heads, block_size, head_dim]
             manifest = self.store.locate(key)[0]
@@ -220,12 +230,15 @@ class BridgedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 raise EngineMismatchError(
                     f"attention layers {sorted(layers)} in the engine; page {key} has {manifest.num_layers}"
                 )
+            for kv_cache in layers.values():
+                _check_view(kv_cache, len(heads), self.block_size, manifest.head_dim)
+                if not 0 <= block < kv_cache.shape[0]:
+                    raise IndexError(f"block id {block} is outside the engine's {kv_cache.shape[0]} blocks")
+            pages.append((keys[:, heads.start : heads.stop], values[:, heads.start : heads.stop], block))
+        for keys, values, block in pages:
             slots = block * self.block_size + slot_offsets
             for idx, kv_cache in layers.items():
-                _check_view(kv_cache, len(heads), self.block_size, manifest.head_dim)
-                page = torch.cat(
-                    [keys[idx, heads.start : heads.stop], values[idx, heads.start : heads.stop]], -1
-                )
+                page = torch.cat([keys[idx], values[idx]], -1)  # [heads, block_size, 2 * head_dim]
                 page = page.transpose(0, 1).to(kv_cache.device, kv_cache.dtype)  # [block_size, heads, 2*dim]
                 slot = slots.to(kv_cache.device)
                 kv_cache[slot // self.block_size, :, slot % self.block_size] = page
@@ -253,6 +266,14 @@ def _kv_dtype(model_dtype: torch.dtype, cache_dtype: str) -> torch.dtype:
             f"BridgedKVConnector: --kv-cache-dtype {cache_dtype!r} is not supported (quantised KV); use auto"
         )
     return dtype
+
+
+def _served_names(model_config: Any) -> tuple[str, ...]:
+    """The names vLLM serves the model under (--served-model-name, else --model); () if unknown."""
+    names = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", None)
+    if isinstance(names, str):
+        return (names,)
+    return tuple(n for n in (names or ()) if isinstance(n, str))
 
 
 def _layer_index(name: str) -> int:

@@ -135,3 +135,13 @@ class HandoffConfig:
                 shown = value.label if isinstance(value, RefreshConfig) else value
                 parts.append(f"{f.name}={shown}")
         return " ".join(parts) or "default"
+
+    @property
+    def kv_recipe(self) -> str:
+        """What of this config changes the cache's KV values, as text: published pages are
+        namespaced by it (the gate and the launch/graph choices change no value)."""
+        refresh = self.refresh.label if self.refresh is not None else "none"
+        return (
+            f"native_head={self.native_head} native_tail={self.native_tail} "
+            f"native_layers={self.native_layers} key_norm={self.key_norm} refresh={refresh}"
+        )

@@ -1,0 +1,326 @@
+"""Publishing: translate a context once and put its full pages where an engine will find them.
+
+    published = publish(cache, target_ids, "/srv/kv-pages", page_size=64,
+                        model_name="Qwen/Qwen2.5-Coder-0.5B-Instruct", dtype=torch.bfloat16)
+    # send `published.cache_salt` with the request (SGLang and vLLM: `cache_salt`)
+
+`destination` is one of
+- a directory: the page store (`pages.py`), read by bridgecache's SGLang backend and vLLM
+  connector;
+- a SGLang `HiCacheStorage` (or a list of them, one per tensor-parallel rank, each built from
+  SGLang's own `HiCacheStorageConfig`), with `layout=` the engine's `--hicache-mem-layout`: the
+  pages go through that backend's own `batch_set` / `batch_set_v1` (`hicache.py`), so a fleet's
+  file, 3FS, Mooncake, ... store serves them with no bridgecache code in the engine;
+- any object with `write_pages(pages)`, e.g. `lmcache.LMCachePublisher` (vLLM + LMCache fleets).
+
+Only positions [0, prefix_length) of the BridgedCache are ever published (the native head is in
+there, computed by the target itself); the held-back last token and any native tail are not in
+the cache, so the engine computes them, and a partial last page is left to the engine too.
+
+`translate_context` is the one place where a BridgedCache is built from text for publishing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from bridgecache.bridge.builtin import check_models
+from bridgecache.integrations.keys import bridge_fingerprint, bridge_salt, namespace_seed, page_keys
+from bridgecache.integrations.pages import FORMAT, VERSION, Manifest, dtype_name, read_context, write_new_file
+from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.files import as_source
+from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.handoff import align_context
+
+__all__ = [
+    "BridgedPages",
+    "Published",
+    "bridged_pages",
+    "publish",
+    "publish_context",
+    "stored_pages",
+    "translate_context",
+    "write_page_store",
+]
+
+
+@dataclass(frozen=True)
+class BridgedPages:
+    """A translated context cut into whole engine pages (CPU tensors, the engine's dtype).
+
+    keys, values: [layers, kv_heads, pages * page_size, head_dim], all KV heads.
+    page_keys[i]: SGLang's chained key of page i in the namespace of `cache_salt`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_ids: tuple[int, ...]
+    page_size: int
+    cache_salt: str
+    page_keys: tuple[str, ...]
+    model_name: str
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def page(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [layers, kv_heads, page_size, head_dim] of page i."""
+        cols = slice(i * self.page_size, (i + 1) * self.page_size)
+        return self.keys[:, :, cols], self.values[:, :, cols]
+
+
+@dataclass(frozen=True)
+class Published:
+    """What `publish` wrote: send `cache_salt` with the request; `num_tokens` = pages * page_size
+    positions the engine may load; it computes the rest of the prompt itself. `location`: the
+    manifest for a page store, else what the destination reported."""
+
+    cache_salt: str
+    page_keys: tuple[str, ...]
+    page_size: int
+    num_tokens: int
+    location: object
+
+    @property
+    def manifest_path(self) -> Path:
+        if not isinstance(self.location, Path):
+            raise AttributeError(f"published to {type(self.location).__name__}, not to a page store")
+        return self.location
+
+
+def bridged_pages(
+    cache,
+    target_ids: torch.Tensor,
+    *,
+    page_size: int,
+    model_name: str | None = None,
+    salt: str = "",
+    dtype: torch.dtype | None = None,
+    accept: Callable[[object], bool] | None = None,
+) -> BridgedPages | None:
+    """Materialise `cache` (a BridgedCache, batch 1) and cut its full pages.
+
+    target_ids: [1, tokens] the context in the target's tokenization (as given to the cache).
+    model_name: the engine's served model name (SGLang `--served-model-name`, else
+    `--model-path`); default: the target model's own name (`config._name_or_path`); an error
+    when neither exists, since the engine's served-model check needs it. Returns None when
+    `accept(cache)` says no (then nothing is published)."""
+    translator = cache.translator
+    bridge = translator.bridge
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size is {page_size!r}; expected an integer >= 1 (the engine's page size)")
+    if target_ids.dim() != 2 or target_ids.shape[0] != 1:
+        raise ValueError(
+            f"target_ids has shape {tuple(target_ids.shape)}; publish takes one context [1, tokens]"
+        )
+    if translator.batch_size != 1:
+        raise ValueError(
+            f"the BridgedCache holds a batch of {translator.batch_size}; publish one context at a time"
+        )
+    model_name = model_name or getattr(translator.target_config, "_name_or_path", "") or ""
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(
+            "publish needs model_name: the name the engine serves the target under (SGLang "
+            "--served-model-name, else --model-path); the target model has no name to derive it from"
+        )
+    sliding = [i for i, window in enumerate(translator.windows) if window is not None]
+    if sliding:
+        raise ValueError(
+            f"target layers {sliding} use sliding-window attention: engine pools keep those layers "
+            "apart and the cache keeps only the window, so pages cannot be published for this target"
+        )
+    prefix = translator.prefix_length
+    num_pages = prefix // page_size
+    if num_pages < 1:
+        raise ValueError(
+            f"the cache holds {prefix} positions (prefix_length), fewer than one page of {page_size}: "
+            "nothing to publish"
+        )
+    cache.materialize()
+    if accept is not None and not accept(cache):
+        return None
+    spec = bridge.target
+    dtype = dtype or translator.home_dtype
+    n = num_pages * page_size
+    keys = torch.stack([layer.keys[0, :, :n] for layer in cache.layers]).to("cpu", dtype).contiguous()
+    values = torch.stack([layer.values[0, :, :n] for layer in cache.layers]).to("cpu", dtype).contiguous()
+    expected = (spec.num_layers, spec.num_kv_heads, n, spec.head_dim)
+    if tuple(keys.shape) != expected:
+        raise ValueError(f"materialised cache has shape {tuple(keys.shape)}; expected {expected}")
+    cache_salt = bridge_salt(bridge, salt, config=cache.handoff_config)
+    tokens = tuple(int(t) for t in target_ids[0, :n].tolist())
+    meta = {
+        "target": spec.to_dict(),
+        "source": bridge.source.to_dict(),
+        "bridge": {"fingerprint": bridge_fingerprint(bridge), "method": bridge.method},
+        "recipe": cache.handoff_config.kv_recipe,
+        "positions": {"native_head": int(translator.head_end[0]), "prefix_length": prefix, "published": n},
+    }
+    chain = page_keys(tokens, page_size, namespace_seed(None, cache_salt))
+    return BridgedPages(keys, values, tokens, page_size, cache_salt, tuple(chain), model_name, meta)
+
+
+def stored_pages(manifest: Manifest) -> BridgedPages:
+    """The pages of one page-store context (read and verified: `pages.read_context`)."""
+    keys, values = read_context(manifest)
+    meta = {k: manifest.meta[k] for k in ("target", "source", "bridge", "positions") if k in manifest.meta}
+    return BridgedPages(
+        keys, values, manifest.token_ids, manifest.page_size, manifest.cache_salt, manifest.page_keys,
+        manifest.model_name, meta,
+    )  # fmt: skip
+
+
+def write_page_store(pages: BridgedPages, directory: str | os.PathLike) -> Path:
+    """Write `pages` as one context of the page store in `directory`; returns its manifest."""
+    raw = save_safetensors({"keys": pages.keys, "values": pages.values}, metadata={"format": FORMAT})
+    layers, heads, _, head_dim = pages.keys.shape
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "cache_salt": pages.cache_salt,
+        "page_size": pages.page_size,
+        "page_keys": list(pages.page_keys),
+        "token_ids": list(pages.token_ids),
+        "num_layers": layers,
+        "num_kv_heads": heads,
+        "head_dim": head_dim,
+        "dtype": dtype_name(pages.keys.dtype),
+        "model_name": pages.model_name,
+        **pages.meta,
+        "sha256": hashlib.sha256(raw).hexdigest(),
+    }
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / pages.page_keys[-1]  # a hex digest (page_keys), never a path
+    write_new_file(stem.with_suffix(".safetensors"), raw)
+    return write_new_file(stem.with_suffix(".json"), json.dumps(manifest, indent=1).encode())  # commits
+
+
+def publish(
+    cache,
+    target_ids: torch.Tensor,
+    destination,
+    *,
+    page_size: int,
+    model_name: str | None = None,
+    salt: str = "",
+    dtype: torch.dtype | None = None,
+    accept: Callable[[object], bool] | None = None,
+    layout: str | None = None,
+) -> Published | None:
+    """Translate `cache` (a BridgedCache, batch 1) and write its full pages to `destination`.
+
+    Args:
+        cache: BridgedCache of the context; its bridge names the namespace.
+        target_ids: [1, tokens] the context in the target's tokenization (as given to the cache).
+        destination: a page store directory, a SGLang HiCacheStorage (or a list, one per TP
+            rank), or an object with `write_pages(pages)` (see the module docstring).
+        page_size: the engine's page size (SGLang `--page-size`, vLLM `--block-size`, LMCache
+            `chunk_size`).
+        model_name: the engine's served model name (checked by the engine); default: the
+            target model's `config._name_or_path`, an error when it has none.
+        salt: user salt mixed into the namespace (e.g. a tenant or a document version).
+        dtype: the engine's KV dtype (default: the target model's dtype).
+        accept: quality gate: called with the materialised cache; False publishes nothing and
+            returns None (the engine then computes the context itself).
+        layout: SGLang's `--hicache-mem-layout`, needed for a HiCacheStorage destination only.
+    Returns:
+        `Published`, or None when `accept` said no.
+    """
+    pages = bridged_pages(
+        cache, target_ids, page_size=page_size, model_name=model_name, salt=salt, dtype=dtype, accept=accept
+    )
+    if pages is None:
+        return None
+    if isinstance(destination, (str, os.PathLike)):
+        if layout is not None:
+            raise ValueError("layout= is for a HiCacheStorage destination; a page store keeps every layout")
+        location = write_page_store(pages, destination)
+    elif hasattr(destination, "write_pages"):
+        location = destination.write_pages(pages)
+    else:
+        from bridgecache.integrations.hicache import is_hicache_storage, write_hicache  # imports sglang
+
+        if not is_hicache_storage(destination):
+            raise TypeError(
+                f"destination is a {type(destination).__name__}; expected a page store directory, a SGLang "
+                "HiCacheStorage (or a list, one per TP rank) or an object with write_pages(pages)"
+            )
+        if layout is None:
+            raise ValueError(
+                "publishing to a HiCacheStorage needs layout= (the engine's --hicache-mem-layout)"
+            )
+        location = write_hicache(pages, destination, layout=layout)
+    return Published(pages.cache_salt, pages.page_keys, pages.page_size, pages.num_tokens, location)
+
+
+def translate_context(
+    bridge,
+    context: str,
+    target,
+    target_tokenizer,
+    source_tokenizer,
+    *,
+    source=None,
+    source_kv=None,
+    config: HandoffConfig | None = None,
+) -> tuple[BridgedCache, torch.Tensor]:
+    """Tokenize and align `context` for both models (as `handoff` does), run the source over it
+    (or take its `source_kv`: a cache, a SourceKV or a KV file of exactly this context) and build
+    the BridgedCache with `config` (default `HandoffConfig()`, as on every path; no prompt is known
+    yet, so the refresh is chosen by the source's reading of the context's last tokens).
+    Returns (cache, target_ids [1, T]).
+
+    The one place where publishing builds a BridgedCache."""
+    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
+    alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
+    if source_kv is None:
+        if source is None:
+            raise ValueError("pass either the source model or its KV of the context (source_kv=)")
+        source_kv = capture_kv(source, source_ids)
+    else:  # KV of another model or another document are refused here, not published
+        source_kv = as_source(source_kv, model=source, input_ids=source_ids)
+    cache = BridgedCache(
+        bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source
+    )
+    return cache, target_ids
+
+
+def publish_context(
+    bridge,
+    context: str,
+    target,
+    target_tokenizer,
+    source_tokenizer,
+    destination,
+    *,
+    page_size: int,
+    source=None,
+    source_kv=None,
+    config: HandoffConfig | None = None,
+    **publish_kwargs,
+) -> Published | None:
+    """`publish` from text: `translate_context`, then `publish` to `destination`.
+
+    The engine's prompt must start with `target_tokenizer(context)`'s ids; the request sends
+    `Published.cache_salt` (it names the bridge and `config`'s recipe). publish_kwargs:
+    model_name, salt, dtype, accept, layout (see `publish`)."""
+    cache, target_ids = translate_context(
+        bridge, context, target, target_tokenizer, source_tokenizer,
+        source=source, source_kv=source_kv, config=config,
+    )  # fmt: skip
+    return publish(cache, target_ids, destination, page_size=page_size, **publish_kwargs)
