@@ -172,12 +172,17 @@ def profile(source, target, bridge, n: int, device) -> None:
     kv = capture_kv(source, context)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
-    def handoff():
-        cache = BridgedCache(bridge, kv, target, context, source_model=source, prompt_ids=question)
+    def handoff(config=None):
+        cache = BridgedCache(
+            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question
+        )
         target.generate(full, **gen, **cache_kwargs(target, cache))
 
     def native():
         target.generate(full, **gen)
+
+    def translation_only():
+        handoff(HandoffConfig(refresh=None))
 
     def stages() -> tuple[float, float]:
         sync(device)
@@ -198,7 +203,8 @@ def profile(source, target, bridge, n: int, device) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    for name, fn in (("native", native), ("default handoff", handoff)):
+    runs = (("native", native), ("default handoff", handoff), ("translation only", translation_only))
+    for name, fn in runs:
         fn()
         sync(device)
         with torch.profiler.profile(activities=activities) as prof:
@@ -240,6 +246,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, nargs="+", help="profile one handoff at these token counts, then stop"
     )
+    parser.add_argument("--targets", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", help="write results.json here")
     args = parser.parse_args()
@@ -262,6 +269,8 @@ def main() -> None:
     lengths = [32, 64] if args.smoke else args.lengths
     lengths_7b = [32, 64] if args.smoke else args.lengths_7b
     for target_name, ns in (("0.5b", lengths), ("7b", lengths_7b)):
+        if target_name not in args.targets:
+            continue
         target = model(target_name)
         bridge = random_fullhead_bridge(source.config, target.config)
         if args.profile:
