@@ -140,3 +140,39 @@ def test_one_launch_is_off_where_it_cannot_apply():
         config=HandoffConfig(key_norm=False, one_launch=True),
     )
     assert cache.translator.groups is None
+
+
+def _fullhead_bridge(model, seed: int = 0) -> Bridge:
+    """Every target head reads the same source heads (Full-Head's shape), its own weights."""
+    bridge = _random_bridge(model, seed=seed)
+    for layer in bridge.layers:
+        layer.inputs[:] = layer.inputs[:1].clone()
+        layer.used = sorted({int(x) for x in layer.inputs[..., 0].unique()})
+    return bridge
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_shared_inputs_take_one_gemm_and_translate_as_per_head_inputs(one_launch, monkeypatch):
+    """Full-Head maps: the plans' heads are a stride-0 view (one GEMM for every head in the
+    reference, heads tiled together in the kernel), and translate as the same maps read per head."""
+    import copy
+
+    from bridgecache.runtime import translate
+    from bridgecache.runtime.memo import MEMO
+
+    model = tiny_model("qwen2")
+    bridge = _fullhead_bridge(model)
+    ids = torch.randint(3, 300, (2, 19))
+    source = capture_kv(model, ids)
+    config = HandoffConfig(key_norm=False, one_launch=one_launch, refresh=None)
+    shared = BridgedCache(bridge, source, model, ids, config=config).materialize()
+    cpu, every = torch.device("cpu"), tuple(range(len(bridge.layers)))
+    plans = (
+        [MEMO.stacked_plan(bridge, every, cpu)] if one_launch else [MEMO.plan(bridge, i, cpu) for i in every]
+    )
+    assert all(plan.heads.stride(-2) == 0 for plan in plans)
+    monkeypatch.setattr(translate, "_shared_if_equal", lambda heads, device: heads.to(device))
+    per_head = BridgedCache(copy.deepcopy(bridge), source, model, ids, config=config).materialize()
+    for a, b in zip(shared.layers, per_head.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)

@@ -73,18 +73,29 @@ class LayerPlan:
         used = sorted({int(layer) for layer in inputs[..., 0].unique()})
         position_of_layer = torch.zeros(used[-1] + 1, dtype=torch.long)
         position_of_layer[torch.tensor(used)] = torch.arange(len(used))
-        heads = position_of_layer[inputs[..., 0]] * heads_per_layer + inputs[..., 1]
+        heads = _shared_if_equal(position_of_layer[inputs[..., 0]] * heads_per_layer + inputs[..., 1], device)
         move = lambda t: t.to(device=device, dtype=torch.float32).contiguous()
         # The fused kernel reads W [Ht, n*Ds, Dt] input-axis-contiguous; lay it out so once here.
         weight = lambda t: move(t).transpose(-1, -2).contiguous().transpose(-1, -2)
         return cls(
             used=tuple(used),
-            heads=heads.to(device),
+            heads=heads,
             key_weight=weight(layer_map.key_weight),
             key_bias=move(layer_map.key_bias),
             value_weight=weight(layer_map.value_weight),
             value_bias=move(layer_map.value_bias),
         )
+
+
+def _shared_if_equal(heads: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """heads [..., Ht, n] on `device`; when every target head reads the same inputs (Full-Head
+    maps), a stride-0 view over Ht: the kernel tiles the heads together and the reference does
+    one GEMM for all of them instead of gathering the inputs once per head."""
+    if bool((heads == heads[..., :1, :]).all()):
+        return (
+            heads[..., :1, :].to(device).expand(heads.shape)
+        )  # moved before expanding: .to() keeps no stride 0
+    return heads.to(device)
 
 
 def translate_layer(
@@ -217,14 +228,12 @@ class StackedPlan:
         if len({m.inputs.shape for m in maps}) != 1:
             raise ValueError(f"target layers {list(layers)} read different numbers of source heads")
         inputs = torch.stack([m.inputs.cpu() for m in maps])  # [L, Ht, n, 2]
-        heads = inputs[..., 0] * heads_per_layer + inputs[..., 1]
-        if bool((heads == heads[:, :1]).all()):  # shared inputs: stride 0 lets the kernel tile heads
-            heads = heads[:, :1].expand_as(heads)
+        heads = _shared_if_equal(inputs[..., 0] * heads_per_layer + inputs[..., 1], device)
         stack = lambda name: torch.stack([getattr(m, name) for m in maps]).to(device, torch.float32)  # noqa: E731
         weight = lambda name: stack(name).transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731
         return cls(
             layers=tuple(layers),
-            heads=heads.to(device),
+            heads=heads,
             key_weight=weight("key_weight"),
             key_bias=stack("key_bias").contiguous(),
             value_weight=weight("value_weight"),
