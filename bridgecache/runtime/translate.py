@@ -92,9 +92,8 @@ def _shared_if_equal(heads: torch.Tensor, device: torch.device) -> torch.Tensor:
     maps), a stride-0 view over Ht: the kernel tiles the heads together and the reference does
     one GEMM for all of them instead of gathering the inputs once per head."""
     if bool((heads == heads[..., :1, :]).all()):
-        return (
-            heads[..., :1, :].to(device).expand(heads.shape)
-        )  # moved before expanding: .to() keeps no stride 0
+        # moved before expanding: .to() of an expanded tensor makes it contiguous again
+        return heads[..., :1, :].to(device).expand(heads.shape)
     return heads.to(device)
 
 
