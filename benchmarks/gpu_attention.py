@@ -109,7 +109,7 @@ class Case:
         return self.k.repeat_interleave(group, 1), self.v.repeat_interleave(group, 1)
 
     def dense_mask(self) -> torch.Tensor:
-        """[1, 1, n_q, n] additive mask, as bridgecache/refresh.py builds it."""
+        """[1, 1, n_q, n] additive mask, as the refresh pass built it before column_attention."""
         seen = self.key_columns[None, :] <= self.query_columns[0, :, None]
         mask = torch.zeros(seen.shape, dtype=self.q.dtype, device=self.q.device)
         return mask.masked_fill(~seen, torch.finfo(self.q.dtype).min)[None, None]

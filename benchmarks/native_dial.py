@@ -1,9 +1,11 @@
-"""The native-compute dial: quality against handoff cost, one curve per strategy (docs/results.md).
+"""The native-compute dial: quality against handoff cost, one curve per strategy.
+
+Results: benchmarks/reports/quality.md.
 
     python benchmarks/native_dial.py run --pair qwen1.5b-to-0.5b --bridge DIR \\
         --tasks facts-choice-512 prose-ppl --limit 48 \\
         --variants plain layers=1 layers=4 refresh=0.1,by=source refresh=0.2,by=deviation ...
-    python benchmarks/native_dial.py report [--plots docs/results]
+    python benchmarks/native_dial.py report [--plots benchmarks/reports/figures]
 
 A variant is a `HandoffConfig`: `plain` (translation only) or comma-separated key=value pairs:
 head (native head, default: the bridge's), tail (native tail, default 0), layers (native layers:

@@ -1,4 +1,4 @@
-"""Quality of bridges on the built-in model pairs: the tables and plots of docs/results.md.
+"""Quality of bridges on the built-in model pairs: the tables and plots of benchmarks/reports/quality.md.
 
     python benchmarks/quality.py run --pair qwen1.5b-to-0.5b [--tasks prose-ppl code-ppl facts-choice]
         [--limit 16] [--methods fullhead cachebridge] [--anchors 1:0 1:32] [--fit domain=mixed ...]
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=run)
     rep = sub.add_parser("report", help="Markdown tables (and plots) from the results")
     rep.add_argument("--tags", nargs="*", default=None)
-    rep.add_argument("--plots", type=Path, help="write the PNG plots here (e.g. docs/results)")
+    rep.add_argument("--plots", type=Path, help="write the PNG plots here (e.g. benchmarks/reports/figures)")
     rep.add_argument("--plot-tag", default="default", help="the configuration the length plots show")
     rep.add_argument("--r2-tag", default="default", help="the configuration whose bridges the R^2 plot shows")
     rep.set_defaults(func=report)

@@ -3,8 +3,8 @@
 Computes exactly the function of `bridgecache.kernels.affine` (same arguments, same rope
 convention, same arithmetic: float32 accumulation, TF32 dots for bfloat16 outputs, 3xTF32
 otherwise); `affine.affine_reference` is its PyTorch reference. What differs is how the work is
-laid out, after Nsight Compute showed the tiled kernel latency-bound (12-18% occupancy, ~80% of
-its loads re-reads from L2 of the weights and rope tables; docs/benchmarks_gpu_kernels.md):
+laid out, after Nsight Compute showed the tiled kernel latency-bound (low occupancy, most of its
+loads re-reads from L2 of the weights and rope tables; benchmarks/reports/gpu-kernels.md):
 
 - A fixed grid of programs (a few per SM) walks a flat list of work items, item = (unit, token
   block) with unit = (target layer, head group, column block), each program a contiguous share.
@@ -15,8 +15,8 @@ its loads re-reads from L2 of the weights and rope tables; docs/benchmarks_gpu_k
   K = Ds/2 (each input half into each output half), so the output halves need no shuffles.
 - The launch configuration (block, warps, programs per SM, software-pipelining stages of the
   token loop, optional register cap) is timed once per shape bucket and kept by the launcher
-  (the times go to this module's logger at DEBUG level); on an H200 64-token blocks, 4 warps,
-  2 programs per SM and no pipelining won every shape.
+  (the times go to this module's logger at DEBUG level; the configurations that won on an H200
+  are in benchmarks/reports/gpu-kernels.md).
 
 Only one input slot per target head (n = 1: identity maps, head-local CacheBridge maps with
 k = 1), and power-of-two head dims 32..256 (source) / >= 32 (target); `supports_persistent` says

@@ -132,7 +132,7 @@ def accumulate_stats(
             None for values.
         backend: "triton" | "torch" | None (auto: Triton on CUDA).
         precision: the Triton kernel's products (PRECISIONS): "tf32x3" (default, about float32),
-            "tf32" or "bf16" (faster, coarser: docs/benchmarks_gpu_kernels.md has the accuracy
+            "tf32" or "bf16" (faster, coarser: benchmarks/reports/gpu-kernels.md has the accuracy
             table). The PyTorch reference always forms float32 products.
     """
     if precision not in PRECISIONS:

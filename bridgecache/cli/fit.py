@@ -45,9 +45,9 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
         "--method",
         default="fullhead",
         choices=["fullhead", "cachebridge"],
-        help="fullhead (default: it beats cachebridge on every measured pair, docs/results.md)",
+        help="fullhead (default: it beats cachebridge on every measured pair, benchmarks/reports/quality.md)",
     )
-    fit.add_argument("--out", required=True, help="directory for bridge.safetensors + bridge.json")
+    fit.add_argument("--out", required=True, help="directory for the bridge (bridge.json, tensors, card)")
     fit.add_argument("--force", action="store_true", help="replace a bridge already in --out")
     fit.add_argument("--calib-seqs", type=int, help=f"calibration sequences (default {DEFAULT_CALIB_SEQS})")
     fit.add_argument("--seq-len", type=int, help=f"target tokens per sequence (default {DEFAULT_SEQ_LEN})")
@@ -74,7 +74,7 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
         default="tf32x3",
         choices=["tf32x3", "tf32", "bf16"],
         help="products of the fused statistics kernel on CUDA: tf32x3 (default, about float32) or the "
-        "faster, less exact tf32 / bf16 (docs/benchmarks_gpu_kernels.md); the CPU path is float64",
+        "faster, less exact tf32 / bf16 (benchmarks/reports/gpu-kernels.md); the CPU path is float64",
     )
     fit.add_argument("--lam", type=float, default=1e-2, help="ridge strength relative to the data scale")
     fit.add_argument("--native-head", type=int, default=1, help="target positions computed natively")

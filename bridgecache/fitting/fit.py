@@ -75,7 +75,7 @@ def fit_layer_maps(
     key_scale: "variance" stretches key predictions to the target keys' spread, "none" keeps
         the ridge solution (see bridgecache.fitting.ridge).
     stats_precision: the products of the fused statistics kernel on CUDA ("tf32x3", about
-        float32; "tf32" or "bf16", faster and less exact: docs/benchmarks_gpu_kernels.md has the
+        float32; "tf32" or "bf16", faster and less exact: benchmarks/reports/gpu-kernels.md has the
         error and speed of each). The CPU path computes in float64 whatever it says.
     Returns the layer maps and a JSON-able description (layer scores, support, shrinkage).
     """

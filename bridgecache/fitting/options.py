@@ -56,9 +56,8 @@ def check_fit_options(
         _bad("alignment_policy", alignment_policy, f"one of {POLICIES}")
     _int_at_least("heldout_every", heldout_every, 1)
     if stats_precision not in STATS_PRECISIONS:
-        _bad(
-            "stats_precision", stats_precision, f"one of {STATS_PRECISIONS} (docs/benchmarks_gpu_kernels.md)"
-        )
+        expected = f"one of {STATS_PRECISIONS} (benchmarks/reports/gpu-kernels.md)"
+        _bad("stats_precision", stats_precision, expected)
 
 
 def check_model_reference(name: str, builtin_names) -> str | None:

@@ -22,7 +22,7 @@ from bridgecache.runtime.selection import Selector, selector_named
 
 __all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
 
-DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (docs/results.md chose it)
+DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (benchmarks/reports/quality.md)
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class HandoffConfig:
     quality: the quality gate (`QualityPolicy`; default: no gate).
     one_launch: translate layers in groups, one kernel launch per group for keys and one for
         values (None: on CUDA targets).
-    cuda_graphs: replay the source's reading of the prompt from a CUDA graph captured per shape
-        bucket (None: on CUDA sources; bridgecache.runtime.graphs).
+    cuda_graphs: replay the source's reading of the prompt and the target's native-work pass from
+        CUDA graphs captured per shape bucket (None: on CUDA; bridgecache.runtime.graphs).
     """
 
     native_head: int | None = None

@@ -7,7 +7,7 @@ first layer of a group that the target reads translates the whole group into one
 [layers, batch, tgt_heads, rows, tgt_head_dim] (zeros before the first translated column); each layer
 then takes its own slice, a view. Layers are still materialised one by one, lazily, by the cache;
 only the arithmetic is batched, so the host cost of a handoff no longer grows with the number of
-layers (two launches of ~20 us instead of ~56 of ~300 us, issue 14).
+layers (benchmarks/reports/cpu-and-gpu.md times both).
 
 Knows nothing about tokenizers or generate(); reads a `Translator` (bridgecache.runtime.translator).
 """

@@ -29,8 +29,8 @@ class HandoffReport:
     fallback: str | None
     native_cost_fraction: float  # FLOPs of the handoff's native work / the target's own prefill
     notes: list[str] = field(default_factory=list)
-    # FLOPs of choosing the refreshed tokens (a model reading the prompt over the context: the
-    # source for refresh_by="source", the target for "target") / the target's own prefill
+    # FLOPs of choosing the refreshed tokens (the selection rule's `reading_flops`: the source
+    # reading the prompt over its cache for SourceAttention) / the target's own prefill
     guide_cost_fraction: float = 0.0
 
     @property

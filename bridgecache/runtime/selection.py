@@ -2,7 +2,7 @@
 
     SourceAttention   the source has read the context: it reads the prompt over its own cache and
                       the tokens its attention picks out score highest (CacheClip's helper-model
-                      criterion; the default: it picks answers' tokens best, docs/results.md)
+                      criterion; the default: it picks answers' tokens best, benchmarks/reports/quality.md)
     KeyDeviation      how far translated keys are from the target's own at a cheap check layer
                       (CacheBlend's criterion, as LMCache recomputes)
     GivenScores       scores the caller computed
@@ -74,7 +74,7 @@ class SourceAttention(Selector):
     token) and each score reaches the `after` tokens that follow it (what a text says about
     something follows its mention). Without one, the context's last `recent` tokens read the
     context before them ("sum", no reach) and score highest themselves. None picks those
-    defaults (measured on fact questions and on prose: docs/results.md).
+    defaults (measured on fact questions and on prose: benchmarks/reports/quality.md).
     """
 
     reduce: str | None = None
