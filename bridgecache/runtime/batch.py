@@ -26,7 +26,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import align_context, pad_token_id, prompt_ids
+from bridgecache.runtime.handoff import align_context, generated_ids, pad_token_id, prompt_ids
 
 __all__ = ["BatchHandoffResult", "handoff_batch", "left_pad"]
 
@@ -40,6 +40,7 @@ class BatchHandoffResult:
     cache: BridgedCache
     source_prefill_s: float
     generate_s: float
+    generation: object = None  # generate()'s output under return_dict_in_generate=True, else None
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +116,7 @@ def handoff_batch(
         input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
     )
     generate_s = time.perf_counter() - start
-    new_tokens = output[:, input_ids.shape[1] :]
+    sequences, generation = generated_ids(output)
+    new_tokens = sequences[:, input_ids.shape[1] :]
     texts = target_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    return BatchHandoffResult(texts, new_tokens, cache, source_prefill_s, generate_s)
+    return BatchHandoffResult(texts, new_tokens, cache, source_prefill_s, generate_s, generation)

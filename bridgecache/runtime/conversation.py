@@ -33,7 +33,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import pad_token_id, prompt_ids, same_tokenization
+from bridgecache.runtime.handoff import generated_ids, pad_token_id, prompt_ids, same_tokenization
 from bridgecache.runtime.likelihood import Prefix, score
 
 __all__ = ["Conversation", "Turn"]
@@ -155,6 +155,7 @@ class Conversation:
             **generate_kwargs,
         )
         seconds = time.perf_counter() - start
+        output, _ = generated_ids(output)  # the chat keeps ids; return_dict_in_generate is allowed
         new = output[:, ids.shape[1] :]
         answer = self.tokenizer.decode(new[0], skip_special_tokens=True).strip()
         self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]

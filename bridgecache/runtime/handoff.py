@@ -45,6 +45,17 @@ class HandoffResult:
     cache: BridgedCache
     source_prefill_s: float  # 0.0 when the caller passed the source's KV
     generate_s: float  # the source's reading of the prompt, translation, the native work, decoding
+    # what generate() returned when asked for more than ids (return_dict_in_generate=True:
+    # scores, logits, ...), else None
+    generation: object = None
+
+
+def generated_ids(output) -> tuple[torch.Tensor, object]:
+    """(ids [batch, tokens], the generate() output or None): generate() returns a tensor, or a
+    ModelOutput with `.sequences` under return_dict_in_generate=True."""
+    if isinstance(output, torch.Tensor):
+        return output, None
+    return output.sequences, output
 
 
 def context_ids(tokenizer, text: str) -> torch.Tensor:
@@ -147,6 +158,7 @@ def handoff(
         **generate_kwargs,
     )
     generate_s = time.perf_counter() - start
-    new_tokens = output[:, input_ids.shape[1] :]
+    sequences, generation = generated_ids(output)
+    new_tokens = sequences[:, input_ids.shape[1] :]
     text = target_tokenizer.decode(new_tokens[0], skip_special_tokens=True)
-    return HandoffResult(text, new_tokens, cache, source_prefill_s, generate_s)
+    return HandoffResult(text, new_tokens, cache, source_prefill_s, generate_s, generation)

@@ -98,7 +98,10 @@ class PendingPlan:
         parts = [self.order]
         if max(budgets):
             masked = torch.where(self.eligible, scores.to(self.eligible.device).float(), float("-inf"))
-            parts.append(masked.topk(max(budgets), dim=1).indices)
+            # a stable sort, not topk: equal scores (a reach spreads one score over several tokens)
+            # go to the earliest column, so a row picks what it picks alone, padded or not
+            best = masked.sort(dim=1, descending=True, stable=True).indices
+            parts.append(best[:, : max(budgets)])
         columns = torch.cat(parts, dim=1)
         valid = self.known
         # Unused slots repeat the row's last valid column, so after sorting the surplus sits at the

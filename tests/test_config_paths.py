@@ -1,0 +1,115 @@
+"""One HandoffConfig, every path: BridgedCache, handoff, handoff_batch, Conversation.handoff,
+publish_context, the evaluation runner and the CLI flags all take the same object and it reaches
+the cache they build; and a handoff_batch row is the handoff() of its context under the default
+refresh, through a bridge that is not the identity (so the refresh's choice matters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_grouped import _random_bridge
+from test_multi_turn import CHATML, chat_tokenizer
+from tiny_models import byte_tokenizer, tiny_model
+
+from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv, handoff, handoff_batch
+from bridgecache.runtime.conversation import Conversation
+
+# Not the defaults in any field a path could drop silently: a tail, no key norm, 3 tokens by deviation.
+CONFIG = HandoffConfig(native_tail=2, key_norm=False, refresh=RefreshConfig(amount=3, by="deviation"))
+CONTEXTS = [
+    "the ship lost its mast near the rocks",
+    "a heron towed the ship in",
+    "the rocks at dawn were grey",
+]
+PROMPT = " where?"
+GEN = dict(max_new_tokens=3, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", vocab_size=258)
+    return model, _random_bridge(model, seed=3), byte_tokenizer()
+
+
+def _check(cache, rows: int = 1):
+    assert cache.handoff_config is CONFIG
+    assert tuple(cache.refreshed_columns.shape) == (rows, 3)
+    assert cache.report().tokens_refreshed == 3 and cache.report().refresh_by == "key deviation"
+
+
+def test_every_path_takes_the_config_and_it_reaches_the_cache(models, tmp_path, monkeypatch):
+    model, bridge, tok = models
+    tokenizers = dict(source_tokenizer=tok, target_tokenizer=tok)
+    ids = tok(CONTEXTS[0], return_tensors="pt").input_ids
+
+    _check(BridgedCache(bridge, capture_kv(model, ids), model, ids, config=CONFIG))
+    _check(handoff(bridge, model, model, CONTEXTS[0], PROMPT, **tokenizers, config=CONFIG, **GEN).cache)
+    batch = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **tokenizers, config=CONFIG, **GEN)
+    _check(batch.cache, rows=len(CONTEXTS))
+
+    chat = chat_tokenizer(CHATML)
+    messages = [{"role": "user", "content": CONTEXTS[0]}, {"role": "assistant", "content": "ok"}]
+    conversation = Conversation.handoff(
+        bridge, model, model, messages, source_tokenizer=chat, target_tokenizer=chat, config=CONFIG
+    )
+    conversation.ask("where?", **GEN)
+    _check(conversation.cache)
+
+    from bridgecache.integrations.keys import bridge_salt
+    from bridgecache.integrations.publish import publish_context
+
+    published = publish_context(
+        bridge, CONTEXTS[0], model, tok, tok, tmp_path, page_size=4, model_name="tiny", source=model,
+        config=CONFIG,
+    )  # fmt: skip
+    assert json.loads(published.manifest_path.read_text())["recipe"] == CONFIG.kv_recipe
+    assert published.cache_salt == bridge_salt(bridge, config=CONFIG) != bridge_salt(bridge)
+
+    import bridgecache.evaluation.scoring as scoring
+    from bridgecache.evaluation import PplItem, Variant, evaluate
+
+    built = []
+
+    def recording(*args, **kwargs):
+        built.append(BridgedCache(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(scoring, "BridgedCache", recording)
+    items = [PplItem(CONTEXTS[0], " the heron"), PplItem(CONTEXTS[2], " was grey")]
+    evaluate(model, tok, model, tok, items, "ppl", [Variant(bridge, CONFIG)], progress=False)
+    assert built
+    for cache in built:
+        _check(cache)
+
+
+def test_the_cli_flags_describe_the_same_config():
+    import argparse
+
+    from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+
+    parser = argparse.ArgumentParser()
+    add_handoff_arguments(parser)
+    flags = ["--native-tail", "2", "--no-key-norm", "--refresh", "3", "--refresh-by", "deviation"]
+    assert handoff_config(parser.parse_args(flags)) == CONFIG
+    assert handoff_config(parser.parse_args([])) == HandoffConfig()  # one set of defaults
+
+
+def test_a_batch_row_is_the_handoff_of_its_context_with_the_default_refresh(models):
+    """Default config: 20% chosen by the source's attention from the prompt, per row."""
+    model, bridge, tok = models
+    tokenizers = dict(source_tokenizer=tok, target_tokenizer=tok)
+    gen = dict(GEN, output_logits=True, return_dict_in_generate=True)
+    batch = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **tokenizers, **gen)
+    assert batch.cache.handoff_config == HandoffConfig()
+    assert batch.cache.report().tokens_refreshed > 0
+    for b, context in enumerate(CONTEXTS):
+        single = handoff(bridge, model, model, context, PROMPT, **tokenizers, **gen)
+        padding = batch.cache.translator.prefix_length - single.cache.translator.prefix_length
+        chosen = batch.cache.refreshed_columns[b] - padding  # columns of the left-padded row
+        assert torch.equal(
+            chosen[: single.cache.refreshed_columns.shape[1]], single.cache.refreshed_columns[0]
+        )
+        assert torch.equal(batch.output_ids[b], single.output_ids[0]), context
