@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from bridgecache.kernels import column_attention
 
-__all__ = ["ColumnMask", "ReadingMask", "attention_override", "KEYWORD", "NAME"]
+__all__ = ["ColumnMask", "ReadingMask", "attention_override", "read_without_logits", "KEYWORD", "NAME"]
 
 NAME = "bridgecache"  # the attention implementation's name
 KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
@@ -229,3 +229,13 @@ def attention_override(model):
                     del _ORIGINAL[id(config)]
                 else:
                     _ORIGINAL[id(config)] = (original, depth - 1)
+
+
+def read_without_logits(model, **kwargs) -> None:
+    """Run `model` for what its attention sees, not for logits: through its decoder (no final
+    vocabulary projection, ~0.1 s of a 1.5B model's reading on a CPU) where it has one."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        model(**kwargs, logits_to_keep=1)
+    else:
+        decoder(**kwargs)

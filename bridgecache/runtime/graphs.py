@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override
+from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override, read_without_logits
 
 __all__ = ["ReadingGraph", "PassGraph", "bucket", "capture"]
 
@@ -93,11 +93,11 @@ class ReadingGraph:
     def _forward(self) -> None:
         self.mask.scores.zero_()
         with attention_override(self.model):
-            self.model(
+            read_without_logits(
+                self.model,
                 input_ids=self.ids,
                 position_ids=self.query_positions,
                 use_cache=False,
-                logits_to_keep=1,
                 **{KEYWORD: self.mask},
             )
 

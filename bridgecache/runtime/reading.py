@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override
+from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override, read_without_logits
 from bridgecache.runtime.graphs import bucket
 from bridgecache.runtime.memo import MEMO
 
@@ -74,11 +74,11 @@ def attention_scores(
         counted=counted,
     )
     with attention_override(model):
-        model(
+        read_without_logits(
+            model,
             input_ids=query_ids.to(device),
             position_ids=query_positions,
             **{KEYWORD: mask},
             use_cache=False,
-            logits_to_keep=1,
         )
     return mask.scores
