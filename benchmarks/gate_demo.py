@@ -31,7 +31,7 @@ def reversed_layers(bridge):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bridge", required=True, type=Path)
+    parser.add_argument("--bridge", required=True, help="directory, builtin:SOURCE->TARGET or hub id")
     parser.add_argument("--pair", required=True, choices=list(PAIRS))
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--min-quality", type=float, default=0.7)

@@ -360,7 +360,7 @@ def main() -> None:
     sub = parser.add_subparsers(required=True)
     r = sub.add_parser("run")
     r.add_argument("--pair", required=True, choices=list(PAIRS))
-    r.add_argument("--bridge", required=True, type=Path)
+    r.add_argument("--bridge", required=True, help="directory, builtin:SOURCE->TARGET or hub id")
     r.add_argument("--tasks", nargs="+", default=["facts-choice-512"])
     r.add_argument("--limit", type=int, default=48)
     r.add_argument(

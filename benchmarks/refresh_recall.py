@@ -97,7 +97,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--pair", required=True, choices=list(PAIRS))
-    parser.add_argument("--bridge", required=True, type=Path, help="its alignment policy is used")
+    parser.add_argument(
+        "--bridge",
+        required=True,
+        help="directory, builtin:SOURCE->TARGET or hub id (its alignment policy is used)",
+    )
     parser.add_argument("--task", default="facts-choice-512")
     parser.add_argument("--first", type=int, default=48)
     parser.add_argument("--count", type=int, default=48)

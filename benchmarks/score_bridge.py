@@ -16,7 +16,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bridge", required=True, type=Path)
+    parser.add_argument("--bridge", required=True, help="directory, builtin:SOURCE->TARGET or hub id")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
