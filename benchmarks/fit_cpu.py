@@ -35,7 +35,7 @@ def worker(args) -> None:
     """Fit one method and write its numbers to args.worker_out (runs in a fresh process)."""
     import torch
 
-    from bridgecache.fitting import fit_bridge
+    from bridgecache.fitting import FitConfig, fit_bridge
     from bridgecache.models.zoo import load_model
 
     torch.set_num_threads(args.threads)
@@ -47,10 +47,13 @@ def worker(args) -> None:
     loaded = _rss_mib()
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
+    config = FitConfig(
+        method=args.worker, num_sequences=args.calib_seqs, seq_len=args.seq_len, layers_k=args.layers_k,
+        domain=args.domain,
+    )  # fmt: skip
     bridge = fit_bridge(
-        source, target, source_tok, target_tok, method=args.worker, num_sequences=args.calib_seqs,
-        seq_len=args.seq_len, layers_k=args.layers_k, domain=args.domain, source_name=args.source,
-        target_name=args.target, progress=False,
+        source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target,
+        progress=False,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     peak = _rss_mib()

@@ -26,6 +26,7 @@ import torch
 
 from bridgecache import BridgedCache, HandoffConfig, align_context, capture_kv, load_model
 from bridgecache.compat import cache_kwargs
+from bridgecache.fitting import FitConfig
 from bridgecache.fitting.cached import bridge_for
 from bridgecache.text import text_chunks
 
@@ -78,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
-    bridge = bridge_for(args.source, args.target, args.method, source, target)
+    bridge = bridge_for(args.source, args.target, FitConfig(method=args.method), source, target)
 
     print(f"{args.source} -> {args.target} ({args.method}), CPU, {torch.get_num_threads()} threads")
     columns = ["context tokens", "source prefill s", "native TTFT s", "handoff TTFT s"]

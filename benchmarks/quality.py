@@ -49,7 +49,7 @@ def _default_raw() -> Path:
 
 
 def _parse_fit(options: list[str]) -> dict:
-    """key=value fit options -> kwargs of fit_bridge (ints and floats parsed)."""
+    """key=value fit options -> FitConfig fields (ints and floats parsed)."""
     out = {}
     for option in options:
         key, _, value = option.partition("=")
@@ -73,7 +73,7 @@ def _bridge_dir(pair: str, method: str, fit: dict) -> Path:
 def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     """(bridge, directory): the given directory, the cached fit, or a fresh fit (then cached)."""
     from bridgecache.bridge.maps import Bridge
-    from bridgecache.fitting import fit_bridge
+    from bridgecache.fitting import FitConfig, fit_bridge
 
     source, source_tok, target, target_tok = models
     source_name, target_name = PAIRS[pair]
@@ -88,7 +88,7 @@ def _bridge(pair: str, method: str, fit: dict, models, given: dict[str, str]):
     else:
         print(f"fitting {method} {pair} with {fit or 'default options'} -> {directory}", flush=True)
         start = time.perf_counter()
-        bridge = fit_bridge(source, target, source_tok, target_tok, method=method, **fit)
+        bridge = fit_bridge(source, target, source_tok, target_tok, FitConfig(method=method, **fit))
         bridge.calibration["fit_seconds"] = round(time.perf_counter() - start, 1)
     bridge.save_pretrained(directory)
     return bridge, directory

@@ -1,5 +1,6 @@
 """bridgecache: hand one LLM's KV cache to another.
 
+    bridge = fit_bridge(source, target, source_tok, target_tok, FitConfig(num_sequences=64))
     result = handoff(bridge, source, target, context, prompt, source_tokenizer=s, target_tokenizer=t)
 
     cache = BridgedCache(bridge, capture_kv(source, source_ids), target, target_ids, source_model=source)
@@ -11,7 +12,7 @@ native work, handoffs) -> fitting/ and evaluation/ -> integrations/ -> cli/.
 """
 
 from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
-from bridgecache.fitting import fit_bridge
+from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source, load_kv, save_kv
 from bridgecache.kv.source import KVFileError, KVMismatchError, SourceKV
@@ -39,6 +40,7 @@ __all__ = [
     "BridgeFormatError",
     "BridgedCache",
     "Conversation",
+    "FitConfig",
     "GivenScores",
     "HandoffConfig",
     "HandoffReport",

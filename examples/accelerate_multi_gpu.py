@@ -36,7 +36,15 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import Bridge, HandoffConfig, fit_bridge, handoff_batch, load_model, load_tokenizer
+from bridgecache import (
+    Bridge,
+    FitConfig,
+    HandoffConfig,
+    fit_bridge,
+    handoff_batch,
+    load_model,
+    load_tokenizer,
+)
 from bridgecache.runtime.batch import left_pad
 from bridgecache.runtime.handoff import context_ids, pad_token_id, prompt_ids
 from bridgecache.text import text_chunks
@@ -122,10 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     bridge_dir = args.bridge or args.workdir / "bridge"
     with state.main_process_first():
         if not (bridge_dir / "bridge.json").exists():
-            fit_bridge(
-                source, target, source_tok, target_tok, num_sequences=args.calib_seqs,
-                seq_len=args.seq_len, progress=False,
-            ).save_pretrained(bridge_dir)  # fmt: skip
+            config = FitConfig(num_sequences=args.calib_seqs, seq_len=args.seq_len)
+            fitted = fit_bridge(source, target, source_tok, target_tok, config, progress=False)
+            fitted.save_pretrained(bridge_dir)
         bridge = Bridge.from_pretrained(bridge_dir)
 
     # Exactly --max-new-tokens per request on both paths, so that they do the same work.

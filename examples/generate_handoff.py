@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, align_context, capture_kv, fit_bridge, load_model
+from bridgecache import Bridge, BridgedCache, FitConfig, align_context, capture_kv, fit_bridge, load_model
 
 CONTEXT = (
     "The lighthouse keeper of Port Ellis kept a logbook in which every ship was written down. "
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
         bridge = Bridge.from_pretrained(args.bridge)
         bridge.check(source, target)  # raises, naming each field, if it was fitted for other models
     else:
+        config = FitConfig(num_sequences=args.calib_seqs, seq_len=args.seq_len)
         bridge = fit_bridge(
-            source, target, source_tok, target_tok, num_sequences=args.calib_seqs, seq_len=args.seq_len,
-            source_name=args.source, target_name=args.target,
-        )  # fmt: skip
+            source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target
+        )
 
     # 1. The source reads the context. Across tokenizers, the alignment says which source token
     #    feeds each target token (None when both models share a tokenizer).

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bridgecache import Bridge, capture_kv, fit_bridge, handoff, load_model
+from bridgecache import Bridge, FitConfig, capture_kv, fit_bridge, handoff, load_model
 
 ADJECTIVES = ["Silver", "Red", "Little", "Northern", "Swift", "Old", "Golden", "Quiet"]
 BIRDS = ["Heron", "Kestrel", "Osprey", "Plover", "Tern", "Puffin", "Curlew", "Wren"]
@@ -50,9 +50,10 @@ def load_or_fit(directory: Path, reader, agent, args) -> Bridge:
     if (path / "bridge.json").exists():
         return Bridge.from_pretrained(path)
     print(f"fitting a bridge {reader_name} -> {agent_name} (saved to {path})")
+    config = FitConfig(num_sequences=args.calib_seqs, seq_len=args.seq_len)
     bridge = fit_bridge(
-        reader_model, agent_model, reader_tok, agent_tok, num_sequences=args.calib_seqs,
-        seq_len=args.seq_len, source_name=reader_name, target_name=agent_name, progress=False,
+        reader_model, agent_model, reader_tok, agent_tok, config, source_name=reader_name,
+        target_name=agent_name, progress=False,
     )  # fmt: skip
     bridge.save_pretrained(path)
     return bridge

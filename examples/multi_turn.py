@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from bridgecache import Bridge, fit_bridge, load_model
+from bridgecache import Bridge, FitConfig, fit_bridge, load_model
 from bridgecache.bridge.builtin import builtin_names
 from bridgecache.runtime.conversation import Conversation
 
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
             target,
             source_tok,
             target_tok,
-            num_sequences=args.calib_seqs,
-            seq_len=args.seq_len,
+            FitConfig(num_sequences=args.calib_seqs, seq_len=args.seq_len),
             source_name=args.source,
             target_name=args.target,
         )

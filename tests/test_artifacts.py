@@ -22,12 +22,12 @@ from bridgecache.bridge.export import export_builtin
 from bridgecache.bridge.recipe import RecipeError, infer_recipe, recipe_command, recipe_of
 from bridgecache.bridge.summary import feed_matrix
 from bridgecache.cli import main
-from bridgecache.fitting import fit_bridge
+from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.fitting.refit import refit
 from bridgecache.models.zoo import BUILTIN_MODELS, load_model
 
 PAIR = "smollm2-135m->qwen2.5-coder-0.5b"  # zoo names recorded on tiny models: nothing is fetched
-FIT = dict(method="cachebridge", num_sequences=4, seq_len=40, heldout_every=2, progress=False)
+FIT = FitConfig(method="cachebridge", num_sequences=4, seq_len=40, heldout_every=2)
 _MAPS = ("key_weight", "key_bias", "value_weight", "value_bias")
 
 
@@ -42,7 +42,7 @@ def fitted(pair, tmp_path_factory):
     """A tiny CacheBridge recorded as smollm2-135m -> qwen2.5-coder-0.5b, saved; (bridge, dir)."""
     source, target, tok = pair
     name_s, name_t = PAIR.split("->")
-    bridge = fit_bridge(source, target, tok, tok, source_name=name_s, target_name=name_t, **FIT)
+    bridge = fit_bridge(source, target, tok, tok, FIT, source_name=name_s, target_name=name_t, progress=False)
     directory = bridge.save_pretrained(tmp_path_factory.mktemp("fitted") / "bridge")
     return bridge, directory
 
@@ -108,7 +108,7 @@ def test_recipe_command_names_every_setting_it_needs(fitted):
     command = recipe_command(recipe_of(fitted[0]), out="out")
     assert command.startswith("bridgecache fit --source smollm2-135m --target qwen2.5-coder-0.5b")
     assert "--method cachebridge --calib-seqs 4 --seq-len 40" in command and "--out out" in command
-    assert command.endswith("# with fit_bridge(heldout_every=2)")  # no CLI option for it
+    assert "--heldout-every 2" in command  # every FitConfig field has its option
 
 
 def test_identity_bridge_has_no_recipe(pair):
@@ -127,7 +127,7 @@ def test_fit_recipe_command_regenerates_a_saved_bridge(pair, tmp_path, capsys):
     # tokenizer gains Qwen's special tokens), so the two fits must agree bit for bit.
     (source, source_tok), (target, target_tok) = (load_model(str(dirs[r])) for r in ("source", "target"))
     names = dict(source_name=str(dirs["source"]), target_name=str(dirs["target"]))
-    bridge = fit_bridge(source, target, source_tok, target_tok, **names, **FIT)
+    bridge = fit_bridge(source, target, source_tok, target_tok, FIT, **names, progress=False)
     bridge.save_pretrained(tmp_path / "made")
     assert main(["fit", "--recipe", str(tmp_path / "made"), "--out", str(tmp_path / "again")]) == 0
     assert "recipe of" in capsys.readouterr().out
@@ -177,7 +177,8 @@ def test_export_builtin_float16_round_trip_is_small_and_loads_by_name(fitted, sh
 
 def test_export_refuses_bridges_not_between_zoo_models(pair, tmp_path):
     source, target, tok = pair
-    bridge = fit_bridge(source, target, tok, tok, source_name="my-llama", target_name="my-qwen", **FIT)
+    names = dict(source_name="my-llama", target_name="my-qwen")
+    bridge = fit_bridge(source, target, tok, tok, FIT, **names, progress=False)
     bridge.save_pretrained(tmp_path / "b")
     with pytest.raises(ValueError, match="'my-llama' is not a zoo model"):
         export_builtin(tmp_path / "b", root=tmp_path)

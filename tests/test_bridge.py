@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_model
 
 from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap, tensors_path
-from bridgecache.fitting import PairedKV, fit_layer_maps
+from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
 from bridgecache.models.spec import SpecMismatchError, model_spec
 
 
@@ -26,7 +26,10 @@ def fitted():
         rows = torch.arange(1, 30)
         seqs.append(PairedKV(sk, sk, tk, tk, rows, rows, heldout=i == 3))
     layers, info = fit_layer_maps(
-        lambda w: seqs, (3, 2, 16), (4, 1, 32), "cachebridge", layers_k=2, weighting="uniform"
+        lambda w: seqs,
+        (3, 2, 16),
+        (4, 1, 32),
+        FitConfig(method="cachebridge", layers_k=2, weighting="uniform"),
     )
     bridge = Bridge(model_spec(src), model_spec(tgt), "cachebridge", "identity", layers, 1, info)
     return bridge, src, tgt

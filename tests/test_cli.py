@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache import cli, fitting
+from bridgecache import FitConfig, cli, fitting
 from bridgecache.bridge.maps import Bridge
 from bridgecache.cli import demo
 from bridgecache.models import zoo
@@ -83,15 +83,17 @@ def test_bridge_for_keys_its_cache_on_the_fit_settings(monkeypatch, tmp_path):
     model, tok = tiny_model("llama"), _byte_tokenizer()
     fits = []
 
-    def fit(source, target, source_tok, target_tok, method, **kwargs):
-        fits.append(kwargs)
-        return Bridge.identity(target, target_tok, native_head=kwargs.get("native_head", 1))
+    def fit(source, target, source_tok, target_tok, config, **kwargs):
+        fits.append(config)
+        return Bridge.identity(target, target_tok, native_head=config.native_head)
 
     monkeypatch.setattr(fitting, "fit_bridge", fit)
     monkeypatch.setattr(zoo, "load_tokenizer", lambda name: tok)
-    first = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2)
-    again = cli.bridge_for("a", "b", "fullhead", model, model, native_head=2, progress=False)
-    other = cli.bridge_for("a", "b", "fullhead", model, model, native_head=3)
+    first = cli.bridge_for("a", "b", FitConfig(method="fullhead", native_head=2), model, model)
+    again = cli.bridge_for(
+        "a", "b", FitConfig(method="fullhead", native_head=2), model, model, progress=False
+    )
+    other = cli.bridge_for("a", "b", FitConfig(method="fullhead", native_head=3), model, model)
     assert len(fits) == 2  # the second call was served from the cache, the third was not
     assert (first.native_head, again.native_head, other.native_head) == (2, 2, 3)
 

@@ -21,13 +21,14 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from bridgecache import SpecMismatchError, fit_bridge, load_model
+from bridgecache import FitConfig, SpecMismatchError, fit_bridge, load_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SOURCE, AGENTS = "smollm2-135m", ("qwen2.5-coder-0.5b", "gemma3-270m")
 # What the notebooks fit with EXAMPLE_TINY=1: 2 sequences x 32 tokens, one source layer by depth.
-TINY_FIT = dict(method="fullhead", layer_support="depth", layers_k=1, num_sequences=2, seq_len=32)
-TINY_FIT |= dict(heldout_every=2, progress=False)
+TINY_FIT = FitConfig(
+    method="fullhead", layer_support="depth", layers_k=1, num_sequences=2, seq_len=32, heldout_every=2
+)
 
 
 def example(name: str):
@@ -59,8 +60,8 @@ def bridges(tmp_path_factory, smollm2):
     source, source_tok = smollm2
     for name in AGENTS:
         target, target_tok = load_model(name)
-        bridge = fit_bridge(source, target, source_tok, target_tok, source_name=SOURCE, target_name=name,
-                            **TINY_FIT)  # fmt: skip
+        bridge = fit_bridge(source, target, source_tok, target_tok, TINY_FIT, source_name=SOURCE,
+                            target_name=name, progress=False)  # fmt: skip
         bridge.save_pretrained(root / f"{SOURCE}-to-{name}")
     return root
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache.fitting import PairedKV, fit_bridge, fit_layer_maps
+from bridgecache.fitting import FitConfig, PairedKV, fit_bridge, fit_layer_maps
 from bridgecache.fitting.calibration import CalibSequence, calibration_sequences
 from bridgecache.fitting.runner import paired_kv
 from tokenalign import NATIVE, Alignment
@@ -56,7 +56,9 @@ CASES = [  # (source (L, H, D), target (L, H, D), true source head of each targe
 @pytest.mark.parametrize("src_shape,tgt_shape,head_of", CASES)
 def test_cachebridge_recovers_known_head_local_map(src_shape, tgt_shape, head_of):
     seqs, truth = _synthetic(src_shape, tgt_shape, head_of)
-    layers, info = fit_layer_maps(lambda w: seqs, src_shape, tgt_shape, "cachebridge", layers_k=1, lam=1e-5)
+    layers, info = fit_layer_maps(
+        lambda w: seqs, src_shape, tgt_shape, FitConfig(method="cachebridge", layers_k=1, lam=1e-5)
+    )
     assert info["weighting"] == "attention" and "alpha" in info
     for t, layer in enumerate(layers):
         assert layer.source_layers == [LAYER_OF[t]]
@@ -69,7 +71,9 @@ def test_cachebridge_recovers_known_head_local_map(src_shape, tgt_shape, head_of
 @pytest.mark.parametrize("src_shape,tgt_shape,head_of", CASES[:2])
 def test_fullhead_recovers_known_map_and_zeroes_other_heads(src_shape, tgt_shape, head_of):
     seqs, truth = _synthetic(src_shape, tgt_shape, head_of)
-    layers, info = fit_layer_maps(lambda w: seqs, src_shape, tgt_shape, "fullhead", layers_k=1, lam=1e-5)
+    layers, info = fit_layer_maps(
+        lambda w: seqs, src_shape, tgt_shape, FitConfig(method="fullhead", layers_k=1, lam=1e-5)
+    )
     hs, ds = src_shape[1], src_shape[2]
     for t, layer in enumerate(layers):
         assert layer.inputs.shape == (tgt_shape[1], hs, 2)
@@ -85,7 +89,9 @@ def test_fullhead_recovers_known_map_and_zeroes_other_heads(src_shape, tgt_shape
 def test_data_far_from_zero_keeps_full_precision():
     # KV with a large constant offset (keys carry big biases): raw float32 moments would cancel.
     seqs, truth = _synthetic((4, 2, 8), (3, 2, 8), [0, 1], offset=300.0, noise=0.0)
-    layers, _ = fit_layer_maps(lambda w: seqs, (4, 2, 8), (3, 2, 8), "fullhead", layers_k=1, lam=1e-7)
+    layers, _ = fit_layer_maps(
+        lambda w: seqs, (4, 2, 8), (3, 2, 8), FitConfig(method="fullhead", layers_k=1, lam=1e-7)
+    )
     for t, layer in enumerate(layers):
         assert layer.r2_key > 0.99999
         torch.testing.assert_close(layer.key_bias, truth["k"][1][t], atol=2e-2, rtol=0)
@@ -93,7 +99,9 @@ def test_data_far_from_zero_keeps_full_precision():
 
 def test_fullhead_top_k_picks_the_generating_layer_first():
     seqs, _ = _synthetic((4, 2, 8), (3, 2, 8), [0, 1])
-    layers, info = fit_layer_maps(lambda w: seqs, (4, 2, 8), (3, 2, 8), "fullhead", layers_k=2)
+    layers, info = fit_layer_maps(
+        lambda w: seqs, (4, 2, 8), (3, 2, 8), FitConfig(method="fullhead", layers_k=2)
+    )
     scores = torch.tensor(info["layer_scores"])  # [source layer, target layer]
     assert scores.argmax(0).tolist() == LAYER_OF
     for t, layer in enumerate(layers):
@@ -109,7 +117,7 @@ def test_depth_support_skips_probes_when_heads_match():
         return seqs
 
     layers, info = fit_layer_maps(
-        source, (4, 2, 8), (3, 2, 8), "cachebridge", layers_k=1, layer_support="depth"
+        source, (4, 2, 8), (3, 2, 8), FitConfig(method="cachebridge", layers_k=1, layer_support="depth")
     )
     assert calls == [True]  # one pass, with attention weights
     assert [layer.source_layers for layer in layers] == [[0], [1], [3]]  # depth 0, 1.5 (tie: lower), 3
@@ -134,8 +142,8 @@ class ByteTokenizer:
 @pytest.mark.parametrize("method", ["fullhead", "cachebridge"])
 def test_model_regressed_on_itself_is_near_identity(method):
     model, tok = tiny_model("qwen2"), ByteTokenizer()
-    bridge = fit_bridge(model, model, tok, tok, method, num_sequences=8, seq_len=48, layers_k=1,
-                        identity_if_same=False, progress=False)  # fmt: skip
+    config = FitConfig(method=method, num_sequences=8, seq_len=48, layers_k=1, identity_if_same=False)
+    bridge = fit_bridge(model, model, tok, tok, config, progress=False)
     assert bridge.method == method and bridge.alignment_policy == "identity"
     for t, layer in enumerate(bridge.layers):
         assert layer.source_layers == [t]
@@ -146,7 +154,7 @@ def test_same_model_gives_exact_identity_without_regression():
     model, tok = tiny_model("llama"), ByteTokenizer()
     twin = tiny_model("llama")  # same seed: bit-identical weights, another object
     for other in (model, twin):
-        bridge = fit_bridge(model, other, tok, tok, "cachebridge", progress=False)
+        bridge = fit_bridge(model, other, tok, tok, FitConfig(method="cachebridge"), progress=False)
         assert bridge.method == "identity"
         assert all(
             torch.equal(layer.key_weight[h], torch.eye(16)) for layer in bridge.layers for h in range(2)
@@ -158,8 +166,8 @@ def test_cross_family_fit_end_to_end_excludes_native_head():
     seqs, policy = calibration_sequences(tok, tok, 4, 40, native_head=2, heldout_every=2)
     assert policy == "identity" and [s.heldout for s in seqs] == [False, True, False, True]
     assert all(int(s.tgt_rows.min()) == 2 and int(s.src_rows.min()) == 2 for s in seqs)
-    bridge = fit_bridge(src, tgt, tok, tok, "cachebridge", num_sequences=4, seq_len=40, native_head=2,
-                        heldout_every=2, progress=False)  # fmt: skip
+    config = FitConfig(method="cachebridge", num_sequences=4, seq_len=40, native_head=2, heldout_every=2)
+    bridge = fit_bridge(src, tgt, tok, tok, config, progress=False)
     assert bridge.native_head == 2 and bridge.calibration["rows"] == {"train": 76, "heldout": 76}
     layer = bridge.layers[0]
     assert layer.inputs.shape == (1, 2, 2)  # gemma3 target: one KV head, k=2 matched source heads
@@ -172,10 +180,11 @@ def test_real_model_self_fit_and_identity(smollm2, tmp_path):
 
     model, tok = smollm2
     assert fit_bridge(model, model, tok, tok, progress=False).method == "identity"
-    bridge = fit_bridge(
-        model, model, tok, tok, "cachebridge", num_sequences=6, seq_len=64, layers_k=1, layer_support="depth",
-        heldout_every=3, identity_if_same=False, progress=False,
+    config = FitConfig(
+        method="cachebridge", num_sequences=6, seq_len=64, layers_k=1, layer_support="depth",
+        heldout_every=3, identity_if_same=False,
     )  # fmt: skip
+    bridge = fit_bridge(model, model, tok, tok, config, progress=False)
     assert [layer.source_layers for layer in bridge.layers] == [[t] for t in range(30)]
     assert min(layer.r2_key for layer in bridge.layers) >= 0.99
     assert min(layer.r2_value for layer in bridge.layers) >= 0.99
@@ -199,7 +208,9 @@ def test_cross_tokenizer_pairing_reaches_the_core():
                 for h in range(2):
                     y[0, h, tgt_rows] = src[LAYER_OF[t]][0, h, src_rows] @ w[t, h] + b[t, h]
         seq.src_rows, seq.tgt_rows = src_rows, tgt_rows
-    layers, _ = fit_layer_maps(lambda w: seqs, (4, 2, 8), (3, 2, 8), "cachebridge", layers_k=1, lam=1e-6)
+    layers, _ = fit_layer_maps(
+        lambda w: seqs, (4, 2, 8), (3, 2, 8), FitConfig(method="cachebridge", layers_k=1, lam=1e-6)
+    )
     for t, layer in enumerate(layers):
         assert layer.source_layers == [LAYER_OF[t]] and layer.r2_key > 0.9999
         torch.testing.assert_close(layer.key_weight, truth["k"][0][t], atol=1e-3, rtol=0)
@@ -227,8 +238,9 @@ def test_mean_policy_pools_source_rows_per_target_token():
 def test_key_scale_stretches_only_the_keys_and_records_the_factor(method):
     shapes = ((4, 2, 8), (3, 2, 8))
     seqs, _ = _synthetic(*shapes, [0, 1], noise=6.0)  # noisy targets: shrunken ridge predictions
-    plain, _ = fit_layer_maps(lambda w: seqs, *shapes, method, layers_k=1, lam=1e-2, key_scale="none")
-    scaled, info = fit_layer_maps(lambda w: seqs, *shapes, method, layers_k=1, lam=1e-2, key_scale="variance")
+    config = FitConfig(method=method, layers_k=1, lam=1e-2)
+    plain, _ = fit_layer_maps(lambda w: seqs, *shapes, config.replace(key_scale="none"))
+    scaled, info = fit_layer_maps(lambda w: seqs, *shapes, config.replace(key_scale="variance"))
     assert info["key_scale"] == "variance" and len(info["key_alpha"]) == 3
     for p, s, alphas, r2_ridge in zip(plain, scaled, info["key_alpha"], info["r2_key_ridge"]):
         alpha = torch.tensor(alphas)[:, None, None]
@@ -239,4 +251,4 @@ def test_key_scale_stretches_only_the_keys_and_records_the_factor(method):
         if method == "fullhead":  # uniform weights: the ridge map minimises the (held-out) MSE
             assert s.r2_key < p.r2_key
     with pytest.raises(ValueError, match="key_scale"):
-        fit_layer_maps(lambda w: seqs, *shapes, method, key_scale="double")
+        fit_layer_maps(lambda w: seqs, *shapes, FitConfig(method=method, key_scale="double"))

@@ -16,7 +16,7 @@ import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import Bridge, load_model
-from bridgecache.fitting import fit_bridge
+from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.runtime.conversation import Conversation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +58,8 @@ def saved(tmp_path_factory):
         tiny_model(family, seed=3, initializer_range=0.2).save_pretrained(root / role)
         chat_tokenizer(template, extra).save_pretrained(root / role)
     (source, source_tok), (target, target_tok) = (load_model(str(root / r)) for r in ("source", "target"))
-    bridge = fit_bridge(source, target, source_tok, target_tok, method="fullhead", num_sequences=4,
-                        seq_len=48, heldout_every=2, progress=False)  # fmt: skip
+    config = FitConfig(method="fullhead", num_sequences=4, seq_len=48, heldout_every=2)
+    bridge = fit_bridge(source, target, source_tok, target_tok, config, progress=False)
     bridge.save_pretrained(root / "bridge")
     return root
 

@@ -18,7 +18,7 @@ from tiny_models import tiny_model
 
 from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning, tensors_path
 from bridgecache.files import STAGING_PREFIX, current_umask
-from bridgecache.fitting import PairedKV, fit_layer_maps
+from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
 from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import SpecMismatchError, model_spec
 
@@ -39,7 +39,10 @@ def fitted(models):
         rows = torch.arange(1, 20)
         seqs.append(PairedKV(sk, sk, tk, tk, rows, rows, heldout=i == 2))
     layers, info = fit_layer_maps(
-        lambda w: seqs, (3, 2, 16), (4, 1, 32), "cachebridge", layers_k=1, weighting="uniform"
+        lambda w: seqs,
+        (3, 2, 16),
+        (4, 1, 32),
+        FitConfig(method="cachebridge", layers_k=1, weighting="uniform"),
     )
     prints = {"source": weight_fingerprint(src), "target": weight_fingerprint(tgt)}
     return Bridge(model_spec(src), model_spec(tgt), "cachebridge", "last", layers, 1, info, prints)

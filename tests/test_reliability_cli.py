@@ -182,7 +182,7 @@ def test_eval_json_to_a_place_that_breaks_late_keeps_the_records(tmp_path, capsy
 
 
 def test_fit_recipe_keeps_a_finished_fit_when_the_destination_breaks(tmp_path, capsys, monkeypatch):
-    from bridgecache.fitting import fit_bridge
+    from bridgecache.fitting import FitConfig, fit_bridge
 
     source, target, tok = tiny_model("llama", seed=1), tiny_model("qwen2", seed=2), byte_tokenizer()
     dirs = {}
@@ -191,8 +191,8 @@ def test_fit_recipe_keeps_a_finished_fit_when_the_destination_breaks(tmp_path, c
         model.save_pretrained(dirs[role])
         tok.save_pretrained(dirs[role])
     names = dict(source_name=str(dirs["source"]), target_name=str(dirs["target"]))
-    fit = dict(method="cachebridge", num_sequences=2, seq_len=12, heldout_every=2, progress=False)
-    fit_bridge(source, target, tok, tok, **names, **fit).save_pretrained(tmp_path / "made")
+    fit = FitConfig(method="cachebridge", num_sequences=2, seq_len=12, heldout_every=2)
+    fit_bridge(source, target, tok, tok, fit, **names, progress=False).save_pretrained(tmp_path / "made")
     out = tmp_path / "again"
     import bridgecache.fitting.refit as refit_module
 

@@ -14,7 +14,7 @@ from tiny_models import byte_tokenizer, tiny_model
 from bridgecache.bridge import Bridge, tensors_path
 from bridgecache.cli import main
 from bridgecache.files import STAGING_PREFIX, current_umask
-from bridgecache.fitting import fit_bridge
+from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.models import zoo
 
 
@@ -129,13 +129,13 @@ def test_fit_api_checks_its_options_before_reading_text(model_dirs):
     model, tok = zoo.load_model(model_dirs[0])
     other, _ = zoo.load_model(model_dirs[1])
     with pytest.raises(ValueError, match=r"layers_k is 9; expected at most the source model's 3 layers"):
-        fit_bridge(model, other, tok, tok, layers_k=9)
+        fit_bridge(model, other, tok, tok, FitConfig(layers_k=9))
     with pytest.raises(ValueError, match=r"lam is -1.0; expected a finite number > 0"):
-        fit_bridge(model, other, tok, tok, lam=-1.0)
+        fit_bridge(model, other, tok, tok, FitConfig(lam=-1.0))
     with pytest.raises(
         ValueError, match=r"stats_precision is 'fp8'; expected one of \('tf32x3', 'tf32', 'bf16'\)"
     ):
-        fit_bridge(model, other, tok, tok, stats_precision="fp8")
+        fit_bridge(model, other, tok, tok, FitConfig(stats_precision="fp8"))
 
 
 def test_an_existing_bridge_is_kept_unless_force(model_dirs, tmp_path, capsys):

@@ -6,12 +6,13 @@
     resolve   what `Bridge.from_pretrained` was given -> a local bridge directory
     builtin   bridges shipped inside the package, their model fingerprints, model checks
     export    ship a fitted bridge inside the package (float16)
-    recipe    the fit arguments a bridge records
+    recipe    FitConfig: how a bridge is fitted, recorded in it as its recipe
     hub       download from / upload to the Hugging Face Hub
     card      README.md with YAML front matter beside every saved bridge
     summary   repr, notebook markdown, the `inspect` report and its plot
 
-Knows models' identities (bridgecache.models); nothing about KV, caches or fitting.
+Knows models' identities (bridgecache.models) and the options of a fit (recipe); nothing about
+KV, caches or how a fit computes.
 """
 
 from bridgecache.bridge.maps import Bridge, BridgeFormatError, LayerMap, WeightMismatchWarning

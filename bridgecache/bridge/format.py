@@ -18,6 +18,7 @@ import math
 import re
 from pathlib import Path
 
+from bridgecache.bridge.recipe import RECIPE_FIELDS, FitConfig, FitOptionError
 from bridgecache.models.spec import SPEC_LIMITS, check_spec_dict
 from bridgecache.untrusted import printable, shown
 from tokenalign import POLICIES
@@ -49,12 +50,8 @@ LIMITS = {
     "dims": 8,  # dimensions of a described tensor
 }
 
-# The entries of a fit recipe (fit_bridge's arguments): any other key would reach fit_bridge.
-RECIPE_KEYS = (
-    "source", "target", "method", "num_sequences", "seq_len", "domain", "layers_k", "layer_support",
-    "lam", "weighting", "alignment_policy", "key_scale", "native_head", "heldout_every", "boundaries",
-    "probe_subset", "stats_precision", "identity_if_same", "seed",
-)  # fmt: skip
+# The entries of a fit recipe (the model names and FitConfig's): any other key is refused.
+RECIPE_KEYS = ("source", "target", *RECIPE_FIELDS)
 
 
 class BridgeFormatError(ValueError):
@@ -221,44 +218,26 @@ def _check_zoo_fingerprints(fingerprints, fail) -> None:
 
 
 def _check_recipe(recipe, fail) -> None:
-    """The fit_bridge arguments `bridgecache fit --recipe` passes on: known keys, sane types."""
+    """The recipe `bridgecache fit --recipe` reads back into a FitConfig: known keys, the model
+    names, counts within LIMITS, and every value in FitConfig's range."""
     where = "calibration.recipe"
     if not isinstance(recipe, dict):
-        fail(where, recipe, "an object of fit_bridge arguments")
+        fail(where, recipe, "an object of the model names and FitConfig fields")
     unknown = sorted(set(recipe) - set(RECIPE_KEYS))
     if unknown:
         fail(f"{where}", unknown, f"only the keys {RECIPE_KEYS}")
     for key in ("source", "target"):
         _string(fail, f"{where}.{key}", recipe.get(key), limit=4096, empty=False)
-    count = LIMITS["count"]
-    for key, low in (("num_sequences", 2), ("seq_len", 1), ("heldout_every", 1), ("native_head", 0)):
-        if key in recipe:
-            _int(fail, f"{where}.{key}", recipe[key], low, count)
-    for key, low, high in (
-        ("layers_k", 1, LIMITS["num_layers"]),
-        ("boundaries", 1, count),
-        ("probe_subset", 1, count),
-    ):
-        if recipe.get(key) is not None:
-            _int(fail, f"{where}.{key}", recipe[key], low, high, "null or ")
-    if "seed" in recipe:
-        _int(fail, f"{where}.seed", recipe["seed"], 0, 2**63 - 1)
-    lam = recipe.get("lam")
-    if "lam" in recipe and not (_is_number(lam) and math.isfinite(lam) and lam > 0):
-        fail(f"{where}.lam", lam, "a finite number > 0")
-    for key in (
-        "method",
-        "domain",
-        "layer_support",
-        "weighting",
-        "alignment_policy",
-        "key_scale",
-        "stats_precision",
-    ):
-        if recipe.get(key) is not None:
-            _string(fail, f"{where}.{key}", recipe[key], limit=200)
-    if "identity_if_same" in recipe and not isinstance(recipe["identity_if_same"], bool):
-        fail(f"{where}.identity_if_same", recipe["identity_if_same"], "true or false")
+    highs = {"layers_k": LIMITS["num_layers"], "seed": 2**63 - 1}
+    for key in ("num_sequences", "seq_len", "heldout_every", "native_head", "boundaries", "probe_subset"):
+        highs[key] = LIMITS["count"]
+    for key, high in highs.items():
+        if _is_int(recipe.get(key)) and recipe[key] > high:
+            fail(f"{where}.{key}", recipe[key], f"an integer of at most {high:,}")
+    try:
+        FitConfig.from_recipe(recipe)
+    except FitOptionError as err:
+        fail(f"{where}.{err.option}", err.value, err.expected)
 
 
 def _failer(path: Path):

@@ -1,43 +1,211 @@
-"""A bridge's recipe: the exact `fit_bridge` arguments it was made with.
+"""How a bridge is fitted (`FitConfig`), and the recipe a bridge records of it.
 
-`fit_bridge` records `calibration["recipe"]` (model names, method, calibration size, domain, seed,
-every solver setting). `bridgecache.fitting.refit.refit` fits again from it, optionally overriding
-some (e.g. fewer sequences for a quick check); `recipe_command` writes the equivalent command line.
-Knows fitting's arguments; nothing about files.
+    FitConfig()                                    the defaults every entry point shares
+    FitConfig(method="cachebridge", layers_k=2)    CacheBridge from the top-2 source layers
+    FitConfig(num_sequences=4, seq_len=64)         a quick, poor fit (tests, smoke runs)
+
+`fit_bridge`, `fit_layer_maps`, `refit`, `bridge_for` and `bridgecache fit` (whose flags are made
+from the fields) take one FitConfig, validated once where it is built. A fitted bridge records it
+in `calibration["recipe"]` beside the two model names (`config.recipe(source, target)`: every
+field that changes the maps); `FitConfig.from_recipe(recipe)` reads one back (recipes written
+before FitConfig have the same keys; a key they lack takes its default) and `recipe_command`
+writes the `bridgecache fit` command that makes the bridge again.
+
+It lives beside the file format because every fitted bridge file carries a recipe. Knows option
+names, ranges and flags; nothing about models or statistics.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import math
+import re
 import shlex
+from dataclasses import dataclass
 
-__all__ = ["RecipeError", "recipe_of", "infer_recipe", "recipe_command"]
+from bridgecache.kernels.stats import PRECISIONS as STATS_PRECISIONS
+from tokenalign import POLICIES
 
-# recipe key -> `bridgecache fit` option (the keys with no option keep fit_bridge's default).
-_OPTIONS = {
-    "source": "--source",
-    "target": "--target",
-    "method": "--method",
-    "num_sequences": "--calib-seqs",
-    "seq_len": "--seq-len",
-    "layers_k": "--layers-k",
-    "layer_support": "--layer-support",
-    "weighting": "--weighting",
-    "domain": "--domain",
-    "alignment_policy": "--alignment-policy",
-    "key_scale": "--key-scale",
-    "stats_precision": "--stats-precision",
-    "lam": "--lam",
-    "native_head": "--native-head",
-    "seed": "--seed",
-}
+__all__ = [
+    "FitConfig",
+    "FitOptionError",
+    "RecipeError",
+    "RECIPE_FIELDS",
+    "FLAGS",
+    "CHOICES",
+    "DEFAULT_K",
+    "DEFAULT_WEIGHTING",
+    "field_docs",
+    "recipe_of",
+    "infer_recipe",
+    "recipe_command",
+]
+
+DEFAULT_K = {"fullhead": 4, "cachebridge": 2}  # source layers per target layer, by method
+DEFAULT_WEIGHTING = {"fullhead": "uniform", "cachebridge": "attention"}  # row weights, by method
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """How to fit a bridge (see the module docstring). Every field, once:
+
+    method: "fullhead" (Full-Head Mapping: every source KV head of the top-k source layers feeds
+        each target head; the default, better on every measured pair,
+        benchmarks/reports/quality.md) or "cachebridge" (the matched source head of each of the
+        top-k layers).
+    num_sequences: calibration sequences of bridgecache.text's "calib" split (at least 2: every
+        `heldout_every`-th one is held out to score the maps).
+    seq_len: target tokens per calibration sequence.
+    domain: calibration text: "prose", "code" or "mixed" (the two alternating).
+    seed: which calibration windows are read.
+    heldout_every: every this-many-th sequence is held out (scores the maps, is not fitted).
+    layers_k: source layers per target layer (None: the method's, DEFAULT_K: 4 or 2).
+    layer_support: how those layers are chosen: "probe" (held-out R^2 of single-layer probes) or
+        "depth" (nearest in relative depth; no probe pass unless heads must be matched).
+    weighting: row weights, "uniform" or "attention" (the target's own attention; None: the
+        method's, DEFAULT_WEIGHTING).
+    lam: ridge strength relative to the data scale (bridgecache.fitting.ridge).
+    key_scale: "variance" stretches mapped keys to the target keys' spread (sharper attention);
+        "none" keeps the ridge map.
+    alignment_policy: which source rows feed a target token across tokenizers, a tokenalign
+        policy (None: "last"); recorded in the bridge.
+    native_head: target positions [0, native_head) that the target computes itself; never fitted.
+    boundaries: prefix boundaries at which the attention weights are measured.
+    probe_subset: layer probes read only the first this many sequences (plus a held-out one if
+        none is among them), each a forward of both models (None, or "all" on the command line:
+        every sequence).
+    stats_precision: products of the fused statistics kernel on CUDA: "tf32x3" (about float32),
+        "tf32" or "bf16" (faster, less exact: benchmarks/reports/gpu-kernels.md); the CPU path
+        computes in float64 whatever it says.
+    identity_if_same: the same model (or bit-identical weights and tokenizer) on both sides gives
+        the exact identity bridge, without any regression.
+    score_heldout: measure each target layer's attention-output cosine on the held-out sequences
+        (bridgecache.fitting.heldout; what the quality gate reads). Changes no map, so the recipe
+        leaves it out.
+    """
+
+    method: str = "fullhead"
+    num_sequences: int = 32
+    seq_len: int = 256
+    domain: str = "prose"
+    seed: int = 0
+    heldout_every: int = 8
+    layers_k: int | None = None
+    layer_support: str = "probe"
+    weighting: str | None = None
+    lam: float = 1e-2
+    key_scale: str = "variance"
+    alignment_policy: str | None = None
+    native_head: int = 1
+    boundaries: int = 32
+    probe_subset: int | None = 16
+    stats_precision: str = "tf32x3"
+    identity_if_same: bool = True
+    score_heldout: bool = True
+
+    def __post_init__(self):
+        """Raise FitOptionError for the first field outside its range (before any model loads)."""
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if not (value is None and name in _NONE_ALLOWED) and value not in allowed:
+                _bad(name, value, f"one of {allowed}")
+        _int_at_least("num_sequences", self.num_sequences, 2, "one sequence is held out to score the maps")
+        _int_at_least("native_head", self.native_head, 0)
+        head = self.native_head
+        _int_at_least("seq_len", self.seq_len, head + 2, f"native_head={head} positions are not fitted")
+        _int_at_least("seed", self.seed, 0)
+        for name in ("heldout_every", "boundaries"):
+            _int_at_least(name, getattr(self, name), 1)
+        for name in ("layers_k", "probe_subset"):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), 1)
+        lam = self.lam
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam <= 0:
+            _bad("lam", lam, "a finite number > 0 (ridge strength relative to the data scale)")
+        for name in ("identity_if_same", "score_heldout"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, getattr(self, name), "True or False")
+
+    def check_against(self, source_spec) -> None:
+        """The checks that need the source model (its ModelSpec): layers_k at most its layers."""
+        if self.layers_k is not None and self.layers_k > source_spec.num_layers:
+            _bad("layers_k", self.layers_k, f"at most the source model's {source_spec.num_layers} layers")
+
+    def replace(self, **changes) -> FitConfig:
+        """A copy with `changes` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def changes(self) -> dict:
+        """The fields that differ from FitConfig()'s, by name (in field order)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if _differs(self, f.name)}
+
+    @property
+    def label(self) -> str:
+        """A short description for tables and logs: only what differs from the defaults."""
+        return " ".join(f"{name}={value}" for name, value in self.changes().items()) or "default"
+
+    def recipe(self, source: str, target: str) -> dict:
+        """What a bridge records of its fit: the model names and every field that changes the maps."""
+        return {"source": source, "target": target, **{name: getattr(self, name) for name in RECIPE_FIELDS}}
+
+    @classmethod
+    def from_recipe(cls, recipe: dict) -> FitConfig:
+        """The FitConfig of a recorded recipe (its model names aside; a missing key: the default)."""
+        unknown = sorted(set(recipe) - {"source", "target"} - set(RECIPE_FIELDS))
+        if unknown:
+            raise RecipeError(
+                f"recipe entries {unknown} are not FitConfig fields ({', '.join(RECIPE_FIELDS)})"
+            )
+        return cls(**{name: value for name, value in recipe.items() if name in RECIPE_FIELDS})
+
+
+class FitOptionError(ValueError):
+    """A FitConfig field outside its range: `option` (the field), `value` and what is `expected`."""
+
+    def __init__(self, option: str, value, expected: str):
+        super().__init__(f"{option} is {value!r}; expected {expected}")
+        self.option, self.value, self.expected = option, value, expected
 
 
 class RecipeError(ValueError):
     """A bridge records no recipe (an identity bridge, or fitted before recipes were recorded)."""
 
 
+CHOICES = {
+    "method": tuple(DEFAULT_K),
+    "domain": ("prose", "code", "mixed"),
+    "layer_support": ("probe", "depth"),
+    "weighting": ("uniform", "attention"),
+    "key_scale": ("variance", "none"),
+    "alignment_policy": POLICIES,
+    "stats_precision": STATS_PRECISIONS,
+}
+_NONE_ALLOWED = ("weighting", "alignment_policy")  # None: the method's / tokenalign's default
+# Every field but score_heldout, which changes no map (the keys recipes have always had).
+RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(FitConfig) if f.name != "score_heldout")
+# Field -> `bridgecache fit` flag (its name with dashes, but one).
+FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(FitConfig)}
+FLAGS["num_sequences"] = "--calib-seqs"
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's entry in FitConfig's docstring, on one line (the command's --help)."""
+    docs, name = {}, None
+    for line in inspect.cleandoc(FitConfig.__doc__).splitlines():
+        entry = re.match(r"(\w+): (.*)", line)
+        if entry and entry[1] in FLAGS:
+            name = entry[1]
+            docs[name] = entry[2]
+        elif name and line.startswith(" "):
+            docs[name] += " " + line.strip()
+        else:
+            name = None
+    return docs
+
+
 def recipe_of(bridge) -> dict:
-    """The recorded fit arguments of `bridge` (a copy)."""
+    """The recorded fit recipe of `bridge` (a copy)."""
     recipe = bridge.calibration.get("recipe")
     if not recipe:
         raise RecipeError(
@@ -52,13 +220,13 @@ def infer_recipe(bridge) -> dict:
 
     Every setting that decides the maps is in that record (resolved: `layers_k` and `weighting`
     hold the values the method defaults gave); `probe_subset` and `identity_if_same` were never
-    recorded and take `bridgecache fit`'s values (16, True).
+    recorded and take FitConfig's defaults.
     """
     calib = bridge.calibration
     needed = ("num_sequences", "seq_len", "domain", "seed", "heldout_every", "layers_k", "layer_support")
     needed += ("lam", "weighting", "key_scale")
     missing = [key for key in needed if key not in calib]
-    if missing or bridge.method not in ("fullhead", "cachebridge"):
+    if missing or bridge.method not in DEFAULT_K:
         raise RecipeError(
             f"bridge {bridge.source.name} -> {bridge.target.name} ({bridge.method}): its calibration "
             f"record lacks {missing or 'a fitted method'}, so its recipe cannot be rebuilt; fit it again"
@@ -70,27 +238,36 @@ def infer_recipe(bridge) -> dict:
         **{key: calib[key] for key in needed},
         "alignment_policy": None if bridge.alignment_policy == "identity" else bridge.alignment_policy,
         "native_head": bridge.native_head,
-        "boundaries": calib.get("boundaries") or _FIT_DEFAULTS["boundaries"],
-        "probe_subset": _FIT_DEFAULTS["probe_subset"],
-        "identity_if_same": True,
+        "boundaries": calib.get("boundaries") or FitConfig.boundaries,
+        "probe_subset": FitConfig.probe_subset,
+        "identity_if_same": FitConfig.identity_if_same,
     }
 
 
 def recipe_command(recipe: dict, out: str = "DIR") -> str:
-    """The `bridgecache fit` command that makes this recipe (options only where they are needed)."""
-    words = ["bridgecache", "fit"]
-    for key, option in _OPTIONS.items():
-        if recipe.get(key) is not None:
-            words += [option, str(recipe[key])]
-    extra = {k: v for k, v in recipe.items() if k not in _OPTIONS and _FIT_DEFAULTS.get(k, v) != v}
-    words += ["--out", out]
-    command = shlex.join(words)
-    return command + (f"  # with fit_bridge({_kwargs(extra)})" if extra else "")
+    """The `bridgecache fit` command that makes this recipe: every recorded setting, defaults
+    included (the command makes the same maps after a default changes); a None that is the
+    command's default too is left out."""
+    words = ["bridgecache", "fit", "--source", str(recipe["source"]), "--target", str(recipe["target"])]
+    for name in RECIPE_FIELDS:
+        if name not in recipe or (recipe[name] is None and getattr(FitConfig, name) is None):
+            continue
+        value, flag = recipe[name], FLAGS[name]
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, "all" if value is None else str(value)]  # None: probe_subset's "all"
+    return shlex.join([*words, "--out", out])
 
 
-# Recipe entries that `bridgecache fit` has no option for but always passes at these values.
-_FIT_DEFAULTS = {"heldout_every": 8, "boundaries": 32, "probe_subset": 16, "identity_if_same": True}
+def _differs(config: FitConfig, name: str) -> bool:
+    return getattr(config, name) != getattr(FitConfig, name)
 
 
-def _kwargs(extra: dict) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in sorted(extra.items()))
+def _int_at_least(name: str, value, low: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _bad(name, value, f"an integer >= {low}" + (f" ({why})" if why else ""))
+
+
+def _bad(name: str, value, expected: str) -> None:
+    raise FitOptionError(name, value, expected)

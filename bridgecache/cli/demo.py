@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bridgecache.bridge.recipe import CHOICES, FitConfig
 from bridgecache.cli.handoff_flags import add_handoff_arguments, config_problem, handoff_config
 from bridgecache.untrusted import printable
 
@@ -41,9 +42,9 @@ def add_demo_command(subparsers):
     )
     demo.add_argument(
         "--method",
-        default="fullhead",
-        choices=["fullhead", "cachebridge"],
-        help="method when no bridge is shipped for the pair and one is fitted (once)",
+        default=FitConfig.method,
+        choices=CHOICES["method"],
+        help="method when no bridge is shipped for the pair and one is fitted (once; default: FitConfig's)",
     )
     demo.add_argument("--context-tokens", type=int, default=1536, help="length of the built-in document")
     demo.add_argument("--context", help="your own document (then give --question and, to check, --answer)")
@@ -113,7 +114,7 @@ def _bridge_and_models(args, config):
     if bridge is None:
         from bridgecache.fitting.cached import bridge_for
 
-        bridge = bridge_for(source_name, target_name, args.method, source, target)
+        bridge = bridge_for(source_name, target_name, FitConfig(method=args.method), source, target)
     check_models(bridge, source, target, source_tok, target_tok)
     return bridge, (source_name, source, source_tok), (target_name, target, target_tok)
 

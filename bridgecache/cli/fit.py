@@ -5,7 +5,10 @@
 
     bridgecache fit --recipe builtin:NAME --out DIR [--calib-seqs 4 --seq-len 64]
 
-`add_fit_command(subparsers)` registers the subcommand; `bridgecache/cli.py` wires it in.
+`add_fit_command(subparsers)` registers the subcommand; `bridgecache/cli/__init__.py` wires it in.
+Its fitting flags are FitConfig's fields (the flag: the name with dashes, `--calib-seqs` for
+num_sequences; the help: the field's entry in FitConfig's docstring; the default: FitConfig()'s),
+and the flags given become one FitConfig (over the recipe's, with --recipe).
 Every option, both model references (or the recipe, validated with the bridge it comes from, and
 the models it names) and `--out` are checked before a model loads: a fit can take an hour, and
 it is never lost to a typo or an unwritable destination. An existing bridge in `--out` is
@@ -18,17 +21,39 @@ Knows argparse and the zoo; the fitting itself is `bridgecache.fitting.fit_bridg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
+from bridgecache.bridge.recipe import CHOICES, FLAGS, FitConfig, FitOptionError, field_docs
 from bridgecache.untrusted import printable
 
-__all__ = ["add_fit_command", "run_fit", "save_or_rescue"]
+__all__ = ["add_fit_command", "fit_config", "run_fit", "save_or_rescue"]
 
-DEFAULT_CALIB_SEQS = 32
-DEFAULT_SEQ_LEN = 256
+_DEFAULT = FitConfig()
+
+
+def _count_or_all(text: str) -> int | None:
+    """--probe-subset: a count, or all (None: every sequence)."""
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count or all") from None
+
+
+def _kind(name: str, hint) -> dict:
+    """argparse's type, choices or action for the field `name` of type `hint`."""
+    if name == "probe_subset":
+        return {"type": _count_or_all}
+    if name in CHOICES:
+        return {"choices": CHOICES[name]}
+    base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+    return {"action": argparse.BooleanOptionalAction} if base is bool else {"type": base}
 
 
 def add_fit_command(subparsers) -> argparse.ArgumentParser:
@@ -38,81 +63,59 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--target", help="model that continues from the mapped cache")
     fit.add_argument(
         "--recipe",
-        help="fit again from a bridge's recorded recipe (dir, builtin:NAME or hub id) instead of options; "
-        "--calib-seqs/--seq-len given here override it",
-    )
-    fit.add_argument(
-        "--method",
-        default="fullhead",
-        choices=["fullhead", "cachebridge"],
-        help="fullhead (default: it beats cachebridge on every measured pair, benchmarks/reports/quality.md)",
+        help="fit again from a bridge's recorded recipe (dir, builtin:NAME or hub id); "
+        "fitting options given here override it",
     )
     fit.add_argument("--out", required=True, help="directory for the bridge (bridge.json, tensors, card)")
     fit.add_argument("--force", action="store_true", help="replace a bridge already in --out")
-    fit.add_argument("--calib-seqs", type=int, help=f"calibration sequences (default {DEFAULT_CALIB_SEQS})")
-    fit.add_argument("--seq-len", type=int, help=f"target tokens per sequence (default {DEFAULT_SEQ_LEN})")
-    fit.add_argument(
-        "--layers-k", type=int, default=None, help="source layers per target layer (method default)"
-    )
-    fit.add_argument("--layer-support", default="probe", choices=["probe", "depth"])
-    fit.add_argument("--weighting", default=None, choices=["uniform", "attention"], help="(method default)")
-    fit.add_argument("--domain", default="prose", choices=["prose", "code", "mixed"])
-    fit.add_argument(
-        "--alignment-policy",
-        default=None,
-        choices=["last", "first", "mean"],
-        help="which source rows feed a target token across tokenizers (default last; recorded in the bridge)",
-    )
-    fit.add_argument(
-        "--key-scale",
-        default="variance",
-        choices=["variance", "none"],
-        help="variance (default): stretch mapped keys to the target keys' spread (sharper attention)",
-    )
-    fit.add_argument(
-        "--stats-precision",
-        default="tf32x3",
-        choices=["tf32x3", "tf32", "bf16"],
-        help="products of the fused statistics kernel on CUDA: tf32x3 (default, about float32) or the "
-        "faster, less exact tf32 / bf16 (benchmarks/reports/gpu-kernels.md); the CPU path is float64",
-    )
-    fit.add_argument("--lam", type=float, default=1e-2, help="ridge strength relative to the data scale")
-    fit.add_argument("--native-head", type=int, default=1, help="target positions computed natively")
     fit.add_argument("--device", default="cpu", help="cpu or cuda")
-    fit.add_argument("--seed", type=int, default=0)
+    group = fit.add_argument_group("fitting (the fields of a FitConfig; default: FitConfig()'s own)")
+    docs, hints = field_docs(), typing.get_type_hints(FitConfig)
+    for field in dataclasses.fields(FitConfig):
+        text = f"{docs[field.name]} (default: {getattr(_DEFAULT, field.name)})"
+        group.add_argument(
+            FLAGS[field.name],
+            dest=field.name,
+            default=argparse.SUPPRESS,  # absent unless given: FitConfig (or the recipe) decides
+            help=text.replace("%", "%%"),
+            metavar=None if field.name in CHOICES else FLAGS[field.name][2:].upper().replace("-", "_"),
+            **_kind(field.name, hints[field.name]),
+        )
     fit.set_defaults(func=run_fit)
     return fit
 
 
-# fit_bridge's option names -> this command's flags, for error messages.
-_FLAGS = {"num_sequences": "--calib-seqs", "seq_len": "--seq-len", "layers_k": "--layers-k", "lam": "--lam"}
-_FLAGS |= {"native_head": "--native-head", "alignment_policy": "--alignment-policy"}
+def _given(args) -> dict:
+    """The FitConfig fields given on the command line, by name."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig) if hasattr(args, f.name)}
+
+
+def fit_config(args, base: FitConfig | None = None) -> FitConfig:
+    """`base` (default FitConfig()) with the fitting flags given (FitOptionError naming the field)."""
+    return (base or _DEFAULT).replace(**_given(args))
 
 
 def check_fit_args(args) -> str | None:
-    """The first problem with the arguments, destination included, in words; None if none."""
+    """The first problem with the arguments, destination included, in words; None if none.
+    Sets `args.config` (the FitConfig) and, with --recipe, `args.source`, `args.target` and
+    `args.recipe_fields` from the recipe."""
     from bridgecache.files import writable_destination
-    from bridgecache.fitting.options import check_fit_options, check_model_reference
+    from bridgecache.fitting.options import check_model_reference
     from bridgecache.models.zoo import BUILTIN_MODELS
 
+    base = None
     if args.recipe:
         problem = _check_recipe(args)
         if problem:
             return problem
+        base = FitConfig.from_recipe(args.recipe_fields)
     try:
-        check_fit_options(
-            method=args.method,
-            num_sequences=args.calib_seqs,
-            seq_len=args.seq_len,
-            domain=args.domain,
-            layers_k=args.layers_k,
-            lam=args.lam,
-            alignment_policy=args.alignment_policy,
-            native_head=args.native_head,
+        args.config = fit_config(args, base)
+    except FitOptionError as err:
+        from_recipe = args.recipe and err.option not in _given(args)
+        return f"{FLAGS[err.option]} is {err.value!r}; expected {err.expected}" + (
+            " (the recipe's value)" if from_recipe else ""
         )
-    except ValueError as err:
-        name, _, rest = str(err).partition(" is ")
-        return f"{_FLAGS.get(name, name)} is {rest}" + (" (the recipe's value)" if args.recipe else "")
     for flag, name in (("--source", args.source), ("--target", args.target)):
         if name is None:
             return "give --source and --target (or --recipe BRIDGE)"
@@ -131,7 +134,7 @@ def check_fit_args(args) -> str | None:
 
 def _check_recipe(args) -> str | None:
     """With --recipe: load the bridge (every field validated, the recipe included) and take the
-    recipe's options into `args` (--calib-seqs/--seq-len given here override it)."""
+    models it names into `args` (its options are read by `check_fit_args`)."""
     from bridgecache.bridge.format import BridgeFormatError
     from bridgecache.bridge.maps import Bridge
 
@@ -143,23 +146,13 @@ def _check_recipe(args) -> str | None:
         return f"--recipe: {err}"
     if not recipe:
         return f"--recipe: {args.recipe} records no fit recipe (an identity bridge, or fitted before recipes)"
-    sizes = (("num_sequences", args.calib_seqs), ("seq_len", args.seq_len))
-    fields = {**recipe, **{k: v for k, v in sizes if v is not None}}
-    args.recipe_fields = fields
-    args.source, args.target = fields["source"], fields["target"]
-    args.calib_seqs, args.seq_len = fields.get("num_sequences"), fields.get("seq_len")
-    for key in ("method", "domain", "layers_k", "lam", "native_head"):  # checked as the options are
-        if key in fields:
-            setattr(args, key, fields[key])
-    args.alignment_policy = fields.get("alignment_policy")
+    args.recipe_fields = recipe
+    args.source, args.target = recipe["source"], recipe["target"]
     return None
 
 
 def run_fit(args) -> int:
     """Check the arguments, load both models, fit, save, print the report. Returns the exit status."""
-    if not args.recipe:  # a recipe brings its own sizes; options given here override them
-        args.calib_seqs = DEFAULT_CALIB_SEQS if args.calib_seqs is None else args.calib_seqs
-        args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     problem = check_fit_args(args)
     if problem:
         print(f"bridgecache fit: error: {printable(problem, 2000)}", file=sys.stderr)
@@ -172,18 +165,14 @@ def run_fit(args) -> int:
 
     if args.recipe:
         return _fit_recipe(args)
-    torch.manual_seed(args.seed)
+    config = args.config
+    torch.manual_seed(config.seed)
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)
     start = time.perf_counter()
     bridge = fit_bridge(
-        source, target, source_tok, target_tok, method=args.method,
-        num_sequences=args.calib_seqs, seq_len=args.seq_len, domain=args.domain, layers_k=args.layers_k,
-        layer_support=args.layer_support, lam=args.lam, weighting=args.weighting,
-        alignment_policy=args.alignment_policy, key_scale=args.key_scale,
-        native_head=args.native_head, seed=args.seed, source_name=args.source, target_name=args.target,
-        stats_precision=args.stats_precision,
-    )  # fmt: skip
+        source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target
+    )
     seconds = time.perf_counter() - start
     if not save_or_rescue(bridge, args.out, args.force, "fit"):
         return 1
@@ -191,7 +180,7 @@ def run_fit(args) -> int:
     if "rows" in bridge.calibration:
         rows = bridge.calibration["rows"]
         print(
-            f"calibration: {args.calib_seqs} x {args.seq_len} tokens of {args.domain}; "
+            f"calibration: {config.num_sequences} x {config.seq_len} tokens of {config.domain}; "
             f"{rows['train']} training rows, {rows['heldout']} held-out rows"
         )
     print(f"fit time: {seconds:.1f} s; saved to {args.out}")
@@ -199,21 +188,22 @@ def run_fit(args) -> int:
 
 
 def _fit_recipe(args) -> int:
-    """Fit again from the recipe a bridge records (checked by `_check_recipe`; the zoo loads the
-    models it names), then save like a plain fit."""
+    """Fit again from the recipe a bridge records, with the options given here (checked by
+    `check_fit_args`; the zoo loads the models it names), then save like a plain fit."""
     import torch
 
     from bridgecache.bridge.recipe import recipe_command
     from bridgecache.fitting.refit import refit
     from bridgecache.models.zoo import load_model
 
-    recipe = args.recipe_fields
-    torch.manual_seed(recipe.get("seed", 0))
+    recipe, config = args.recipe_fields, args.config
+    torch.manual_seed(config.seed)
     source, source_tok = load_model(recipe["source"], device=args.device)
     target, target_tok = load_model(recipe["target"], device=args.device)
-    print(f"recipe of {printable(args.recipe)}: {printable(recipe_command(recipe, args.out))}")
+    command = recipe_command(config.recipe(recipe["source"], recipe["target"]), args.out)
+    print(f"recipe of {printable(args.recipe)}: {printable(command)}")
     start = time.perf_counter()
-    bridge = refit(recipe, source, target, source_tok, target_tok)
+    bridge = refit(recipe, source, target, source_tok, target_tok, **_given(args))
     if not save_or_rescue(bridge, args.out, args.force, "fit"):
         return 1
     print(bridge.summary())

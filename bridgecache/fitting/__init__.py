@@ -9,11 +9,26 @@ Modules, one job each:
     runner       run both models over the calibration sequences -> PairedKV
     core         per-target-layer accumulation and solve (model- and tokenizer-free)
     fit          fit_layer_maps (engine) and fit_bridge (models -> Bridge)
-    cli          the `bridgecache fit` subcommand
+    heldout      attention-output cosine of a bridge on its held-out sequences
+    refit        fit again from a bridge's recorded recipe
+    cached       a bridge per (models, FitConfig), fitted on first use and cached on disk
+    options      whether a model reference can possibly load (for the commands)
+
+The options of a fit are one `FitConfig` (defined with the recipe a bridge records of it, in
+bridgecache.bridge.recipe, since every bridge file carries one).
 """
 
+from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig
 from bridgecache.fitting.core import PairedKV
-from bridgecache.fitting.fit import DEFAULT_K, DEFAULT_WEIGHTING, fit_bridge, fit_layer_maps
+from bridgecache.fitting.fit import fit_bridge, fit_layer_maps
 from bridgecache.fitting.ridge import DEFAULT_LAM
 
-__all__ = ["fit_bridge", "fit_layer_maps", "PairedKV", "DEFAULT_K", "DEFAULT_WEIGHTING", "DEFAULT_LAM"]
+__all__ = [
+    "FitConfig",
+    "fit_bridge",
+    "fit_layer_maps",
+    "PairedKV",
+    "DEFAULT_K",
+    "DEFAULT_WEIGHTING",
+    "DEFAULT_LAM",
+]

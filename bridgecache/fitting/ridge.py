@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from bridgecache.bridge.recipe import FitConfig
 from bridgecache.fitting.stats import SufficientStats
 
 __all__ = ["DEFAULT_LAM", "centred", "solve", "sse_sst", "r2", "variance_scale", "rescale"]
 
-DEFAULT_LAM = 1e-2
+DEFAULT_LAM = FitConfig.lam  # one default: FitConfig's
 
 
 def centred(
