@@ -2,8 +2,9 @@
 
 The engine side of these tests is SGLang's: its StorageBackendFactory builds our backend, its
 get_hash_str computes the page keys a request looks up, its HiCacheFile reads exported files, and
-its host pool's own set_from_flat_data_page / get_dummy_flat_data_page (read from the installed
-pool_host/mha.py: importing that module needs SGLang's GPU stack) place each page."""
+its host pool's own set_from_flat_data_page / get_dummy_flat_data_page / get_page_buffer_meta
+(read from the installed pool_host/mha.py: importing that module needs SGLang's GPU stack) place
+each page."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _engine_pool_methods():
     path = Path(sglang.__file__).parent / "srt/mem_cache/pool_host/mha.py"
     tree = ast.parse(path.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MHATokenToKVPoolHost")
-    wanted = {"set_from_flat_data_page", "get_dummy_flat_data_page", "get_data_page"}
+    wanted = {"set_from_flat_data_page", "get_dummy_flat_data_page", "get_data_page", "get_page_buffer_meta"}
     funcs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
     assert {f.name for f in funcs} == wanted, "sglang's host pool lost a page method"
     namespace = {"torch": torch}

@@ -155,6 +155,17 @@ def _zero_copy(storage: HiCacheStorage) -> bool:
     return bool(extra.get("interface_v1", 0))
 
 
+def _per_page(results, num_pages: int) -> list[bool]:
+    """One flag per page from what batch_set_v1 answered: one flag per page, or one per buffer
+    (HiCacheHF3FS's zero-copy layouts store keys and values apart: 2 per page, in page order);
+    SGLang's controller takes all() of either. Anything else counts as nothing stored."""
+    results = list(results) if results is not None else []
+    if not results or len(results) % num_pages:
+        return [False] * num_pages
+    per = len(results) // num_pages
+    return [all(results[i * per : (i + 1) * per]) for i in range(num_pages)]
+
+
 def write_hicache(pages, storages, *, layout: str) -> list[HiCacheStorage]:
     """Write `pages` (a `publish.BridgedPages`) through each storage's own batch_set(_v1).
 
@@ -182,13 +193,12 @@ def write_hicache(pages, storages, *, layout: str) -> list[HiCacheStorage]:
             )
         storage.register_mem_pool_host(pool)
         if _zero_copy(storage):
-            results = storage.batch_set_v1(keys, torch.arange(pool.size))
-            ok = list(results) if results is not None else [False] * len(keys)
+            ok = _per_page(storage.batch_set_v1(keys, torch.arange(pool.size)), len(keys))
         else:
             flat = [pool.get_data_page(i * pages.page_size) for i in range(pages.num_pages)]
             ok = [bool(storage.batch_set(keys, flat))] * len(keys)
         failed = [key for key, good in zip(keys, ok) if not good]
-        if failed or len(ok) != len(keys):
+        if failed:
             raise RuntimeError(
                 f"{type(storage).__name__} (rank {rank} of {len(storages)}) did not store "
                 f"{len(failed)} of {len(keys)} pages (first: {failed[:1]})"
