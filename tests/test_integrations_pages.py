@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from bridgecache import HandoffConfig, KVMismatchError, RefreshConfig
+from bridgecache import HandoffConfig, KVMismatchError, QualityPolicy, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.integrations.keys import (
     EngineMismatchError,
@@ -82,8 +82,12 @@ def test_the_salt_names_what_of_the_config_changes_the_kv(handoff):
     assert bridge_salt(bridge) == bridge_salt(bridge, config=refreshed)  # the default is every path's
     salts = {bridge_salt(bridge, config=c) for c in (refreshed, other_share, HandoffConfig(refresh=None))}
     assert len(salts) == 3
-    # the gate and launch choices change no KV value: same namespace
-    assert bridge_salt(bridge, config=HandoffConfig(one_launch=False)) == bridge_salt(bridge)
+    # launch and graph choices change no KV value: same namespace; the gate can
+    assert bridge_salt(bridge, config=HandoffConfig(one_launch=False, cuda_graphs=False)) == bridge_salt(
+        bridge
+    )
+    gated = HandoffConfig(quality=QualityPolicy(min_quality=0.9))
+    assert bridge_salt(bridge, config=gated) != bridge_salt(bridge)
 
 
 def test_head_range_splits_or_replicates_heads():

@@ -139,9 +139,11 @@ class HandoffConfig:
     @property
     def kv_recipe(self) -> str:
         """What of this config changes the cache's KV values, as text: published pages are
-        namespaced by it (the gate and the launch/graph choices change no value)."""
+        namespaced by it (the gate can send layers native; launch and graph choices change no
+        value)."""
         refresh = self.refresh.label if self.refresh is not None else "none"
         return (
             f"native_head={self.native_head} native_tail={self.native_tail} "
-            f"native_layers={self.native_layers} key_norm={self.key_norm} refresh={refresh}"
+            f"native_layers={self.native_layers} key_norm={self.key_norm} refresh={refresh} "
+            f"quality={self.quality}"
         )
