@@ -27,7 +27,9 @@ each until the first new token:
 The batch table: `--batch` contexts of `--batch-tokens` tokens, `--new-tokens` new tokens each,
 handoff (source prefill excluded, and included) vs the target's batched prefill + generation.
 --profile N: torch.profiler over one default handoff at N tokens: kernel launches, GPU busy time,
-the top operators. Prints device, date, torch/transformers versions and the git commit.
+the top operators. --host-profile N: cProfile over default handoffs at N tokens (where the host's
+milliseconds go once the forwards replay from CUDA graphs).
+Prints device, date, torch/transformers versions and the git commit.
 """
 
 from __future__ import annotations
@@ -232,6 +234,37 @@ def profile(source, target, bridge, n: int, device) -> None:
         )
 
 
+@torch.no_grad()
+def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> None:
+    """The host's share of default handoffs at n tokens: cProfile, by own time and by total time."""
+    import cProfile
+    import pstats
+
+    vocab = target.config.vocab_size
+    context = torch.randint(0, vocab, (1, n), device=device)
+    question = torch.randint(0, vocab, (1, QUESTION), device=device)
+    full = torch.cat([context, question], dim=1)
+    kv = capture_kv(source, context)
+    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+    def handoff():
+        cache = BridgedCache(bridge, kv, target, context, source_model=source, prompt_ids=question)
+        target.generate(full, **gen, **cache_kwargs(target, cache))
+        sync(device)
+
+    handoff()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(repeats):
+        handoff()
+    profiler.disable()
+    print(f"host profile at {n} tokens: {(time.perf_counter() - start) / repeats * 1e3:.1f} ms per handoff")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+
+
 def _commit() -> str:
     if os.environ.get("BRIDGECACHE_COMMIT"):  # a copy of the tree without .git (the GPU machine)
         return os.environ["BRIDGECACHE_COMMIT"]
@@ -258,6 +291,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, nargs="+", help="profile one handoff at these token counts, then stop"
     )
+    parser.add_argument("--host-profile", type=int, nargs="+", help="cProfile default handoffs, then stop")
     parser.add_argument("--targets", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", help="write results.json here")
@@ -285,9 +319,11 @@ def main() -> None:
             continue
         target = model(target_name)
         bridge = random_fullhead_bridge(source.config, target.config)
-        if args.profile:
-            for n in args.profile:
+        if args.profile or args.host_profile:
+            for n in args.profile or []:
                 profile(source, target, bridge, n, device)
+            for n in args.host_profile or []:
+                host_profile(source, target, bridge, n, device)
             return
         table, header = {}, None
         for n in ns:
