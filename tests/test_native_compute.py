@@ -369,3 +369,40 @@ def test_refresh_reads_grouped_translation_like_per_layer_translation():
     assert torch.equal(grouped.refreshed_columns, per_layer.refreshed_columns)
     for a, b in zip(grouped.materialize().layers, per_layer.materialize().layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_native_work_in_generates_first_forward_equals_its_own_forward(family):
+    """The one-forward path (native head + refreshed tokens + held-back token + prompt in
+    generate()'s first forward) against the separate path (the native work in a forward of its
+    own, then generate()): the same tokens, the same logits at every step, one forward fewer."""
+    model = tiny_model(family)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 300, (1, 24))
+    prompt = torch.randint(3, 300, (1, 5))
+    full = torch.cat([ids, prompt], dim=1)
+    config = HandoffConfig(refresh=RefreshConfig(6, GivenScores(torch.rand(1, 24))))
+    bridge = _noisy_bridge(model)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    runs = {}
+    for name in ("joined", "separate"):
+        cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config)
+        forwards.clear()
+        if name == "separate":
+            cache.run_pending()
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
+        out = model.generate(full, return_dict_in_generate=True, **kwargs, **cache_kwargs(model, cache))
+        runs[name] = (out, len(forwards), cache.refreshed_columns)
+    hook.remove()
+    (joined, joined_forwards, joined_cols), (separate, separate_forwards, separate_cols) = runs.values()
+    assert torch.equal(joined_cols, separate_cols) and joined_cols.numel() == 6
+    assert torch.equal(joined.sequences, separate.sequences)
+    for a, b in zip(joined.logits, separate.logits):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert (joined_forwards, separate_forwards) == (4, 5)
+    # and the refresh matters: without it this bridge answers differently
+    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(refresh=None))
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
+    untouched = model.generate(full, return_dict_in_generate=True, **kwargs, **cache_kwargs(model, plain))
+    assert not torch.allclose(untouched.logits[0], joined.logits[0], atol=1e-3)
