@@ -21,6 +21,8 @@ each until the first new token:
 - default, forward: the same handoff, its first token from one target forward (no generate():
   beside "native, graph", the compiled-vs-compiled comparison without generate()'s host work);
 - default, eager: the same with `cuda_graphs=False` (every kernel launched from Python);
+- default, source reads L layers (--reading-layers L): the default with
+  `SourceAttention(layers=L)`, the source's reading stopping after its first L layers;
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
 - refresh r, given: the same choice made beforehand (no source reading): translation + the one
   forward; minus the translation-only row, it is what the refresh costs.
@@ -46,7 +48,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, capture_kv
+from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, SourceAttention, capture_kv
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.models.spec import model_spec
@@ -105,7 +107,7 @@ def timed(fn, device, repeats: int) -> float:
 
 
 @torch.no_grad()
-def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions) -> dict:
+def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions, reading_layers=()) -> dict:
     """Seconds to the first token of each row (see the module docstring) at n context tokens."""
     vocab = target.config.vocab_size
     context = torch.randint(0, vocab, (1, n), device=device)
@@ -134,6 +136,9 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
     rows["default"] = timed(lambda: bridged(HandoffConfig()), device, repeats)
     rows["default, forward"] = timed(lambda: bridged_forward(HandoffConfig()), device, repeats)
     rows["default, eager"] = timed(lambda: bridged(HandoffConfig(cuda_graphs=False)), device, repeats)
+    for layers in reading_layers:
+        fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
+        rows[f"default, source reads {layers} layers"] = timed(lambda: bridged(fewer), device, repeats)  # noqa: B023
     rows["translation only"] = timed(lambda: bridged(HandoffConfig(refresh=None)), device, repeats)
     scores = torch.rand(1, n)
     for r in fractions:
@@ -152,7 +157,7 @@ def native_graph(target, ids: torch.Tensor):
 
 
 @torch.no_grad()
-def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device) -> dict:
+def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device, reading_layers=()) -> dict:
     """Requests per second: handoffs of `batch` contexts in one pass vs the target's own batch."""
     vocab = target.config.vocab_size
     context = torch.randint(0, vocab, (batch, tokens), device=device)
@@ -161,9 +166,11 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     kv = capture_kv(source, context)
 
-    def handoff(with_source_prefill: bool):
+    def handoff(with_source_prefill: bool, config=None):
         source_kv = capture_kv(source, context) if with_source_prefill else kv
-        cache = BridgedCache(bridge, source_kv, target, context, source_model=source, prompt_ids=question)
+        cache = BridgedCache(
+            bridge, source_kv, target, context, config=config, source_model=source, prompt_ids=question
+        )
         target.generate(full, **gen, **cache_kwargs(target, cache))
 
     seconds = {
@@ -171,6 +178,9 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
         "handoff": timed(lambda: handoff(False), device, 2),
         "handoff incl. source prefill": timed(lambda: handoff(True), device, 2),
     }
+    for layers in reading_layers:
+        fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
+        seconds[f"handoff, source reads {layers} layers"] = timed(lambda: handoff(False, fewer), device, 2)  # noqa: B023
     return {name: batch / s for name, s in seconds.items()}
 
 
@@ -292,6 +302,9 @@ def main() -> None:
         "--profile", type=int, nargs="+", help="profile one handoff at these token counts, then stop"
     )
     parser.add_argument("--host-profile", type=int, nargs="+", help="cProfile default handoffs, then stop")
+    parser.add_argument(
+        "--reading-layers", type=int, nargs="+", default=[], help="rows where the source reads fewer layers"
+    )
     parser.add_argument("--targets", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", help="write results.json here")
@@ -327,7 +340,9 @@ def main() -> None:
             return
         table, header = {}, None
         for n in ns:
-            rows = handoff_rows(source, target, bridge, n, device, args.repeats, args.fractions)
+            rows = handoff_rows(
+                source, target, bridge, n, device, args.repeats, args.fractions, args.reading_layers
+            )
             table[n] = rows
             if header is None:
                 header = ["context tokens", "native ms"] + [f"{k} (x native)" for k in rows if k != "native"]
@@ -344,7 +359,9 @@ def main() -> None:
         results["tables"][target_name] = table
         if target_name == "7b" and not args.no_batch:
             batch, tokens = (4, 64) if args.smoke else (args.batch, args.batch_tokens)
-            rates = batch_rows(source, target, bridge, batch, tokens, args.new_tokens, device)
+            rates = batch_rows(
+                source, target, bridge, batch, tokens, args.new_tokens, device, args.reading_layers
+            )
             results["batch"] = {"batch": batch, "tokens": tokens, "new_tokens": args.new_tokens, **rates}
             each = f"{args.new_tokens} new tokens each"
             print(f"\nbatch {batch} x {tokens} tokens, {each}, 1.5B -> 7B: requests/s")
@@ -353,6 +370,9 @@ def main() -> None:
             print(f"| {native:.2f} | {rates['handoff']:.2f} ({rates['handoff'] / native:.2f}) | "
                   f"{rates['handoff incl. source prefill']:.2f} "
                   f"({rates['handoff incl. source prefill'] / native:.2f}) |")  # fmt: skip
+            for name, rate in rates.items():
+                if name.startswith("handoff, source reads"):
+                    print(f"{name}: {rate:.2f} requests/s ({rate / native:.2f} x native)")
         del target
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -12,7 +12,8 @@ head (native head, default: the bridge's), tail (native tail, default 0), layers
 an int n, or 0+1+17 for a set, or all), refresh (fraction or token count; none without it), by
 (deviation, the default | source), minq (quality gate threshold); source-guided selection
 (`SourceAttention`): reduce (sum, the default | max over layers, heads and queries), after
-(scores reach the N following tokens, default 0).
+(scores reach the N following tokens, default 0), read (the source reads with its first N
+layers only, or a share of them such as 0.25; default all).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
@@ -39,7 +40,7 @@ PAIRS = {
 }
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
 _KEYS |= {"by": "refresh_by", "minq": "min_quality"}
-_KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after"}
+_KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after", "read": "refresh_read_layers"}
 
 
 def handoff_config(options: dict):
@@ -48,7 +49,11 @@ def handoff_config(options: dict):
 
     refresh, by = options.get("refresh"), options.get("refresh_by", "deviation")
     if by == "source":
-        by = SourceAttention(reduce=options["refresh_reduce"], after=options["refresh_after"])
+        by = SourceAttention(
+            reduce=options["refresh_reduce"],
+            after=options["refresh_after"],
+            layers=options.get("refresh_read_layers"),
+        )
     return HandoffConfig(
         native_head=options.get("native_head"),
         native_tail=options.get("native_tail", 0),
@@ -79,6 +84,8 @@ def parse_variant(spec: str) -> dict:
             )
         elif key in ("by", "reduce"):
             options[_KEYS[key]] = value
+        elif key == "read":  # a layer count, or a share of the source's layers
+            options[_KEYS[key]] = float(value) if "." in value else int(value)
         elif key in ("refresh", "minq"):
             number = float(value)
             options[_KEYS[key]] = int(number) if key == "refresh" and number >= 1 else number

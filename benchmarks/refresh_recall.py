@@ -18,6 +18,8 @@ library does; the source reads "Question: ... Answer:" over its own cache):
     sum+afterK     sum, each score also reaching the K tokens AFTER it (what follows a mention)
     max+after4, readout+after4   the same reach on the other rules (max+after4: the library's
                    default, `SourceAttention()` with a prompt)
+--layers L [L ...]: instead of the rules, "max+after4" scored only by the source's first L layers
+(what a reading that stops after layer L would pick; a later layer cannot change an earlier one).
 Prints a table: mean recall of the answer's target tokens and of its line, 95% bootstrap
 intervals over items.
 """
@@ -31,6 +33,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -41,6 +44,12 @@ from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
+from bridgecache.runtime.attention import (  # noqa: E402
+    KEYWORD,
+    ReadingMask,
+    attention_override,
+    read_without_logits,
+)
 from bridgecache.runtime.handoff import align_context  # noqa: E402
 from bridgecache.runtime.reading import attention_scores  # noqa: E402
 
@@ -72,6 +81,35 @@ def rules(source, kv, question: torch.Tensor) -> dict[str, torch.Tensor]:
         "max+after4": after(peak, 4),
         "readout+after4": after(readout, 4),
     }
+
+
+class LayerMaxima(ReadingMask):
+    """A reading that keeps each layer's "max" scores apart: `per_layer` [layers, batch, context]."""
+
+    def attend(self, module, query, key, value, scaling):
+        self.layer = module.layer_idx
+        return super().attend(module, query, key, value, scaling)
+
+    def _score(self, probs: torch.Tensor) -> None:
+        self.per_layer[self.layer] = probs.amax(dim=(1, 2, 3))
+
+
+def first_layers_rules(source, kv, question: torch.Tensor, counts: list[int]) -> dict[str, torch.Tensor]:
+    """Source-token scores [1, S] of "max+after4" from the first L layers only, per L in counts."""
+    n = kv.num_tokens
+    positions = kv.position_ids[:, :n]
+    query_positions = positions[:, -1:] + 1 + torch.arange(question.shape[1])[None]
+    mask = LayerMaxima(
+        keys=tuple(k[:, :, :n] for k in kv.keys), values=tuple(v[:, :, :n] for v in kv.values),
+        context_positions=positions, first_column=kv.padding, query_positions=query_positions,
+        scores=torch.zeros(1, n),
+    )  # fmt: skip
+    mask.per_layer = torch.zeros(len(kv.keys), 1, n)
+    with attention_override(source):
+        read_without_logits(
+            source, input_ids=question, position_ids=query_positions, **{KEYWORD: mask}, use_cache=False
+        )
+    return {f"max+after4, first {c} layers": after(mask.per_layer[:c].amax(0), 4) for c in counts}
 
 
 def top_columns(scores: torch.Tensor, eligible: torch.Tensor, budget: int) -> torch.Tensor:
@@ -106,6 +144,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=48)
     parser.add_argument("--count", type=int, default=48)
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--layers", type=int, nargs="+", help="score by the first L source layers only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     bridge = Bridge.from_pretrained(args.bridge)
@@ -114,7 +153,7 @@ def main() -> None:
     target_tok = load_tokenizer(target_name)  # the target model itself is not needed
     items = builtin_items(f"{args.task}", target_tok, limit=args.first + args.count)[args.first :]
     recall = {}
-    for item in items:
+    for item in tqdm(items, desc="items"):
         alignment, source_ids, target_ids = align_context(bridge, item.context, source_tok, target_tok)
         answer = item.choices[item.answer]
         at = item.context.find(answer)
@@ -135,7 +174,12 @@ def main() -> None:
         eligible = torch.zeros(1, tokens, dtype=torch.bool)
         eligible[0, 1 : tokens - 1] = True  # as BridgedCache: native sink, held-back last token
         budget = round(args.budget * int(eligible.sum()))
-        for name, scores in rules(source, kv, question).items():
+        scored = (
+            first_layers_rules(source, kv, question, args.layers)
+            if args.layers
+            else rules(source, kv, question)
+        )
+        for name, scores in scored.items():
             on_target = torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
             picked = set(top_columns(on_target, eligible, budget)[0].tolist())
             for what, columns in wanted.items():

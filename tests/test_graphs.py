@@ -25,17 +25,21 @@ def test_buckets_waste_at_most_an_eighth_past_256():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("reduce", ["max", "sum"])
-def test_bucketed_reading_scores_what_the_eager_reading_scores(family, reduce):
+@pytest.mark.parametrize("layers", [None, 2])
+def test_bucketed_reading_scores_what_the_eager_reading_scores(family, reduce, layers):
     model = tiny_model(family)  # gemma3: sliding layers (window 8) read only the context's end
     ids = torch.randint(3, 300, (2, 20))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # a left-padded row
     kv = capture_kv(model, ids, attention_mask=mask)
-    graph = ReadingGraph(model, batch=2, queries=16, capacity=64, reduce=reduce, captured=False)
+    graph = ReadingGraph(
+        model, batch=2, queries=16, capacity=64, reduce=reduce, captured=False, layers=layers
+    )
+    assert len(graph.keys) == (layers or model.config.num_hidden_layers)  # buffers for the layers read
     for _ in range(2):  # a second run over the same buffers: nothing stale leaks in
         prompt = torch.randint(3, 300, (2, int(torch.randint(1, 6, ()))))
         expected = attention_scores(
-            model, kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20, reduce=reduce
+            model, kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20, reduce=reduce, layers=layers
         )
         got = graph.run(kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20)
         assert got.shape == expected.shape == (2, 20)
@@ -48,11 +52,11 @@ def test_a_captured_reading_replays_the_eager_scores_on_cuda():
     ids = torch.randint(3, 300, (1, 40), device="cuda")
     kv = capture_kv(model, ids)
     first = torch.zeros(1, dtype=torch.long, device="cuda")
-    for _ in range(3):  # the same captured graph, new prompts
+    for layers in (None, 1, 1, 2):  # the same captured graph, new prompts; one per layer count
         prompt = torch.randint(3, 300, (1, 5), device="cuda")
-        eager = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 40)
+        eager = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers)
         replayed = attention_scores(
-            model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, graphs=True
+            model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers, graphs=True
         )
         assert torch.allclose(eager, replayed, atol=1e-5)
 

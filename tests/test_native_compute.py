@@ -257,6 +257,38 @@ def test_source_attention_scores_match_the_models_own_attention():
         read(reduce="mean")
 
 
+def test_reading_with_the_first_layers_stops_the_forward_there():
+    model = tiny_model("llama")  # eager attention: output_attentions is the reference
+    context, prompt = torch.randint(3, 300, (1, 15)), torch.randint(3, 300, (1, 4))
+    kv = capture_kv(model, context)
+    first = torch.zeros(1, dtype=torch.long)
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    peaks = torch.stack([a[0, :, 15:, :15].amax((0, 1)) for a in out.attentions])  # [layers, 15]
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: ran.append(1)) for layer in model.model.layers]
+    layers = len(model.model.layers)
+    for count in range(1, layers + 2):
+        ran.clear()
+        scores = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 15, layers=count)
+        assert torch.allclose(scores[0], peaks[:count].amax(0), atol=1e-5)
+        assert len(ran) == min(count, layers)  # the forward stopped after them
+    for hook in hooks:
+        hook.remove()
+    assert len(model.model.layers) == layers  # the decoder has all its layers back
+    request = _request(model, context, prompt)
+    whole, first_one = SourceAttention(), SourceAttention(layers=1)
+    assert first_one.reading_flops(request) == pytest.approx(whole.reading_flops(request) / layers)
+    assert not torch.allclose(first_one.scores(request), whole.scores(request))
+    assert "layers=1" in HandoffConfig(refresh=RefreshConfig(0.2, first_one)).label
+    half = SourceAttention(layers=0.5)  # a share of the source's layers, rounded up
+    assert half.layer_count(model) == 2 and SourceAttention(layers=1.0).layer_count(model) == layers
+    assert torch.equal(half.scores(request), SourceAttention(layers=2).scores(request))
+    bad_values = ((0, ValueError), (-2, ValueError), (1.5, ValueError), (0.0, ValueError), ("2", TypeError))
+    for bad, error in bad_values + ((True, TypeError),):
+        with pytest.raises(error, match="layers is"):
+            SourceAttention(layers=bad)
+
+
 def test_source_attention_reads_left_padded_rows_like_single_ones():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (2, 12))

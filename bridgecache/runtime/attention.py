@@ -34,7 +34,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from bridgecache.kernels import column_attention
 
-__all__ = ["ColumnMask", "ReadingMask", "attention_override", "read_without_logits", "KEYWORD", "NAME"]
+__all__ = [
+    "ColumnMask", "ReadingMask", "attention_override", "layers_read", "read_without_logits",
+    "KEYWORD", "NAME",
+]  # fmt: skip
 
 NAME = "bridgecache"  # the attention implementation's name
 KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
@@ -98,6 +101,7 @@ class ReadingMask:
     scores: [batch, context] float32, reduced in place over layers, heads and counted queries
         ("max": the largest probability any gives the token; "sum": their sum).
     counted: count only the last this many prompt tokens (None: all).
+    layers: only layers below this index score (None: all); later layers still attend.
     context_end: [batch] int64, columns from it on are not context (a buffer longer than the
         context, as a captured graph's); None: every column is.
     query_valid: [batch, queries] bool, queries that count (the rest pad a captured graph's
@@ -112,6 +116,7 @@ class ReadingMask:
     scores: torch.Tensor
     reduce: str = "max"
     counted: int | None = None
+    layers: int | None = None
     context_end: torch.Tensor | None = None
     query_valid: torch.Tensor | None = None
 
@@ -142,7 +147,8 @@ class ReadingMask:
         out = torch.matmul(p_context.to(value.dtype), context_v) + torch.matmul(
             p_prompt.to(value.dtype), value
         )
-        self._score(p_context.view(batch, kv_heads, group, q, -1))
+        if self.layers is None or layer < self.layers:
+            self._score(p_context.view(batch, kv_heads, group, q, -1))
         out = out.view(batch, kv_heads, group, q, dim).reshape(batch, heads, q, dim)
         return out.transpose(1, 2)
 
@@ -231,11 +237,39 @@ def attention_override(model):
                     _ORIGINAL[id(config)] = (original, depth - 1)
 
 
-def read_without_logits(model, **kwargs) -> None:
-    """Run `model` for what its attention sees, not for logits: through its decoder (no final
-    vocabulary projection, ~0.1 s of a 1.5B model's reading on a CPU) where it has one."""
+def _decoder(model):
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
+    return None if decoder is model else decoder
+
+
+def layers_read(model, layers: int | None) -> int:
+    """How many decoder layers `read_without_logits(model, layers)` runs: `layers` where the
+    decoder keeps its layers in a `layers` list it loops over, else all of them."""
+    stack = getattr(_decoder(model), "layers", None)
+    total = model.config.get_text_config().num_hidden_layers
+    if layers is None or not isinstance(stack, torch.nn.ModuleList):
+        return total
+    return min(layers, total)
+
+
+def read_without_logits(model, layers: int | None = None, **kwargs) -> None:
+    """Run `model` for what its attention sees, not for logits: through its decoder (no final
+    vocabulary projection, ~0.1 s of a 1.5B model's reading on a CPU) where it has one, and only
+    through its first `layers` decoder layers where it can (`layers_read`; None: all; a later
+    layer cannot change what an earlier one attended to).
+
+    Not thread-safe against other forwards of the same model object: the decoder's layer list is
+    shortened for the duration."""
+    decoder = _decoder(model)
+    if decoder is None:
         model(**kwargs, logits_to_keep=1)
-    else:
+        return
+    stack, count = decoder.layers if hasattr(decoder, "layers") else None, layers_read(model, layers)
+    if stack is None or count >= len(stack):
         decoder(**kwargs)
+        return
+    decoder.layers = torch.nn.ModuleList(list(stack)[:count])  # the decoder loops over self.layers
+    try:
+        decoder(**kwargs)
+    finally:
+        decoder.layers = stack

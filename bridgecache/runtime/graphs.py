@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.attention import KEYWORD, ReadingMask, attention_override, read_without_logits
+from bridgecache.runtime.attention import (
+    KEYWORD,
+    ReadingMask,
+    attention_override,
+    layers_read,
+    read_without_logits,
+)
 
 __all__ = ["ReadingGraph", "PassGraph", "bucket", "capture"]
 
@@ -59,23 +65,25 @@ def bucket(n: int, smallest: int = 16) -> int:
 class ReadingGraph:
     """One reading at fixed shapes (see the module docstring).
 
-    batch, queries, capacity: the buffers' batch, prompt slots and context columns; reduce: as
-    ReadingMask's. The model's cache layout (layers, kv heads, head dim) comes from its config.
+    batch, queries, capacity: the buffers' batch, prompt slots and context columns; reduce, layers:
+    as ReadingMask's (buffers only for the layers read). The model's cache layout (layers, kv
+    heads, head dim) comes from its config.
     """
 
-    def __init__(self, model, batch: int, queries: int, capacity: int, reduce: str, captured: bool):
+    def __init__(
+        self, model, batch: int, queries: int, capacity: int, reduce: str, captured: bool, layers=None
+    ):
         config = model.config.get_text_config()
         weight = model.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
         heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model, self.queries, self.capacity = model, queries, capacity
+        self.model, self.queries, self.capacity, self.layers = model, queries, capacity, layers
         zeros = lambda *shape, kind=torch.long: torch.zeros(*shape, dtype=kind, device=device)  # noqa: E731
         self.ids, self.query_positions = zeros(batch, queries), zeros(batch, queries)
-        self.keys = [zeros(batch, heads, capacity, dim, kind=dtype) for _ in range(config.num_hidden_layers)]
-        self.values = [
-            zeros(batch, heads, capacity, dim, kind=dtype) for _ in range(config.num_hidden_layers)
-        ]
+        read = layers_read(model, layers)
+        self.keys = [zeros(batch, heads, capacity, dim, kind=dtype) for _ in range(read)]
+        self.values = [zeros(batch, heads, capacity, dim, kind=dtype) for _ in range(read)]
         self.mask = ReadingMask(
             keys=tuple(self.keys),
             values=tuple(self.values),
@@ -84,6 +92,7 @@ class ReadingGraph:
             query_positions=self.query_positions,
             scores=zeros(batch, capacity, kind=torch.float32),
             reduce=reduce,
+            layers=layers,
             context_end=zeros(batch),
             query_valid=zeros(batch, queries, kind=torch.bool),
         )
@@ -95,6 +104,7 @@ class ReadingGraph:
         with attention_override(self.model):
             read_without_logits(
                 self.model,
+                self.layers,
                 input_ids=self.ids,
                 position_ids=self.query_positions,
                 use_cache=False,
@@ -119,8 +129,10 @@ class ReadingGraph:
         mask.context_end.fill_(n)
         mask.query_valid.fill_(False)
         mask.query_valid[:, :q] = True
+        read = len(self.keys)  # the layers read: their KV only
         torch._foreach_copy_(
-            [t[:, :, :n] for t in (*self.keys, *self.values)], [t[:, :, :n] for t in (*keys, *values)]
+            [t[:, :, :n] for t in (*self.keys, *self.values)],
+            [t[:, :, :n] for t in (*keys[:read], *values[:read])],
         )
         if self.graph is not None:
             self.graph.replay()

@@ -99,15 +99,17 @@ class RuntimeMemo:
         """The rotary tables of a bridge's source spec (built once: it constructs a config and module)."""
         return RopeTables.from_spec(spec)
 
-    def reading_graph(self, model, batch: int, queries: int, capacity: int, reduce: str) -> ReadingGraph:
+    def reading_graph(
+        self, model, batch: int, queries: int, capacity: int, reduce: str, layers: int | None = None
+    ) -> ReadingGraph:
         """The captured reading of `model` at this shape (the 4 most recent shapes per model kept:
         each holds a copy of a context's KV)."""
         graphs = self._readings.of(model)
-        key = (batch, queries, capacity, reduce)
+        key = (batch, queries, capacity, reduce, layers)
         if key not in graphs:
             if len(graphs) >= 4:
                 del graphs[next(iter(graphs))]
-            graphs[key] = ReadingGraph(model, batch, queries, capacity, reduce, captured=True)
+            graphs[key] = ReadingGraph(model, batch, queries, capacity, reduce, captured=True, layers=layers)
         graphs[key] = graphs.pop(key)  # most recent last
         return graphs[key]
 

@@ -33,6 +33,7 @@ def attention_scores(
     *,
     reduce: str = "max",
     counted: int | None = None,
+    layers: int | None = None,
     graphs: bool = False,
 ) -> torch.Tensor:
     """How much `model`'s attention from `query_ids`, read right after the first `context_tokens`
@@ -46,6 +47,8 @@ def attention_scores(
         query_ids: [batch, q] what the model reads after the context.
         reduce: "max" (the largest probability any layer, head and counted query gives a token) or
             "sum" (their sum). counted: count only the last this many queries (None: all).
+        layers: read with the model's first this many layers only (None: all); the forward stops
+            after them where the model allows it.
         graphs: replay a CUDA graph captured per shape bucket (bridgecache.runtime.graphs; CUDA
             models, counted=None): the same scores without a thousand kernel launches per reading.
     Returns:
@@ -56,7 +59,7 @@ def attention_scores(
     device = model.get_input_embeddings().weight.device
     batch, q = query_ids.shape
     if graphs and counted is None and device.type == "cuda":
-        graph = MEMO.reading_graph(model, batch, bucket(q), bucket(context_tokens, 256), reduce)
+        graph = MEMO.reading_graph(model, batch, bucket(q), bucket(context_tokens, 256), reduce, layers)
         return graph.run(
             keys, values, positions, first_column.to(device), query_ids.to(device), context_tokens
         )
@@ -72,10 +75,12 @@ def attention_scores(
         scores=torch.zeros(batch, context_tokens, device=device),
         reduce=reduce,
         counted=counted,
+        layers=layers,
     )
     with attention_override(model):
         read_without_logits(
             model,
+            layers,
             input_ids=query_ids.to(device),
             position_ids=query_positions,
             **{KEYWORD: mask},

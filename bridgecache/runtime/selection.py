@@ -16,11 +16,13 @@ Knows the translator's row plan and the models it is given; nothing about tokeni
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from bridgecache.runtime.attention import layers_read
 from bridgecache.runtime.reading import attention_scores
 from bridgecache.runtime.report import reading_flops
 
@@ -75,12 +77,29 @@ class SourceAttention(Selector):
     something follows its mention). Without one, the context's last `recent` tokens read the
     context before them ("sum", no reach) and score highest themselves. None picks those
     defaults (measured on fact questions and on prose: benchmarks/reports/quality.md).
+    `layers`: read with the source's first layers only, its forward stopping there: an int
+    counts them, a float in (0, 1] is their share of the source's layers (rounded up); None: all
+    (what fewer cost in recall: benchmarks/refresh_recall.py --layers).
     """
 
     reduce: str | None = None
     after: int | None = None
     recent: int = 16
+    layers: int | float | None = None
     name = "source attention"
+
+    def __post_init__(self):
+        layers, expected = self.layers, "an integer >= 1, a share in (0, 1], or None (all)"
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, (int, float))):
+            raise TypeError(f"layers is {layers!r}; expected {expected}")
+        if isinstance(layers, int) and layers < 1 or isinstance(layers, float) and not 0 < layers <= 1:
+            raise ValueError(f"layers is {layers}; expected {expected}")
+
+    def layer_count(self, model) -> int | None:
+        """How many of `model`'s layers this rule reads with (None: all)."""
+        if not isinstance(self.layers, float):
+            return self.layers
+        return math.ceil(self.layers * model.config.get_text_config().num_hidden_layers)
 
     def scores(self, request: SelectionRequest) -> torch.Tensor:
         source, kv = request.source_model, request.translator.reading_source
@@ -101,7 +120,7 @@ class SourceAttention(Selector):
         if prompted:
             scores = attention_scores(
                 source, kv.keys, kv.values, kv.position_ids, first, request.prompt_ids, tokens, reduce=reduce,
-                graphs=request.graphs,
+                layers=self.layer_count(source), graphs=request.graphs,
             )  # fmt: skip
         else:
             ids = _context_ids(kv)
@@ -111,7 +130,7 @@ class SourceAttention(Selector):
             queries, context = ids[:, tokens - recent :], tokens - recent
             scores = attention_scores(
                 source, kv.keys, kv.values, kv.position_ids, first, queries, context, reduce=reduce,
-                graphs=request.graphs,
+                layers=self.layer_count(source), graphs=request.graphs,
             )  # fmt: skip
             top = scores.amax() + 1.0
             scores = torch.cat([scores, top.expand(scores.shape[0], recent)], dim=1)
@@ -124,9 +143,10 @@ class SourceAttention(Selector):
     def reading_flops(self, request: SelectionRequest) -> float:
         prompt = request.prompt_ids
         queries = prompt.shape[1] if prompt is not None and prompt.shape[1] else self.recent
-        return reading_flops(
-            request.source_model.config, queries, request.translator.reading_source.num_tokens
-        )
+        config = request.source_model.config
+        read = layers_read(request.source_model, self.layer_count(request.source_model))
+        share = read / config.get_text_config().num_hidden_layers
+        return share * reading_flops(config, queries, request.translator.reading_source.num_tokens)
 
 
 def _context_ids(kv) -> torch.Tensor:
