@@ -33,6 +33,7 @@ __all__ = [
     "prompt_ids",
     "pad_token_id",
     "same_tokenization",
+    "words_for",
 ]
 
 
@@ -94,6 +95,22 @@ def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     return alignment, as_batch(source_ids), as_batch(target_ids)
 
 
+def words_for(
+    config: HandoffConfig | None, texts, source_tokenizer, target_tokenizer, source_rows, target_rows
+):
+    """The contexts' `ContextWords` when `config` refreshes whole words, else None. texts: one
+    per row; source_rows, target_rows: each row's unpadded ids ([1, n] or [n]), left-padded here
+    as the cache's rows are."""
+    if config is None or not config.whole_words:
+        return None
+    from bridgecache.runtime.words import ContextWords, word_groups
+
+    ids = lambda row: torch.as_tensor(row).reshape(-1).tolist()  # noqa: E731
+    source = [word_groups(t, source_tokenizer, ids(r)) for t, r in zip(texts, source_rows, strict=True)]
+    target = [word_groups(t, target_tokenizer, ids(r)) for t, r in zip(texts, target_rows, strict=True)]
+    return ContextWords.rows(source, target)
+
+
 @torch.no_grad()
 def handoff(
     bridge,
@@ -149,6 +166,7 @@ def handoff(
         alignment=alignment,
         source_model=source,
         prompt_ids=source_prompt,
+        words=words_for(config, [context], source_tokenizer, target_tokenizer, [source_ids], [target_ids]),
     )
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(
