@@ -325,3 +325,15 @@ def test_whole_words_in_the_runner_refresh_whole_words(llama, tok):
             g for g in groups[chosen].tolist() if not set(np.flatnonzero(groups == g)) <= set(chosen)
         }
         assert len(partial_words) <= 1, (item.context, chosen)  # only the last word the budget reaches
+
+
+def test_long_context_variants_are_handoff_configs():
+    from test_multi_turn import script
+
+    long_context = script("benchmarks/long_context.py")
+    assert long_context.variant_config("plain") == HandoffConfig(refresh=None)
+    assert long_context.variant_config("refresh=0.2") == HandoffConfig()
+    words = long_context.variant_config("refresh=64,words")
+    assert words.refresh == RefreshConfig(64, "source", whole_words=True) and words.whole_words
+    with pytest.raises(SystemExit, match="bad variant"):
+        long_context.variant_config("refresh=0.2,spread=2")
