@@ -76,18 +76,15 @@ class Prompts:
     def words(self, context: Context):
         """The `ContextWords` of `context`: each side's words in what that model reads (its chat
         rendering under chat), for a whole-word refresh."""
-        from bridgecache.runtime.words import ContextWords, word_groups
+        from bridgecache.runtime.words import ContextWords
         from tokenalign import render_chat
 
-        def groups(tokenizer, ids):
-            read = context.text
-            if self.chat:
-                read = render_chat([{"role": "user", "content": read}], tokenizer).text
-            return word_groups(read, tokenizer, ids[0].tolist())
-
-        source = groups(self.source_tok, context.source_ids)
-        target = source if self.same and not self.chat else groups(self.target_tok, context.target_ids)
-        return ContextWords.rows([source], [target])
+        texts = [context.text], [context.text]
+        if self.chat:
+            message = [{"role": "user", "content": context.text}]
+            texts = [render_chat(message, self.source_tok).text], [render_chat(message, self.target_tok).text]
+        tokenizers = self.source_tok, self.target_tok
+        return ContextWords.of(*texts, *tokenizers, [context.source_ids], [context.target_ids])
 
     def prompt(self, item: PplItem | ChoiceItem, context_text: str | None = None) -> list[int]:
         """Target ids read natively right after the context (`context_text`: chat needs it)."""

@@ -214,13 +214,11 @@ def _words(config, messages, source_tokenizer, target_tokenizer, source_ids, tar
     """The ContextWords of each side's rendering of `messages` (None unless the refresh takes whole words)."""
     if config is None or not config.whole_words:
         return None
-    from bridgecache.runtime.words import ContextWords, word_groups
+    from bridgecache.runtime.words import ContextWords
     from tokenalign import render_chat
 
-    def groups(tokenizer, ids):
-        return word_groups(render_chat(messages, tokenizer).text, tokenizer, ids.reshape(-1).tolist())
-
-    return ContextWords.rows([groups(source_tokenizer, source_ids)], [groups(target_tokenizer, target_ids)])
+    texts = [render_chat(messages, source_tokenizer).text], [render_chat(messages, target_tokenizer).text]
+    return ContextWords.of(*texts, source_tokenizer, target_tokenizer, [source_ids], [target_ids])
 
 
 def _render(messages, tokenizer, add_generation_prompt: bool = False) -> torch.Tensor:

@@ -103,12 +103,9 @@ def words_for(
     as the cache's rows are."""
     if config is None or not config.whole_words:
         return None
-    from bridgecache.runtime.words import ContextWords, word_groups
+    from bridgecache.runtime.words import ContextWords
 
-    ids = lambda row: torch.as_tensor(row).reshape(-1).tolist()  # noqa: E731
-    source = [word_groups(t, source_tokenizer, ids(r)) for t, r in zip(texts, source_rows, strict=True)]
-    target = [word_groups(t, target_tokenizer, ids(r)) for t, r in zip(texts, target_rows, strict=True)]
-    return ContextWords.rows(source, target)
+    return ContextWords.of(texts, texts, source_tokenizer, target_tokenizer, source_rows, target_rows)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ over the target's words (the plan); the stable sort of the selection then takes 
 
     word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
     ContextWords.rows(source, target)         per-row groups, left-padded like the cache's rows
+    ContextWords.of(texts..., ids...)         word_groups of each row on each side, then .rows
     context_words(text, s_tok, t_tok, s, t)   ContextWords of one plain-text context (batch 1)
     pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
 
@@ -68,6 +69,18 @@ class ContextWords:
         longest row on each side as `handoff_batch` pads ids."""
         return cls(_left_padded(source), _left_padded(target))
 
+    @classmethod
+    def of(cls, source_texts, target_texts, source_tokenizer, target_tokenizer, source_rows, target_rows):
+        """Each row's words on each side: source_texts[b] is what source_rows[b] (unpadded ids,
+        [1, n] or [n]) tokenizes (a chat: that side's rendering), likewise for the target."""
+
+        def side(texts, tokenizer, rows):
+            ids = [torch.as_tensor(row).reshape(-1).tolist() for row in rows]
+            return [word_groups(text, tokenizer, row) for text, row in zip(texts, ids, strict=True)]
+
+        source = side(source_texts, source_tokenizer, source_rows)
+        return cls.rows(source, side(target_texts, target_tokenizer, target_rows))
+
 
 def _left_padded(groups: list[np.ndarray]) -> torch.Tensor:
     width = max(len(g) for g in groups)
@@ -81,13 +94,8 @@ def _left_padded(groups: list[np.ndarray]) -> torch.Tensor:
 
 def context_words(text: str, source_tokenizer, target_tokenizer, source_ids, target_ids) -> ContextWords:
     """ContextWords of one context `text`; source_ids [1, S], target_ids [1, T]: `text` as each
-    model reads it (the same tensor when both share a tokenizer)."""
-    source = word_groups(text, source_tokenizer, torch.as_tensor(source_ids).reshape(-1).tolist())
-    if target_ids is source_ids and target_tokenizer is source_tokenizer:
-        target = source
-    else:
-        target = word_groups(text, target_tokenizer, torch.as_tensor(target_ids).reshape(-1).tolist())
-    return ContextWords.rows([source], [target])
+    model reads it."""
+    return ContextWords.of([text], [text], source_tokenizer, target_tokenizer, [source_ids], [target_ids])
 
 
 def pool_words(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
