@@ -14,6 +14,7 @@ from test_multi_turn import CHATML, chat_tokenizer
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv, handoff, handoff_batch
+from bridgecache.integrations.keys import bridge_salt
 from bridgecache.runtime.conversation import Conversation
 
 # Not the defaults in any field a path could drop silently: a tail, no key norm, 3 tokens by deviation.
@@ -42,29 +43,12 @@ def _check(cache, rows: int = 1):
 
 def test_every_path_takes_the_config_and_it_reaches_the_cache(models, tmp_path, monkeypatch):
     model, bridge, tok = models
-    tokenizers = dict(source_tokenizer=tok, target_tokenizer=tok)
     ids = tok(CONTEXTS[0], return_tensors="pt").input_ids
 
     _check(BridgedCache(bridge, capture_kv(model, ids), model, ids, config=CONFIG))
-    _check(handoff(bridge, model, model, CONTEXTS[0], PROMPT, **tokenizers, config=CONFIG, **GEN).cache)
-    batch = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **tokenizers, config=CONFIG, **GEN)
-    _check(batch.cache, rows=len(CONTEXTS))
-
-    chat = chat_tokenizer(CHATML)
-    messages = [{"role": "user", "content": CONTEXTS[0]}, {"role": "assistant", "content": "ok"}]
-    conversation = Conversation.handoff(
-        bridge, model, model, messages, source_tokenizer=chat, target_tokenizer=chat, config=CONFIG
-    )
-    conversation.ask("where?", **GEN)
-    _check(conversation.cache)
-
-    from bridgecache.integrations.keys import bridge_salt
-    from bridgecache.integrations.publish import publish_context
-
-    published = publish_context(
-        bridge, CONTEXTS[0], model, tok, tok, tmp_path, page_size=4, model_name="tiny", source=model,
-        config=CONFIG,
-    )  # fmt: skip
+    caches, published = _every_path(models, CONFIG, tmp_path)
+    for cache in caches:
+        _check(cache, rows=cache.translator.batch_size)
     assert json.loads(published.manifest_path.read_text())["recipe"] == CONFIG.kv_recipe
     assert published.cache_salt == bridge_salt(bridge, config=CONFIG) != bridge_salt(bridge)
 
@@ -83,6 +67,31 @@ def test_every_path_takes_the_config_and_it_reaches_the_cache(models, tmp_path, 
     assert built
     for cache in built:
         _check(cache)
+
+
+def _every_path(models, config, tmp_path):
+    """([the caches handoff, handoff_batch and Conversation.handoff build with `config`], what
+    publish_context published with it)."""
+    from bridgecache.integrations.publish import publish_context
+
+    model, bridge, tok = models
+    tokenizers = dict(source_tokenizer=tok, target_tokenizer=tok)
+    caches = [handoff(bridge, model, model, CONTEXTS[0], PROMPT, **tokenizers, config=config, **GEN).cache]
+    caches.append(
+        handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **tokenizers, config=config, **GEN).cache
+    )
+    chat = chat_tokenizer(CHATML)
+    messages = [{"role": "user", "content": CONTEXTS[0]}, {"role": "assistant", "content": "ok"}]
+    conversation = Conversation.handoff(
+        bridge, model, model, messages, source_tokenizer=chat, target_tokenizer=chat, config=config
+    )
+    conversation.ask("where?", **GEN)
+    caches.append(conversation.cache)
+    published = publish_context(
+        bridge, CONTEXTS[0], model, tok, tok, tmp_path, page_size=4, model_name="tiny", source=model,
+        config=config,
+    )  # fmt: skip
+    return caches, published
 
 
 def test_the_cli_flags_describe_the_same_config():
@@ -113,3 +122,47 @@ def test_a_batch_row_is_the_handoff_of_its_context_with_the_default_refresh(mode
             chosen[: single.cache.refreshed_columns.shape[1]], single.cache.refreshed_columns[0]
         )
         assert torch.equal(batch.output_ids[b], single.output_ids[0]), context
+
+
+def test_whole_words_reach_every_path_and_name_the_recipe(models, tmp_path, monkeypatch):
+    """RefreshConfig(whole_words=True) travels like the other refresh fields: each path computes
+    the context's words and the plan pools the scores over them (the target's word of each
+    column); the recipe and salt name it, and the defaults keep it off."""
+    import bridgecache.runtime.plan as plan
+
+    model, bridge, tok = models
+    words = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation", whole_words=True))
+    assert not HandoffConfig().whole_words and words.whole_words
+    assert words.kv_recipe != HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation")).kv_recipe
+    assert bridge_salt(bridge, config=words) != bridge_salt(
+        bridge, config=words.replace(refresh=CONFIG.refresh)
+    )
+    pooled = []
+    pool = plan.pool_words
+    monkeypatch.setattr(plan, "pool_words", lambda s, g: pooled.append(g.clone()) or pool(s, g))
+    caches, published = _every_path(models, words, tmp_path)
+    assert json.loads(published.manifest_path.read_text())["recipe"] == words.kv_recipe
+    assert len(pooled) == len(caches) + 1  # each path's plan pooled over its words, publishing's too
+    for cache, groups in zip(caches, pooled, strict=False):  # groups: [rows, prefix] the target's words
+        assert cache.handoff_config.whole_words
+        assert groups.shape == (cache.translator.batch_size, cache.translator.prefix_length)
+        for b, chosen in enumerate(cache.refreshed_columns):  # words whole but for the budget's last
+            cut = {
+                g
+                for g in groups[b, chosen].tolist()
+                if not set(chosen.tolist()) >= set(_columns(groups[b], g))
+            }
+            assert len(cut) <= 1
+
+    import argparse
+
+    from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+
+    parser = argparse.ArgumentParser()
+    add_handoff_arguments(parser)
+    flags = ["--refresh", "3", "--refresh-by", "deviation", "--whole-words"]
+    assert handoff_config(parser.parse_args(flags)) == words
+
+
+def _columns(groups: torch.Tensor, word: int) -> list[int]:
+    return (groups == word).nonzero()[:, 0].tolist()

@@ -170,3 +170,31 @@ def test_multi_turn_example_on_smollm2_reproduces_its_own_conversation(capsys):
     assert all(turn["new_tokens"] >= 1 for turn in got["turns"])
     assert got["turns"][0]["reused"] == got["handed_over"]
     assert "fitting a bridge smollm2-135m->smollm2-135m" in capsys.readouterr().out
+
+
+def test_drift_with_a_refreshed_conversation_records_each_condition_per_item():
+    """The benchmark's configs reach Conversation.handoff: an identity bridge (exact, no refresh)
+    matches native under any config; a random bridge with whole words runs and records every
+    condition; the intervals name each condition and its difference from native."""
+    from test_grouped import _random_bridge
+
+    from bridgecache import HandoffConfig, RefreshConfig
+    from bridgecache.evaluation.builtin import builtin_items
+
+    drift = script("benchmarks/multi_turn_drift.py")
+    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    items = builtin_items("facts-choice-256", tok, limit=2)
+    configs = {
+        "bridged": HandoffConfig(),
+        "refreshed": HandoffConfig(refresh=RefreshConfig(0.3, whole_words=True)),
+    }
+    records = []
+    got = drift.drift(model, model, Bridge.identity(model), items, [0, 1], source_tokenizer=tok,
+                      target_tokenizer=tok, max_new_tokens=3, configs=configs, records=records)  # fmt: skip
+    assert got["refreshed"] == got["bridged"] == got["native"]
+    assert len(records) == 2 and set(records[0]) == {"native", "bridged", "refreshed"}
+    assert set(drift._intervals(records, [0, 1])) >= {"native@0", "refreshed-native@1", "bridged-native@0"}
+    records = []
+    got = drift.drift(model, model, _random_bridge(model, seed=1), items[:1], [0], source_tokenizer=tok,
+                      target_tokenizer=tok, max_new_tokens=2, configs=configs, records=records)  # fmt: skip
+    assert set(got) == {"bridged", "refreshed", "native"} and set(records[0]["refreshed"]) == {0}

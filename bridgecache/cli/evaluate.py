@@ -1,10 +1,10 @@
 """The `bridgecache eval` subcommand: measure a bridge on a data file or a built-in task.
 
-    bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice] [--limit N]
+    bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice|generate] [--limit N]
                      [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
                      [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
                      --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
-                     --refresh-by source|deviation --min-quality Q]
+                     --refresh-by source|deviation --whole-words --min-quality Q]
 
 The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
 source's attention), as every other path. Models come from the bridge's metadata
@@ -40,10 +40,12 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--data",
         required=True,
-        help="JSONL file, or builtin:NAME (prose-ppl, code-ppl, facts-choice; -N for N context tokens, "
-        "e.g. builtin:facts-choice-1024)",
+        help="JSONL file, or builtin:NAME (prose-ppl, code-ppl, facts-choice, needle; -N for N context "
+        "tokens, e.g. builtin:facts-choice-1024, builtin:needle-4096)",
     )
-    parser.add_argument("--task", choices=["ppl", "choice"], help="required for a file; implied by builtin:")
+    parser.add_argument(
+        "--task", choices=["ppl", "choice", "generate"], help="required for a file; implied by builtin:"
+    )
     parser.add_argument("--limit", type=int, help="evaluate the first N items")
     parser.add_argument("--json", type=Path, help="write the results (with per-item records) here")
     parser.add_argument("--source", help="source model (default: the bridge's source)")

@@ -1,7 +1,7 @@
 """The handoff flags of every command that hands a context over (eval, demo): one `HandoffConfig`.
 
 add_handoff_arguments(parser)   --native-head --native-tail --no-key-norm --native-layers
-                                --refresh --refresh-by --min-quality
+                                --refresh --refresh-by --whole-words --min-quality
 handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s own)
 """
 
@@ -72,6 +72,11 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
         "deviation: translated vs native keys at layer 1 (CacheBlend's rule)",
     )
     group.add_argument(
+        "--whole-words",
+        action="store_true",
+        help="a refreshed token brings the rest of its word or number with it (both tokenizations)",
+    )
+    group.add_argument(
         "--min-quality",
         type=float,
         help="quality gate: layers whose held-out score is below it run natively; too many fall back",
@@ -91,7 +96,7 @@ def handoff_config(args) -> HandoffConfig:
         raise ValueError(
             f"--refresh is {amount}; expected a share of the context in (0, 1], a token count or none"
         )
-    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by)
+    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words)
     return HandoffConfig(
         native_head=args.native_head,
         native_tail=args.native_tail,

@@ -7,7 +7,13 @@ Names (`--data builtin:NAME`), N = context length in the target's tokens (defaul
                       (bridgecache.text's "manual" domain, reserved for evaluation)
     facts-choice[-N]  5-choice questions on invented facts (people, towns, years, codes, ships)
                       stated in N tokens of reference prose that serves as distractor text
-Documented lengths: 256, 512, 1024, 2048, 4096 (e.g. `builtin:facts-choice-2048`).
+    needle[-N]        RULER's needle retrieval (generate: the reply is scored by exact match),
+                      its three subtasks in turn; needle-single[-N], needle-multikey[-N] and
+                      needle-multivalue[-N] hold one subtask each (bridgecache.evaluation.needles).
+                      N counts the whole input as RULER does: context, question and the reply's
+                      token budget (so the context is N less ~40-90 tokens); N up to 32768.
+Documented lengths: 256, 512, 1024, 2048, 4096 (e.g. `builtin:facts-choice-2048`); needle: 4096,
+8192 (`builtin:needle-4096`).
 
 Each task is seeded and reproducible for a given tokenizer: the evaluation documents are
 shuffled (seed 0), laid end to end, tokenized once with the target's tokenizer, and items are
@@ -26,18 +32,21 @@ import random
 import re
 
 from bridgecache.evaluation.facts import KINDS, choices_for, fact_set
-from bridgecache.evaluation.items import ChoiceItem, DataFormatError, PplItem
+from bridgecache.evaluation.items import ChoiceItem, DataFormatError, GenerationItem, PplItem
+from bridgecache.evaluation.needles import SUBTASKS, needle_item, needle_plan, overhead_tokens
 from bridgecache.text import documents
 
 __all__ = ["BUILTIN_FAMILIES", "DOCUMENTED_LENGTHS", "builtin_task", "builtin_items"]
 
 BUILTIN_FAMILIES = {"prose-ppl": "ppl", "code-ppl": "ppl", "manual-ppl": "ppl", "facts-choice": "choice"}
+BUILTIN_FAMILIES |= {"needle": "generate"} | {f"needle-{s}": "generate" for s in SUBTASKS}
 DOCUMENTED_LENGTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_LENGTH = 512
 CONTINUATION_TOKENS = 64  # as in PAPERS.md's CPU experiment (~75); each scored token costs a forward
 MAX_ITEMS = 96  # 45+ items per cell separate variants' 95% intervals on choice tasks
 SEED = 0
-_NAME = re.compile(r"^(?P<family>[a-z]+-[a-z]+)(?:-(?P<length>\d+))?$")
+NEEDLE_MAX_LENGTH = 32768
+_NAME = re.compile(r"^(?P<family>[a-z]+(?:-[a-z]+)?)(?:-(?P<length>\d+))?$")
 
 
 def _parse(name: str) -> tuple[str, int]:
@@ -46,22 +55,27 @@ def _parse(name: str) -> tuple[str, int]:
         known = ", ".join(f"{f}[-N]" for f in BUILTIN_FAMILIES)
         raise DataFormatError(f"unknown built-in task {name!r}; expected one of {known} (N = context tokens)")
     length = int(match["length"] or DEFAULT_LENGTH)
-    if not 64 <= length <= 8192:
-        raise DataFormatError(f"built-in context length {length} is outside 64..8192 tokens")
+    longest = NEEDLE_MAX_LENGTH if match["family"].startswith("needle") else 8192
+    if not 64 <= length <= longest:
+        raise DataFormatError(f"built-in context length {length} is outside 64..{longest} tokens")
     return match["family"], length
 
 
 def builtin_task(name: str) -> str:
-    """'ppl' or 'choice': the task a built-in name implies."""
+    """'ppl', 'choice' or 'generate': the task a built-in name implies."""
     return BUILTIN_FAMILIES[_parse(name)[0]]
 
 
-def builtin_items(name: str, tokenizer, limit: int | None = None) -> list[PplItem] | list[ChoiceItem]:
+def builtin_items(
+    name: str, tokenizer, limit: int | None = None
+) -> list[PplItem] | list[ChoiceItem] | list[GenerationItem]:
     """The items of built-in task `name`, sized in `tokenizer`'s tokens (first `limit` of them)."""
     family, length = _parse(name)
     count = min(limit or MAX_ITEMS, MAX_ITEMS)
     if family == "facts-choice":
         return _facts_items(tokenizer, length, count)
+    if family.startswith("needle"):
+        return _needle_items(tokenizer, family, length, count)
     domain = family.removesuffix("-ppl")
     window = length + CONTINUATION_TOKENS
     stream = _Stream(domain, tokenizer, window * MAX_ITEMS)
@@ -92,6 +106,30 @@ def _facts_items(tokenizer, length: int, count: int) -> list[ChoiceItem]:
         choices, answer = choices_for(rng, asked, facts)
         items.append(ChoiceItem("\n".join(lines).strip(), asked.question, choices, answer))
     return items
+
+
+def _needle_items(tokenizer, family: str, length: int, count: int) -> list[GenerationItem]:
+    """Item i: subtask i mod 3 (the mixed family) or the family's own, its needles from
+    `needle_plan`, its haystack window i of MAX_ITEMS spread over the prose (windows overlap, as
+    RULER's haystacks share one essay collection): item i is the same whatever `count` is."""
+    subtasks = SUBTASKS if family == "needle" else (family.removeprefix("needle-"),)
+    plans = [needle_plan(subtasks[i % len(subtasks)], i // len(subtasks), SEED) for i in range(count)]
+    # RULER's length counts the question and the reply's budget: the haystack gets the rest.
+    fillers = [
+        length
+        - overhead_tokens(p, tokenizer)
+        - len(_ids(tokenizer, f"\nQuestion: {p.question}\nAnswer:"))
+        - p.max_new_tokens
+        for p in plans
+    ]
+    if min(fillers) < 16:
+        raise DataFormatError(f"{family}-{length}: too short for its needles and question")
+    stream = _Stream("prose", tokenizer, max(fillers) * MAX_ITEMS)
+    starts = stream.starts(max(fillers), MAX_ITEMS, overlap=True)
+    return [
+        needle_item(plan, stream.text_of(start, start + filler))
+        for plan, filler, start in zip(plans, fillers, starts)
+    ]
 
 
 def _ids(tokenizer, text: str) -> list[int]:

@@ -1,6 +1,6 @@
 """Where evaluation items come from: a JSONL file or a built-in task (`builtin:NAME`).
 
-    data_task(spec, task)                          the task a data spec holds ("ppl" or "choice")
+    data_task(spec, task)                          the task a data spec holds ("ppl", "choice", "generate")
     load_items(spec, task, tokenizer, limit)       (task, items)
 
 Built-in tasks (`bridgecache.evaluation.builtin`) are sized in the given tokenizer's tokens.

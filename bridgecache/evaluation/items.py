@@ -3,8 +3,11 @@
 Formats, one JSON object a line (blank lines are ignored; other keys are ignored):
     ppl:     {"context": str, "continuation": str}
     choice:  {"context": str, "question": str, "choices": [str, ...], "answer": int}
-`answer` indexes `choices` (0-based). Every string must be non-empty, choices at least two and
-distinct. A file that breaks any of this raises `DataFormatError` naming the line and the field.
+    generate: {"context": str, "question": str, "answers": [str, ...], "max_new_tokens": int}
+`answer` indexes `choices` (0-based). `answers` are what a generated reply must hold
+(bridgecache.evaluation.answers scores replies); `max_new_tokens` (optional, default 32) caps the
+reply, and an optional "kind" labels the item. Every string must be non-empty, choices at least
+two and distinct. A file that breaks any of this raises `DataFormatError` naming the line and the field.
 
 `bridgecache.evaluation.data.load_items` reads either a file or a built-in task.
 
@@ -21,12 +24,13 @@ __all__ = [
     "TASKS",
     "PplItem",
     "ChoiceItem",
+    "GenerationItem",
     "EvaluationError",
     "DataFormatError",
     "read_jsonl",
 ]
 
-TASKS = ("ppl", "choice")
+TASKS = ("ppl", "choice", "generate")
 
 
 class EvaluationError(ValueError):
@@ -55,7 +59,23 @@ class ChoiceItem:
     answer: int
 
 
-def read_jsonl(path: str | Path, task: str) -> list[PplItem] | list[ChoiceItem]:
+@dataclass(frozen=True)
+class GenerationItem:
+    """A context, a question about it and the answers a greedy reply must hold.
+
+    answers: one string (exact match of the reply's first answer-shaped span) or several (each
+    must appear; partial credit is the share that does). max_new_tokens: the reply's length cap.
+    kind: a label for per-kind tables (e.g. a RULER subtask); not read by the scoring.
+    """
+
+    context: str
+    question: str
+    answers: tuple[str, ...]
+    max_new_tokens: int = 32
+    kind: str = ""
+
+
+def read_jsonl(path: str | Path, task: str) -> list[PplItem] | list[ChoiceItem] | list[GenerationItem]:
     """Items of `task` from a JSONL file; DataFormatError names the line and field at fault."""
     if task not in TASKS:
         raise DataFormatError(f"unknown task {task!r}; expected one of {TASKS}")
@@ -74,7 +94,7 @@ def read_jsonl(path: str | Path, task: str) -> list[PplItem] | list[ChoiceItem]:
                 raise DataFormatError(f"{where}: not valid JSON ({err.msg})") from err
             if not isinstance(record, dict):
                 raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            items.append(_ppl(record, where) if task == "ppl" else _choice(record, where))
+            items.append({"ppl": _ppl, "choice": _choice, "generate": _generation}[task](record, where))
     if not items:
         raise DataFormatError(f"{path}: no items (one JSON object a line expected)")
     return items
@@ -109,3 +129,18 @@ def _choice(record: dict, where: str) -> ChoiceItem:
     if not 0 <= answer < len(choices):
         raise DataFormatError(f"{where}: field 'answer' is {answer}; 'choices' has {len(choices)} entries")
     return ChoiceItem(context, question, tuple(choices), answer)
+
+
+def _generation(record: dict, where: str) -> GenerationItem:
+    context, question = _text(record, "context", where), _text(record, "question", where)
+    answers = record.get("answers")
+    if not isinstance(answers, list) or not answers:
+        raise DataFormatError(f"{where}: field 'answers' must be a non-empty list of strings")
+    for k, answer in enumerate(answers):
+        if not isinstance(answer, str) or not answer.strip():
+            raise DataFormatError(f"{where}: answers[{k}] must be a non-empty string, got {answer!r:.60}")
+    tokens = record.get("max_new_tokens", 32)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise DataFormatError(f"{where}: field 'max_new_tokens' must be a positive integer, got {tokens!r}")
+    kind = record.get("kind", "")
+    return GenerationItem(context, question, tuple(a.strip() for a in answers), tokens, str(kind))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bridgecache.evaluation.items import ChoiceItem, EvaluationError, PplItem
+from bridgecache.evaluation.items import ChoiceItem, EvaluationError, GenerationItem, PplItem
 from bridgecache.runtime.handoff import context_ids, same_tokenization
 
 __all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
@@ -36,11 +36,13 @@ class Context:
     """One context for one (source, target) pair and bridge.
 
     source_ids [1, S], target_ids [1, T] int64, each model's own tokenization; alignment: the
-    tokenalign.Alignment of target onto source, or None when both share a tokenizer (identity)."""
+    tokenalign.Alignment of target onto source, or None when both share a tokenizer (identity);
+    text: the context's text."""
 
     alignment: object
     source_ids: torch.Tensor
     target_ids: torch.Tensor
+    text: str = ""
 
 
 class Prompts:
@@ -59,17 +61,30 @@ class Prompts:
         if not self.chat:
             if self.same:
                 ids = context_ids(self.target_tok, text)
-                return Context(None, ids, ids.clone())
+                return Context(None, ids, ids.clone(), text)
             alignment, source_ids, target_ids = align(text, self.source_tok, self.target_tok, policy=policy)
-            return Context(alignment, _row(source_ids), _row(target_ids))
+            return Context(alignment, _row(source_ids), _row(target_ids), text)
         messages = [{"role": "user", "content": text}]
         if self.same:
             ids = self._chat_ids(render_chat(messages, self.target_tok))
-            return Context(None, ids, ids.clone())
+            return Context(None, ids, ids.clone(), text)
         alignment, source_ids, target_ids = align_chat(
             messages, self.source_tok, self.target_tok, policy=policy
         )
-        return Context(alignment, _row(source_ids), _row(target_ids))
+        return Context(alignment, _row(source_ids), _row(target_ids), text)
+
+    def words(self, context: Context):
+        """The `ContextWords` of `context`: each side's words in what that model reads (its chat
+        rendering under chat), for a whole-word refresh."""
+        from bridgecache.runtime.words import ContextWords
+        from tokenalign import render_chat
+
+        texts = [context.text], [context.text]
+        if self.chat:
+            message = [{"role": "user", "content": context.text}]
+            texts = [render_chat(message, self.source_tok).text], [render_chat(message, self.target_tok).text]
+        tokenizers = self.source_tok, self.target_tok
+        return ContextWords.of(*texts, *tokenizers, [context.source_ids], [context.target_ids])
 
     def prompt(self, item: PplItem | ChoiceItem, context_text: str | None = None) -> list[int]:
         """Target ids read natively right after the context (`context_text`: chat needs it)."""
@@ -97,7 +112,10 @@ class Prompts:
         return self.source_tok(text, add_special_tokens=False)["input_ids"]
 
     def scored(self, item: PplItem | ChoiceItem) -> list[list[int]]:
-        """Target ids of each scored string: [continuation] or one per choice."""
+        """Target ids of each scored string: [continuation] or one per choice ([]: a generation
+        item's reply is generated, not scored)."""
+        if isinstance(item, GenerationItem):
+            return []
         if isinstance(item, PplItem):
             texts = [item.continuation.lstrip() if self.chat else item.continuation]
         else:

@@ -1,7 +1,8 @@
 """Summaries of an Evaluation: the JSON object and the table printed on stdout.
 
 `summarise(evaluation, variant, **meta)` -> dict with `task`, `n`, `skipped`, the metrics of
-`metrics.py` (ppl: nll_* / ppl_* / *_gain_recovered; choice: acc_* / retention), the timings summed
+`metrics.py` (ppl: nll_* / ppl_* / *_gain_recovered; choice: acc_* / retention) or `answers.py`
+(generate: acc_* with Wilson intervals, partial_*, retention; CPU seconds too), the timings summed
 over items (`native_prefill_s`, `handoff_s`, `source_prefill_s`, `align_s`, `speedup`) and the
 per-item records (for plots). `format_table(summary)` renders it for people.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from bridgecache.evaluation.answers import correct, generation_metrics
 from bridgecache.evaluation.metrics import choice_metrics, pick_choice, ppl_metrics
 from bridgecache.evaluation.runner import Evaluation, Variant
 
@@ -28,6 +30,11 @@ _PPL_ROWS = (
     ("other_native", "(d) native, unrelated context"),
     ("other_bridged", "(e) bridged, unrelated context"),
 )
+_GENERATE_ROWS = (
+    ("native", "(a) native prefill"),
+    ("bridged", "(b) bridged cache"),
+    ("no_context", "(c) no context"),
+)
 _CHOICE_ROWS = (
     ("native", "(a) native prefill"),
     ("bridged", "(b) bridged cache"),
@@ -40,6 +47,8 @@ def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
     """Our condition name -> the key of its scores in ItemResult.scores."""
     keys = {"native": "native", "no_context": "no_context", "other_native": "other_native"}
     keys["bridged"] = f"bridged[{variant.name}]"
+    if evaluation.task == "generate":
+        del keys["other_native"]
     if evaluation.task == "ppl":
         keys["other_bridged"] = f"other_bridged[{variant.name}]"
     return keys
@@ -67,7 +76,14 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
         **meta,
         "context_tokens_mean": sum(r.context_tokens for r in items) / len(items),
     }
-    if evaluation.task == "ppl":
+    if evaluation.task == "generate":
+        out |= generation_metrics(
+            {c: [r.replies[k] for r in items] for c, k in keys.items()}, _answers(items)
+        )
+        out["native_prefill_cpu_s"] = sum(r.cpu_s["native_prefill"] for r in items)
+        out["source_prefill_cpu_s"] = sum(r.cpu_s["source_prefill"] for r in items)
+        out["handoff_cpu_s"] = sum(r.cpu_s[f"handoff[{variant.name}]"] for r in items)
+    elif evaluation.task == "ppl":
         tokens = [r.scores["native"][0][1] for r in items]
         nll = {c: [-r.scores[k][0][0] for r in items] for c, k in keys.items()}
         out["scored_tokens_mean"] = sum(tokens) / len(tokens)
@@ -104,13 +120,27 @@ def _item_record(result, keys: dict[str, str], task: str, variant: Variant) -> d
         "guide_cost_fraction": result.guide_cost.get(variant.name),
         "fallback": result.fallback.get(variant.name),
     }
-    if task == "ppl":
+    if task == "generate":
+        record["answers"] = list(result.answer)
+        record |= {f"reply_{c}": result.replies[k] for c, k in keys.items()}
+        record |= {f"correct_{c}": correct(result.replies[k], result.answer) for c, k in keys.items()}
+        record["cpu_s"] = {
+            "native_prefill": result.cpu_s["native_prefill"],
+            "source_prefill": result.cpu_s["source_prefill"],
+            "handoff": result.cpu_s[f"handoff[{variant.name}]"],
+        }
+        record["refreshed"] = result.refreshed.get(variant.name, [])
+    elif task == "ppl":
         record["tokens"] = result.scores["native"][0][1]
         record |= {f"nll_{c}": -result.scores[k][0][0] for c, k in keys.items()}
     else:
         record["answer"] = result.answer
         record |= {f"pick_{c}": pick_choice(*zip(*result.scores[k], strict=True)) for c, k in keys.items()}
     return record
+
+
+def _answers(items) -> list[tuple[str, ...]]:
+    return [tuple(r.answer) for r in items]
 
 
 def _pct(x: float) -> str:
@@ -149,6 +179,16 @@ def format_table(s: dict) -> str:
             f"{_ci(s['content_gain_recovered_ci'])}",
             f"  (NLL per continuation token, {s['scored_tokens_mean']:.0f} tokens per item on average)",
         ]
+    elif s["task"] == "generate":
+        lines.append(
+            f"  {'condition':<34}{'exact match':>12}  {'95% CI (Wilson)':<18}{'several: partial':>16}"
+        )
+        for key, label in _GENERATE_ROWS:
+            share = s[f"partial_{key}"]
+            partial = f"{_pct(share)} of {s[f'partial_{key}_n']}" if s[f"partial_{key}_n"] else "-"
+            interval = _ci(s[f"acc_{key}_ci"]).strip()
+            lines.append(f"  {label:<34}{_pct(s[f'acc_{key}']):>12}  {interval:<18}{partial:>16}")
+        lines += ["", f"  retention (b)/(a)                   {_pct(s['retention'])}{_ci(s['retention_ci'])}"]
     else:
         lines.append(f"  {'condition':<34}{'accuracy':>10}")
         for key, label in _CHOICE_ROWS:
@@ -167,6 +207,13 @@ def format_table(s: dict) -> str:
         f"   ({s['speedup']:.1f}x faster)",
         f"    source prefill of the context                      {s['source_prefill_s']:9.3f} s",
         f"    tokenization alignment                             {s['align_s']:9.3f} s",
+    ]
+    if s["task"] == "generate":
+        lines += [
+            f"    CPU (process) seconds: native prefill {s['native_prefill_cpu_s']:.3f}, handoff "
+            f"{s['handoff_cpu_s']:.3f}, source prefill {s['source_prefill_cpu_s']:.3f}",
+        ]
+    lines += [
         "",
         HANDOFF_NOTE,
     ]

@@ -10,6 +10,11 @@ Conditions per item, each scoring the same target tokens (the continuation, or e
 A `Variant` is a bridge with its native-anchor options, so several bridges share one pass over the
 data: the source prefill, the target's native prefills and the controls are computed once.
 
+Generation items (task "generate") are answered instead: a greedy reply after native prefill,
+after no context and after each variant's bridged cache (evaluation.decoding), with no unrelated
+context; the replies are kept as text (`ItemResult.replies`, scored by evaluation.answers), with
+the CPU seconds of each prefill and handoff (`cpu_s`, process time) and the refreshed columns.
+
 Timings per item: `native_prefill_s` (target prefill of the context up to the first logits after
 it), `source_prefill_s` (the source reading the context), and per variant `handoff_s` (translate
 every layer + native head + native tail and held-back token, up to the same logits) and `align_s`
@@ -31,7 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from bridgecache.evaluation.controls import ControlScores
-from bridgecache.evaluation.items import EvaluationError, PplItem
+from bridgecache.evaluation.decoding import reply_ids, stop_ids
+from bridgecache.evaluation.items import EvaluationError, GenerationItem, PplItem
 from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
 from bridgecache.kv.capture import capture_kv
@@ -70,8 +76,11 @@ class ItemResult:
     other_index: int
     context_tokens: int
     source_tokens: int
-    answer: int | None
+    answer: int | tuple[str, ...] | None  # choice: the index; generate: the answers
     scores: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    replies: dict[str, str] = field(default_factory=dict)  # generate: condition -> reply text
+    cpu_s: dict[str, float] = field(default_factory=dict)  # generate: process seconds per stage
+    refreshed: dict[str, list[int]] = field(default_factory=dict)  # generate: refreshed columns
     native_prefill_s: float = 0.0
     source_prefill_s: float = 0.0
     handoff_s: dict[str, float] = field(default_factory=dict)
@@ -146,7 +155,8 @@ def _prepare(items, prompts: Prompts, bridge, source, target, log) -> tuple[dict
     prepared, skipped = {}, []
     for i, item in enumerate(items):
         p = _Prepared(prompts.context(item.context, bridge), prompts.prompt(item), prompts.scored(item))
-        target_total = p.context.target_ids.shape[1] + len(p.prompt) + max(map(len, p.scored))
+        reply = max(map(len, p.scored), default=0) + getattr(item, "max_new_tokens", 0)
+        target_total = p.context.target_ids.shape[1] + len(p.prompt) + reply
         source_total = p.context.source_ids.shape[1]
         reason = None
         if target_total > _window(target):
@@ -179,7 +189,7 @@ def evaluate(
     """Score `items` under every condition; see the module docstring.
 
     source, target: transformers causal LMs (the bridges' source and target).
-    items: PplItem (task "ppl") or ChoiceItem (task "choice") objects.
+    items: PplItem (task "ppl"), ChoiceItem ("choice") or GenerationItem ("generate") objects.
     log: where skip messages go (default: stderr).
     controls: a `ControlScores` file that remembers the native, no-context and unrelated-context
         scores of (target, item) across runs, so that comparing variants repeats only bridged work.
@@ -190,13 +200,15 @@ def evaluate(
     prompts = Prompts(source_tokenizer, target_tokenizer, chat)
     prepared, skipped = _prepare(items, prompts, variants[0].bridge, source, target, log)
     controls = controls if controls is not None else ControlScores(None)
-    if len(prepared) < 2:
+    needed = "1" if task == "generate" else "2 (the unrelated-context control reads another item's context)"
+    if len(prepared) < int(needed[0]):
         raise EvaluationError(
             f"{len(prepared)} of {len(items)} items fit the models' windows; the evaluation needs at least "
-            "2 (the unrelated-context control reads another item's context)"
+            + needed
         )
     _warm_up(source, target)
-    run = _ItemRun(task, variants, prompts, _Prefixes(source, target), target, controls)
+    prefixes = _Prefixes(source, target, size=1 if task == "generate" else 4)  # generate reads each once
+    run = _ItemRun(task, variants, prompts, prefixes, target, controls)
     order = sorted(prepared)
     results = []
     for position, i in enumerate(tqdm(order, desc="eval", disable=not progress)):
@@ -223,8 +235,10 @@ class _ItemRun:
             other_index=j,
             context_tokens=own.context.target_ids.shape[1],
             source_tokens=own.context.source_ids.shape[1],
-            answer=None if isinstance(item, PplItem) else item.answer,
+            answer=None if isinstance(item, (PplItem, GenerationItem)) else item.answer,
         )
+        if isinstance(item, GenerationItem):
+            return self._generate(item, own, result)
         source_kv, result.source_prefill_s = self.prefixes.source_kv(own.context.source_ids)
         # The unrelated context: the other item's, cut to this one's length in target tokens.
         other_text = prompts.cut(other_item.context, prompts.content_length(item.context))
@@ -266,9 +280,58 @@ class _ItemRun:
                 )
         return result
 
+    def _generate(self, item: GenerationItem, own: _Prepared, result: ItemResult) -> ItemResult:
+        """Greedy replies after native prefill, no context and each variant's bridged cache."""
+        prompts, target, tok = self.prompts, self.target, self.prompts.target_tok
+        result.answer = item.answers
+        stop = stop_ids(tok)
+
+        def reply(prefix: Prefix, prompt: list[int]) -> str:
+            one_line = len(item.answers) == 1
+            ids = reply_ids(
+                target, prefix, prompt, item.max_new_tokens, stop=stop, tokenizer=tok, one_line=one_line
+            )
+            return tok.decode(ids, skip_special_tokens=True)
+
+        clock = time.process_time()
+        _, result.source_prefill_s = self.prefixes.source_kv(own.context.source_ids)
+        result.cpu_s["source_prefill"] = time.process_time() - clock
+        bare = prompts.bare(item)
+        key = self.controls.key(
+            target, own.context.target_ids, own.prompt, bare, [item.max_new_tokens, len(item.answers)]
+        )
+        known = self.controls.get(key)
+        if known is None:
+            clock = time.process_time()
+            native = native_prefix(target, own.context.target_ids)
+            known = {"native_prefill_s": native.seconds, "native_prefill_cpu_s": time.process_time() - clock}
+            replies = {"native": reply(native, own.prompt)}
+            replies["no_context"] = reply(native_prefix(target, torch.tensor([bare])), [])
+            self.controls.put(key, known | {"replies": replies})
+            known["replies"] = replies
+        result.native_prefill_s = known["native_prefill_s"]
+        result.cpu_s["native_prefill"] = known["native_prefill_cpu_s"]
+        result.replies |= known["replies"]
+        for variant in self.variants:
+            start = time.perf_counter()
+            context = prompts.context(item.context, variant.bridge)
+            result.align_s[variant.name] = time.perf_counter() - start
+            clock = time.process_time()
+            prefix = self._bridged(variant, context, item)
+            result.cpu_s[f"handoff[{variant.name}]"] = time.process_time() - clock
+            result.handoff_s[variant.name] = prefix.seconds
+            report = prefix.cache.report()
+            result.native_cost[variant.name] = report.native_cost_fraction
+            result.guide_cost[variant.name] = report.guide_cost_fraction
+            result.fallback[variant.name] = report.fallback
+            result.refreshed[variant.name] = prefix.cache.refreshed_columns[0].tolist()
+            result.replies[f"bridged[{variant.name}]"] = reply(prefix, own.prompt)
+        return result
+
     def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
         prompt = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
+        words = self.prompts.words(context) if variant.config.whole_words else None
         return bridged_prefix(
             variant.bridge,
             source_kv,
@@ -278,6 +341,7 @@ class _ItemRun:
             config=variant.config,
             source_model=self.prefixes.source,
             prompt_ids=prompt,
+            words=words,
         )
 
 

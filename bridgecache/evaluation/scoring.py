@@ -53,10 +53,11 @@ def bridged_prefix(
     config=None,
     source_model=None,
     prompt_ids=None,
+    words=None,
 ) -> Prefix:
     """The target continues from `source_kv` translated through `bridge` with `config`.
 
-    ids: [1, T] the context in the target's tokenization; source_model, prompt_ids: what the
+    ids: [1, T] the context in the target's tokenization; source_model, prompt_ids, words: what the
     selection rule reads (BridgedCache). Timed: the source's reading, translation of every layer,
     and the target's forward over the native work and columns [P, T) (native tail + held-back
     token) that yields the logits after the context.
@@ -65,7 +66,7 @@ def bridged_prefix(
     start = time.perf_counter()
     cache = BridgedCache(
         bridge, source_kv, target, ids, config=config, alignment=alignment, source_model=source_model,
-        prompt_ids=prompt_ids,
+        prompt_ids=prompt_ids, words=words,
     )  # fmt: skip
     first = cache.get_seq_length()
     out = target(input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))

@@ -39,7 +39,7 @@ from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import align_context
+from bridgecache.runtime.handoff import align_context, words_for
 
 __all__ = [
     "BridgedPages",
@@ -294,9 +294,11 @@ def translate_context(
         source_kv = capture_kv(source, source_ids)
     else:  # KV of another model or another document are refused here, not published
         source_kv = as_source(source_kv, model=source, input_ids=source_ids)
+    words = words_for(config, [context], source_tokenizer, target_tokenizer, [source_ids], [target_ids])
     cache = BridgedCache(
-        bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source
-    )
+        bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source,
+        words=words,
+    )  # fmt: skip
     return cache, target_ids
 
 

@@ -26,7 +26,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import align_context, generated_ids, pad_token_id, prompt_ids
+from bridgecache.runtime.handoff import align_context, generated_ids, pad_token_id, prompt_ids, words_for
 
 __all__ = ["BatchHandoffResult", "handoff_batch", "left_pad"]
 
@@ -81,11 +81,11 @@ def handoff_batch(
         raise ValueError("contexts is empty: pass at least one text")
     check_models(bridge, source, target, source_tokenizer, target_tokenizer)
     aligned = [align_context(bridge, text, source_tokenizer, target_tokenizer) for text in contexts]
-    alignments = [a for a, _, _ in aligned]
+    alignments, source_rows, target_rows = (list(side) for side in zip(*aligned, strict=True))
     pad_id = pad_token_id(target_tokenizer)
     pad_id = pad_id if pad_id is not None else 0
-    source_ids, source_mask = left_pad([s for _, s, _ in aligned], pad_id=0)
-    target_ids, target_mask = left_pad([t for _, _, t in aligned], pad_id=pad_id)
+    source_ids, source_mask = left_pad(source_rows, pad_id=0)
+    target_ids, target_mask = left_pad(target_rows, pad_id=pad_id)
 
     start = time.perf_counter()
     source_kv = capture_kv(source, source_ids, attention_mask=source_mask)
@@ -110,6 +110,7 @@ def handoff_batch(
         alignment=None if same else alignments,
         source_model=source,
         prompt_ids=source_prompt,
+        words=words_for(config, contexts, source_tokenizer, target_tokenizer, source_rows, target_rows),
     )
     generate_kwargs.setdefault("pad_token_id", pad_id)
     output = target.generate(

@@ -198,6 +198,8 @@ class BridgedCache(DynamicCache):
         source_model: the source model, for selection rules that read with it (the default).
         prompt_ids: [batch, q] the prompt in the SOURCE's tokens: what the source reads to choose
             the refreshed tokens (None: the context's last tokens read it).
+        words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`), read
+            only under `RefreshConfig(whole_words=True)`, which needs them.
     """
 
     def __init__(
@@ -213,6 +215,7 @@ class BridgedCache(DynamicCache):
         source_attention_mask: torch.Tensor | None = None,
         source_model=None,
         prompt_ids: torch.Tensor | None = None,
+        words=None,
     ):
         config = HandoffConfig() if config is None else config
         if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
@@ -243,7 +246,7 @@ class BridgedCache(DynamicCache):
         if groups_apply(self.translator, target, config.one_launch):
             make_groups = lambda whole: LayerGroups(self.translator, whole)  # noqa: E731
         plan = plan_native_work(
-            self.translator, target, target_ids, config, source_model, prompt_ids, make_groups
+            self.translator, target, target_ids, config, source_model, prompt_ids, make_groups, words
         )
         self.pending_work = plan.pending
         self._plan = plan

@@ -33,10 +33,14 @@ class RefreshConfig:
     by: the selection rule: "source" (the source's attention from the prompt; the default),
         "deviation" (translated vs native keys at a check layer, CacheBlend's rule), or a
         `bridgecache.Selector` instance (your own rule, or `GivenScores(tensor)`).
+    whole_words: a chosen token brings the rest of its word or number with it, on both sides of
+        the tokenizer alignment (bridgecache.runtime.words), so a refresh never stops inside a
+        number; needs the context's words, which every path that tokenizes a text computes.
     """
 
     amount: float | int = DEFAULT_REFRESH
     by: str | Selector = "source"
+    whole_words: bool = False
 
     def __post_init__(self):
         amount = self.amount
@@ -52,6 +56,8 @@ class RefreshConfig:
         if isinstance(amount, int) and amount < 1:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
         selector_named(self.by)  # raises for an unknown rule
+        if self.whole_words not in (True, False):
+            raise ValueError(f"RefreshConfig.whole_words={self.whole_words!r}; expected True or False")
 
     @property
     def selector(self) -> Selector:
@@ -59,10 +65,10 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        """amount:rule, the rule by its name or, for an instance, its repr (two rules with other
-        parameters never share a label)."""
+        """amount:rule[:words], the rule by its name or, for an instance, its repr (two rules with
+        other parameters never share a label)."""
         by = self.by if isinstance(self.by, str) else repr(self.by)
-        return f"{self.amount}:{by}"
+        return f"{self.amount}:{by}" + (":words" if self.whole_words else "")
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,11 @@ class HandoffConfig:
                 shown = value.label if isinstance(value, RefreshConfig) else value
                 parts.append(f"{f.name}={shown}")
         return " ".join(parts) or "default"
+
+    @property
+    def whole_words(self) -> bool:
+        """Whether the refresh takes whole words (the paths then compute the context's words)."""
+        return self.refresh is not None and self.refresh.whole_words
 
     @property
     def kv_recipe(self) -> str:

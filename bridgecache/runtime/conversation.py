@@ -66,6 +66,7 @@ class _Handoff:
     target_ids: torch.Tensor
     alignment: object
     config: HandoffConfig | None
+    words: object = None  # ContextWords under RefreshConfig(whole_words=True)
 
     def cache(self, target, question: str) -> BridgedCache:
         """The bridged cache of the earlier turns; the source reads `question` to choose the
@@ -80,6 +81,7 @@ class _Handoff:
             alignment=self.alignment,
             source_model=self.source,
             prompt_ids=prompt,
+            words=self.words,
         )
 
 
@@ -128,9 +130,10 @@ class Conversation:
                 messages, source_tokenizer, target_tokenizer, policy=policy
             )
             source_ids, target_ids = _row(source_ids), _row(target_ids)
+        words = _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids)
         source_kv = capture_kv(source, source_ids.to(_device(source)))
         target_ids = target_ids.to(_device(target))
-        parts = _Handoff(bridge, source, source_tokenizer, source_kv, target_ids, alignment, config)
+        parts = _Handoff(bridge, source, source_tokenizer, source_kv, target_ids, alignment, config, words)
         return cls(target, target_tokenizer, messages, None, target_ids, _handoff=parts)
 
     @classmethod
@@ -205,6 +208,17 @@ def _crop(cache, length: int) -> None:
     removed = cache.get_seq_length() - length
     if removed > 0:
         cache.crop(-removed)
+
+
+def _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids):
+    """The ContextWords of each side's rendering of `messages` (None unless the refresh takes whole words)."""
+    if config is None or not config.whole_words:
+        return None
+    from bridgecache.runtime.words import ContextWords
+    from tokenalign import render_chat
+
+    texts = [render_chat(messages, source_tokenizer).text], [render_chat(messages, target_tokenizer).text]
+    return ContextWords.of(*texts, source_tokenizer, target_tokenizer, [source_ids], [target_ids])
 
 
 def _render(messages, tokenizer, add_generation_prompt: bool = False) -> torch.Tensor:

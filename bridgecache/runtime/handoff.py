@@ -33,6 +33,7 @@ __all__ = [
     "prompt_ids",
     "pad_token_id",
     "same_tokenization",
+    "words_for",
 ]
 
 
@@ -94,6 +95,19 @@ def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     return alignment, as_batch(source_ids), as_batch(target_ids)
 
 
+def words_for(
+    config: HandoffConfig | None, texts, source_tokenizer, target_tokenizer, source_rows, target_rows
+):
+    """The contexts' `ContextWords` when `config` refreshes whole words, else None. texts: one
+    per row; source_rows, target_rows: each row's unpadded ids ([1, n] or [n]), left-padded here
+    as the cache's rows are."""
+    if config is None or not config.whole_words:
+        return None
+    from bridgecache.runtime.words import ContextWords
+
+    return ContextWords.of(texts, texts, source_tokenizer, target_tokenizer, source_rows, target_rows)
+
+
 @torch.no_grad()
 def handoff(
     bridge,
@@ -149,6 +163,7 @@ def handoff(
         alignment=alignment,
         source_model=source,
         prompt_ids=source_prompt,
+        words=words_for(config, [context], source_tokenizer, target_tokenizer, [source_ids], [target_ids]),
     )
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(

@@ -1,12 +1,13 @@
 """What the target computes itself over a bridged context, decided once per cache.
 
-    plan = plan_native_work(translator, target, target_ids, config, source_model, prompt_ids, groups)
+    plan = plan_native_work(translator, target, target_ids, config, source_model, prompt_ids, groups, words)
 
 In order: the quality gate (layers scoring below `min_quality` run natively, or the whole context
 falls back to the target's own prefill); layers a selection rule needs natively; those layers'
 exact KV (one forward stopped after the deepest, bridgecache.runtime.native); the refresh budget
-per row and the selection rule's scores; then the pending columns (native head, columns without
-source text, the budget's best) that the target's first forward computes
+per row and the selection rule's scores (pooled over the target's words under
+`RefreshConfig(whole_words=True)`: bridgecache.runtime.words); then the pending columns (native
+head, columns without source text, the budget's best) that the target's first forward computes
 (bridgecache.runtime.native_pass), and the report of it all.
 
 Knows the translator's layout, the config and the selection rules; runs no generate().
@@ -23,6 +24,7 @@ from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.selection import SelectionRequest
+from bridgecache.runtime.words import pool_words
 
 __all__ = ["NativePlan", "plan_native_work"]
 
@@ -52,8 +54,11 @@ class NativePlan:
         return torch.tensor(rows, dtype=torch.long)
 
 
-def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, make_groups) -> NativePlan:
-    """Decide and prepare the native work of one cache (see the module docstring)."""
+def plan_native_work(
+    tr, target, target_ids, config, source_model, prompt_ids, make_groups, words=None
+) -> NativePlan:
+    """Decide and prepare the native work of one cache (see the module docstring); `words`: the
+    context's `ContextWords`, read only under `RefreshConfig(whole_words=True)`."""
     num_layers = len(tr.windows)
     prefix = tr.prefix_length
     real = tr.target_mask[:, :prefix].bool()
@@ -70,6 +75,13 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, m
     all_native = len(native) == num_layers
     refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
     selector = refresh.selector if refresh is not None else None
+    words = words if refresh is not None and refresh.whole_words else None
+    if refresh is not None and refresh.whole_words and words is None:
+        raise ValueError(
+            "RefreshConfig(whole_words=True) needs the context's words on both sides: pass "
+            "words=bridgecache.runtime.words.context_words(...) to BridgedCache (handoff, handoff_batch, "
+            "Conversation and publish_context compute them)"
+        )
     if selector is not None:
         native |= set(selector.native_layers(num_layers))
     ids = target_ids[:, :prefix]
@@ -91,8 +103,11 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, m
         graphs = config.cuda_graphs
         if graphs is None:
             graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
-        request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs)
-        cols, valid = plan.select(selector.scores(request) if any(budgets) else None)
+        request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs, words)
+        chosen_by = selector.scores(request) if any(budgets) else None
+        if chosen_by is not None and words is not None:  # whole words on the target's side
+            chosen_by = pool_words(chosen_by.float(), words.target[:, :prefix])
+        cols, valid = plan.select(chosen_by)
         pending = PendingWork(
             columns=cols,
             valid=valid,

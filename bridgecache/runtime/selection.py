@@ -25,6 +25,7 @@ import torch
 from bridgecache.runtime.attention import layers_read
 from bridgecache.runtime.reading import attention_scores
 from bridgecache.runtime.report import reading_flops
+from bridgecache.runtime.words import pool_words
 
 __all__ = ["Selector", "SelectionRequest", "SourceAttention", "KeyDeviation", "GivenScores", "selector_named"]
 
@@ -38,6 +39,9 @@ class SelectionRequest:
     source_model: the source model, if given; source_kv: the source's `SourceKV` of the context.
     prompt_ids: [batch, q] the prompt in the SOURCE's tokens (None: no prompt known yet).
     graphs: whether a model's reading may replay a captured CUDA graph (HandoffConfig.cuda_graphs).
+    words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`), given
+        only under `RefreshConfig(whole_words=True)`: a rule that scores source tokens pools them
+        over the source's words before they cross to the target's columns.
     """
 
     target: object
@@ -47,6 +51,7 @@ class SelectionRequest:
     source_kv: object
     prompt_ids: torch.Tensor | None
     graphs: bool = False
+    words: object | None = None
 
 
 class Selector(ABC):
@@ -137,6 +142,8 @@ class SourceAttention(Selector):
         if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens
             padded = torch.nn.functional.pad(scores[:, None], (after, 0), value=float("-inf"))
             scores = torch.nn.functional.max_pool1d(padded, after + 1, stride=1)[:, 0]
+        if request.words is not None:  # whole words on the source's side, before the crossing
+            scores = pool_words(scores, request.words.source)
         rows = request.translator.reading_rows.to(scores.device)
         return torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
 

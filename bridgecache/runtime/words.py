@@ -1,0 +1,110 @@
+"""Whole words for a refresh: a chosen token brings the rest of its word or number with it.
+
+A selection rule scores context tokens one by one. Numbers split into many tokens (Qwen2.5 and
+SmolLM2 give each digit its own), so a refresh can stop inside an answer, "916375|8", and the
+target then reads the last digit from a translated row. With `RefreshConfig(whole_words=True)` a
+token's score becomes the best score of the word it belongs to, on BOTH sides of an alignment:
+over the source's words before the scores cross to the target's columns (`SourceAttention`), then
+over the target's words (the plan); the stable sort of the selection then takes each word whole
+(equal scores: the earliest column first), except at most the last one the budget reaches.
+
+    word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
+    ContextWords.rows(source, target)         per-row groups, left-padded like the cache's rows
+    ContextWords.of(texts..., ids...)         word_groups of each row on each side, then .rows
+    context_words(text, s_tok, t_tok, s, t)   ContextWords of one plain-text context (batch 1)
+    pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
+
+A word is a maximal run of letters, digits and underscores (any non-ASCII byte counts as a
+letter); two neighbouring tokens share a word when they touch and the characters on both sides of
+the boundary are word characters. Byte spans come from tokenalign (offsets of fast tokenizers,
+else the tokenizer's own reconstruction), so chat-template ids with specials work too.
+
+Knows tokenizers (through tokenalign) and score tensors; nothing about bridges, caches or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["ContextWords", "word_groups", "context_words", "pool_words"]
+
+_WORD_BYTES = np.zeros(256, dtype=bool)
+for _byte in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
+    _WORD_BYTES[_byte] = True
+_WORD_BYTES[0x80:] = True  # UTF-8 bytes of non-ASCII characters: letters of other scripts
+
+
+def word_groups(text: str, tokenizer, ids) -> np.ndarray:
+    """int64 [tokens]: a group id per token of `ids` (a tokenization of `text`, specials allowed),
+    non-decreasing from 0, shared by the tokens of one word; a token without text is its own group."""
+    from tokenalign import token_spans
+
+    _, spans = token_spans(text, tokenizer, ids)
+    word = _WORD_BYTES[np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8)]
+    groups = np.zeros(len(spans), dtype=np.int64)
+    previous_end = -1  # byte end of the previous token (-1: it had no text)
+    for t in range(len(spans)):
+        start, end = int(spans.start[t]), int(spans.end[t])
+        inside = 0 < start <= previous_end and end > start and word[start - 1] and word[start]
+        groups[t] = groups[t - 1] + (0 if inside else 1) if t else 0
+        previous_end = end if end > start else -1
+    return groups
+
+
+@dataclass(frozen=True)
+class ContextWords:
+    """The context's words on both sides: source [batch, S] int64, one group per row of the
+    source's KV (its token axis, left padding included); target [batch, T] int64, one per target
+    column. Groups are non-decreasing within a row; each padding token is a group of its own."""
+
+    source: torch.Tensor
+    target: torch.Tensor
+
+    @classmethod
+    def rows(cls, source: list[np.ndarray], target: list[np.ndarray]) -> ContextWords:
+        """From per-row groups (`word_groups` of each row's unpadded tokens), left-padded to the
+        longest row on each side as `handoff_batch` pads ids."""
+        return cls(_left_padded(source), _left_padded(target))
+
+    @classmethod
+    def of(cls, source_texts, target_texts, source_tokenizer, target_tokenizer, source_rows, target_rows):
+        """Each row's words on each side: source_texts[b] is what source_rows[b] (unpadded ids,
+        [1, n] or [n]) tokenizes (a chat: that side's rendering), likewise for the target."""
+
+        def side(texts, tokenizer, rows):
+            ids = [torch.as_tensor(row).reshape(-1).tolist() for row in rows]
+            return [word_groups(text, tokenizer, row) for text, row in zip(texts, ids, strict=True)]
+
+        source = side(source_texts, source_tokenizer, source_rows)
+        return cls.rows(source, side(target_texts, target_tokenizer, target_rows))
+
+
+def _left_padded(groups: list[np.ndarray]) -> torch.Tensor:
+    width = max(len(g) for g in groups)
+    out = torch.empty(len(groups), width, dtype=torch.long)
+    for b, g in enumerate(groups):
+        pad = width - len(g)
+        out[b, :pad] = torch.arange(pad)
+        out[b, pad:] = torch.as_tensor(np.asarray(g, dtype=np.int64)) + pad
+    return out
+
+
+def context_words(text: str, source_tokenizer, target_tokenizer, source_ids, target_ids) -> ContextWords:
+    """ContextWords of one context `text`; source_ids [1, S], target_ids [1, T]: `text` as each
+    model reads it."""
+    return ContextWords.of([text], [text], source_tokenizer, target_tokenizer, [source_ids], [target_ids])
+
+
+def pool_words(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """scores [batch, tokens], groups [batch, tokens] int64 (non-decreasing per row) -> each
+    token's score replaced by the maximum over its group (same shape and dtype)."""
+    groups = groups.to(scores.device)
+    if groups.shape != scores.shape:
+        shapes = f"{tuple(groups.shape)} for scores of shape {tuple(scores.shape)}"
+        raise ValueError(f"word groups of shape {shapes}; expected one group per scored token")
+    best = torch.full_like(scores, float("-inf"))  # a row has at most `tokens` groups
+    best = best.scatter_reduce(1, groups, scores, reduce="amax")
+    return best.gather(1, groups)

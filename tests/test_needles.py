@@ -1,0 +1,339 @@
+"""The needle task (RULER's form) and generation scoring: items, exact match, the runner's
+generate path on tiny random models, and the whole-word refresh (RefreshConfig(whole_words=True))
+within one tokenization and across an alignment."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_grouped import _random_bridge
+from tiny_models import byte_tokenizer, tiny_model
+
+from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv, handoff
+from bridgecache.bridge import Bridge
+from bridgecache.evaluation import GenerationItem, Variant, evaluate, format_table, summarise
+from bridgecache.evaluation.answers import correct, exact_match, found, generation_metrics, partial, wilson
+from bridgecache.evaluation.builtin import builtin_items, builtin_task
+from bridgecache.evaluation.controls import ControlScores
+from bridgecache.evaluation.decoding import reply_ids
+from bridgecache.evaluation.items import DataFormatError, read_jsonl
+from bridgecache.evaluation.needles import NEEDLE, PREAMBLE, SUBTASKS, needle_item, needle_plan
+from bridgecache.evaluation.scoring import native_prefix
+from bridgecache.runtime.selection import GivenScores, SourceAttention
+from bridgecache.runtime.words import ContextWords, context_words, pool_words, word_groups
+from bridgecache.text import documents
+
+VOCAB = 258
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", vocab_size=VOCAB, initializer_range=0.3)
+
+
+# ---------------------------------------------------------------------- items
+
+
+def test_needle_names_are_generation_tasks():
+    assert builtin_task("needle-4096") == "generate"
+    assert {builtin_task(f"needle-{s}-8192") for s in SUBTASKS} == {"generate"}
+    with pytest.raises(DataFormatError, match="outside 64..32768"):
+        builtin_task("needle-65536")
+    with pytest.raises(DataFormatError, match="outside 64..8192"):
+        builtin_task("facts-choice-16384")  # the other families keep their bound
+
+
+def test_needle_items_hold_each_needle_once_at_spread_depths(tok):
+    items = builtin_items("needle-2048", tok, limit=12)
+    assert [item.kind for item in items] == list(SUBTASKS) * 4
+    eval_text = "\n\n".join(t for _, t in documents("prose", "eval"))
+    for i, item in enumerate(items):
+        plan = needle_plan(item.kind, i // 3)
+        assert item.context.startswith(PREAMBLE) and item.answers == plan.answers
+        for key, value, _ in plan.needles:
+            line = NEEDLE.format(key=key, value=value)
+            assert item.context.count(value) == 1 and f"\n{line}\n" in f"\n{item.context}\n"
+            assert item.context.count(key) == sum(k == key for k, _, _ in plan.needles)
+        assert plan.key in item.question
+        # The asked needle sits at its depth: that share of the haystack lies before it.
+        body = item.context[len(PREAMBLE) + 2 :]
+        at = body.find(NEEDLE.format(key=plan.key, value=plan.answers[0]))
+        assert abs(at / len(body) - plan.needles[0][2]) < 0.06
+        # RULER's length: context + question + the reply's budget = N tokens (a few either way).
+        prompt = len(tok(f"\nQuestion: {item.question}\nAnswer:", add_special_tokens=False)["input_ids"])
+        total = len(tok(item.context)["input_ids"]) + prompt + item.max_new_tokens
+        assert abs(total - 2048) <= 16
+        haystack = "\n".join(x for x in body.split("\n") if not x.startswith("One of the special magic"))
+        assert haystack[200:320] in eval_text  # (pydoc topics repeat some paragraphs across documents)
+    kinds = {k: [it for it in items if it.kind == k] for k in SUBTASKS}
+    assert all(len(it.answers) == 1 for it in kinds["single"] + kinds["multikey"])
+    for item in kinds["multikey"]:  # three distractor needles of other keys
+        assert item.context.count("One of the special magic numbers for") == 4
+    for item in kinds["multivalue"]:  # four values of the one asked key
+        assert len(item.answers) == 4 and len(set(item.answers)) == 4
+    depths = sorted(needle_plan("single", k).needles[0][2] for k in range(12))
+    assert depths[0] == 0.0 and depths[-1] > 0.9 and max(b - a for a, b in zip(depths, depths[1:])) < 0.2
+
+
+def test_needle_items_are_seeded_and_independent_of_the_count(tok):
+    few = builtin_items("needle-1024", tok, limit=4)
+    many = builtin_items("needle-1024", tok, limit=10)
+    assert few == many[:4] == builtin_items("needle-1024", tok, limit=4)
+    assert builtin_items("needle-single-1024", tok, limit=3)[1].answers == needle_plan("single", 1).answers
+
+
+def test_needle_item_refuses_a_haystack_that_already_holds_a_value():
+    plan = needle_plan("single", 0)
+    with pytest.raises(DataFormatError, match="already holds"):
+        needle_item(plan, f"text\nthe value {plan.answers[0]} again\nmore text\n")
+
+
+def test_generation_items_read_from_jsonl(tmp_path):
+    path = tmp_path / "gen.jsonl"
+    path.write_text(
+        json.dumps({"context": "c", "question": "q?", "answers": ["42"], "max_new_tokens": 8}) + "\n"
+    )
+    assert read_jsonl(path, "generate") == [GenerationItem("c", "q?", ("42",), 8)]
+    path.write_text(json.dumps({"context": "c", "question": "q?", "answers": []}) + "\n")
+    with pytest.raises(DataFormatError, match=":1: field 'answers'"):
+        read_jsonl(path, "generate")
+
+
+# ---------------------------------------------------------------------- scoring
+
+
+@pytest.mark.parametrize(
+    ("reply", "answer", "right"),
+    [
+        (" 9163758", "9163758", True),
+        ("9163758.\nMore", "9163758", True),
+        ("The special magic number for icy-orchard is 9163758.", "9163758", True),
+        (" 916375", "9163758", False),  # a digit dropped
+        (" 91637580", "9163758", False),  # a digit added
+        (" 9163759", "9163758", False),  # the last digit changed
+        ("916 3758", "9163758", False),
+        ("It is 1234567, not 9163758", "9163758", False),  # the first number is the answer given
+        ("", "9163758", False),
+        ("Fallowby.", "fallowby", True),
+        ('"Fallowby"', "Fallowby", True),
+        ("Fallowby and Karsk", "Fallowby", False),
+    ],
+)
+def test_exact_match_takes_whole_numbers_and_first_lines(reply, answer, right):
+    assert exact_match(reply, answer) is right
+
+
+def test_several_answers_need_all_and_earn_partial_credit():
+    answers = ("1111111", "2222222", "3333333", "4444444")
+    assert correct("1111111, 2222222, 3333333 and 4444444", answers)
+    reply = "1111111, 222222, 3333333"  # one near-miss, one missing
+    assert not correct(reply, answers) and partial(reply, answers) == 0.5
+    assert found("towns: Karsk, Velmora", "velmora") and not found("Velmoran", "Velmora")
+    assert partial(" 9163758", ("9163758",)) == 1.0 and partial(" 916375", ("9163758",)) == 0.0
+
+
+def test_wilson_interval():
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
+    assert wilson(0, 10)[1] == pytest.approx(0.2775, abs=1e-3)
+    assert all(math.isnan(x) for x in wilson(0, 0))
+
+
+def test_generation_metrics_per_condition():
+    answers = [("1",), ("2",), ("3", "4")]
+    replies = {"native": ["1", "2", "3 4"], "bridged": ["1", "22", "3"], "no_context": ["0", "0", "0"]}
+    m = generation_metrics(replies, answers)
+    assert (m["acc_native"], m["acc_bridged"], m["acc_no_context"]) == (1.0, pytest.approx(1 / 3), 0.0)
+    assert m["partial_bridged"] == 0.5 and m["partial_bridged_n"] == 1
+    assert m["retention"] == pytest.approx(1 / 3) and m["correct_bridged"] == 1
+    assert m["acc_bridged_ci"] == pytest.approx(list(wilson(1, 3)))
+
+
+# ---------------------------------------------------------------------- decoding and the runner
+
+
+def test_greedy_reply_after_a_prefix_is_generate_greedy(llama, tok):
+    ids = tok("abc def ghi", return_tensors="pt")["input_ids"]
+    prompt = tok("\nQ:", add_special_tokens=False)["input_ids"]
+    reply = reply_ids(llama, native_prefix(llama, ids), prompt, 6)
+    full = torch.cat([ids, torch.tensor([prompt])], dim=1)
+    expected = llama.generate(full, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, full.shape[1] :]
+    assert reply == expected.tolist()[: len(reply)] and len(reply) == 6
+
+
+def _gen_items(model, tok, n=3):
+    items = []
+    for k in range(n):
+        context = f"record {k}: the code is {k}{k + 3}{k + 5} and the town is far away"
+        question = "what is the code"
+        probe = native_prefix(model, tok(context, return_tensors="pt")["input_ids"])
+        prompt = tok(f"\nQuestion: {question}\nAnswer:", add_special_tokens=False)["input_ids"]
+        answer = tok.decode(reply_ids(model, probe, prompt, 4)).strip() or "x"
+        items.append(GenerationItem(context, question, (answer,), 4, "single"))
+    return items
+
+
+def test_generate_task_through_an_identity_bridge_gives_native_replies(llama, tok, tmp_path):
+    items = _gen_items(llama, tok)
+    bridge = Bridge.identity(llama)
+    words = HandoffConfig(refresh=RefreshConfig(0.3, whole_words=True))
+    variants = [
+        Variant(bridge, HandoffConfig(refresh=None)),
+        Variant(bridge),
+        Variant(bridge, words, label="words"),
+    ]
+    controls = ControlScores(tmp_path / "controls.json")
+    ev = evaluate(llama, tok, llama, tok, items, "generate", variants, progress=False, controls=controls)
+    for result in ev.items:
+        assert {result.replies[f"bridged[{v.name}]"] for v in variants} == {result.replies["native"]}
+        assert set(result.cpu_s) >= {"native_prefill", "source_prefill"}
+    s = summarise(ev, variants[2])
+    assert s["task"] == "generate" and s["n"] == 3 and s["acc_bridged"] == s["acc_native"]
+    assert s["retention"] == 1.0 and "acc_no_context_ci" in s and s["handoff_cpu_s"] > 0
+    assert "words" in s["variant"]
+    table = format_table(s)
+    assert "exact match" in table and "95% CI (Wilson)" in table and "(c) no context" in table
+    # A second run reads the native and no-context replies from the controls file.
+    again = evaluate(
+        llama, tok, llama, tok, items, "generate", variants[:1], progress=False, controls=controls
+    )
+    assert [r.replies["native"] for r in again.items] == [r.replies["native"] for r in ev.items]
+    assert len(json.loads((tmp_path / "controls.json").read_text())) == 3
+
+
+# ---------------------------------------------------------------------- whole words
+
+
+def test_word_groups_keep_numbers_and_words_whole(tok):
+    text = "key icy-orchard is: 9163758."
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # one token per byte
+    groups = word_groups(text, tok, ids)
+    words = {}
+    for ch, g in zip(text, groups.tolist()):
+        words.setdefault(g, "")
+        words[g] += ch
+    assert "9163758" in words.values() and "orchard" in words.values() and "icy" in words.values()
+    assert " " not in "".join(w for w in words.values() if len(w) > 1)
+
+
+def test_pool_words_takes_each_words_best_per_row():
+    scores = torch.tensor([[0.1, 0.9, 0.2, 0.0], [0.3, 0.1, 0.5, 0.4]])
+    groups = ContextWords.rows([[0, 0, 1, 2], [0, 1, 1]], [[0]]).source  # row 1: one padding column
+    assert groups.tolist() == [[0, 0, 1, 2], [0, 1, 2, 2]]
+    expected = torch.tensor([[0.9, 0.9, 0.2, 0.0], [0.3, 0.1, 0.5, 0.5]])
+    assert torch.equal(pool_words(scores, groups), expected)
+    with pytest.raises(ValueError, match="one group per scored token"):
+        pool_words(scores, groups[:, :3])
+
+
+def test_whole_words_refresh_takes_the_number_a_digit_was_chosen_in(llama, tok):
+    """One digit inside the number scores highest: whole words refresh the whole number; the
+    default refreshes that digit and the earliest columns (ties)."""
+    text = "the magic number is 9163758 ok"
+    ids = tok(text, return_tensors="pt")["input_ids"]  # one token per byte
+    bridge, kv = _random_bridge(llama, seed=1), capture_kv(llama, ids)
+    digit = text.index("1637") + 2  # the "6", inside the number
+    scores = torch.zeros(1, ids.shape[1])
+    scores[0, digit] = 1.0
+    number = list(range(text.index("9163758"), text.index("9163758") + 7))
+
+    def refreshed(whole_words: bool) -> list[int]:
+        refresh = RefreshConfig(7, by=GivenScores(scores), whole_words=whole_words)
+        words = context_words(text, tok, tok, ids, ids)
+        cache = BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh), words=words)
+        return cache.refreshed_columns[0].tolist()
+
+    assert refreshed(True) == number
+    assert refreshed(False) != number and digit in refreshed(False)
+    with pytest.raises(ValueError, match="whole_words=True. needs the context's words"):
+        refresh = RefreshConfig(7, by=GivenScores(scores), whole_words=True)
+        BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh))
+
+
+def _merging_tokenizer():
+    """Byte-level BPE that merges "916", "37" and "58": another tokenization of the same text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    merges = [("9", "1"), ("91", "6"), ("3", "7"), ("5", "8")]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {"<s>": 256, "</s>": 257, "91": 258, "916": 259, "37": 260, "58": 261}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>")
+
+
+def test_whole_words_cross_an_alignment_through_handoff(tok, monkeypatch):
+    """Source: one token per byte; target: "916" "37" "58". The source's attention picks the
+    digit "6" alone: with whole words the source's number (7 rows) and then the target's (3
+    columns) are refreshed whole; without, only the target column that reads that digit's row."""
+    import bridgecache.runtime.selection as selection
+
+    model = tiny_model("llama", vocab_size=262, initializer_range=0.3)
+    target_tok = _merging_tokenizer()
+    text = "the magic number is 9163758 ok"
+    target_ids = target_tok(text)["input_ids"]
+    assert [target_tok.decode([i]) for i in target_ids[20:23]] == ["916", "37", "58"]
+    assert len(tok(text)["input_ids"]) == len(target_ids) + 4  # two tokenizations: an alignment
+    digit = text.index("6")
+    picked = torch.zeros(1, len(text))
+    picked[0, digit] = 1.0
+    monkeypatch.setattr(selection, "attention_scores", lambda *args, **kwargs: picked.clone())
+    bridge = _random_bridge(model, seed=2)
+
+    def refreshed(whole_words: bool) -> list[str]:
+        rule = RefreshConfig(3, by=SourceAttention(after=0), whole_words=whole_words)
+        out = handoff(
+            bridge, model, model, text, " which?", source_tokenizer=tok, target_tokenizer=target_tok,
+            config=HandoffConfig(refresh=rule), max_new_tokens=1, do_sample=False,
+        )  # fmt: skip
+        return [target_tok.decode([target_ids[c]]) for c in out.cache.refreshed_columns[0].tolist()]
+
+    assert refreshed(True) == ["916", "37", "58"]
+    assert "916" in refreshed(False) and refreshed(False) != ["916", "37", "58"]
+
+
+def test_whole_words_in_the_runner_refresh_whole_words(llama, tok):
+    items = _gen_items(llama, tok)
+    config = HandoffConfig(refresh=RefreshConfig(4, by="deviation", whole_words=True))
+    ev = evaluate(
+        llama, tok, llama, tok, items, "generate", [Variant(_random_bridge(llama), config)], progress=False
+    )
+    for result, item in zip(ev.items, items):
+        chosen = next(iter(result.refreshed.values()))
+        groups = word_groups(item.context, tok, tok(item.context)["input_ids"])
+        partial_words = {
+            g for g in groups[chosen].tolist() if not set(np.flatnonzero(groups == g)) <= set(chosen)
+        }
+        assert len(partial_words) <= 1, (item.context, chosen)  # only the last word the budget reaches
+
+
+def test_long_context_variants_are_handoff_configs():
+    from test_multi_turn import script
+
+    long_context = script("benchmarks/long_context.py")
+    assert long_context.variant_config("plain") == HandoffConfig(refresh=None)
+    assert long_context.variant_config("refresh=0.2") == HandoffConfig()
+    words = long_context.variant_config("refresh=64,words")
+    assert words.refresh == RefreshConfig(64, "source", whole_words=True) and words.whole_words
+    with pytest.raises(SystemExit, match="bad variant"):
+        long_context.variant_config("refresh=0.2,spread=2")
