@@ -84,7 +84,7 @@ class SourceAttention(Selector):
     defaults (measured on fact questions and on prose: benchmarks/reports/quality.md).
     `layers`: read with the source's first layers only, its forward stopping there: an int
     counts them, a float in (0, 1] is their share of the source's layers (rounded up); None: all
-    (what fewer cost in recall: benchmarks/refresh_recall.py --layers).
+    (what fewer cost: benchmarks/reports/quality.md).
     """
 
     reduce: str | None = None
