@@ -205,6 +205,31 @@ def test_identity_handoff_is_exact_on_real_smollm2(smollm2):
     assert _max_logit_diff(bridged, native) < 1e-3  # logits of magnitude ~20: float32 rounding
 
 
+@pytest.mark.real_model
+def test_refreshing_every_token_is_exact_on_real_smollm2_through_a_wrong_bridge(smollm2):
+    """A deliberately wrong bridge (noise on every map) translates nothing right; a refresh of
+    every token recomputes it all in the one forward: the target's own tokens and logits."""
+    model, tokenizer = smollm2
+    text = "Bridges carry traffic over rivers, valleys and roads. The longest bridge in the town of"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    bridge = Bridge.identity(model, tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    for layer in bridge.layers:
+        for name in ("key_weight", "value_weight"):
+            getattr(layer, name).add_(0.5 * torch.randn(getattr(layer, name).shape, generator=generator))
+    bridge.method = "fullhead"
+    native = _generate(model, ids, max_new_tokens=8)
+    runs = {}
+    for refresh in (None, RefreshConfig(1.0, GivenScores(torch.rand(1, ids.shape[1])))):
+        config = HandoffConfig(refresh=refresh)
+        cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config)
+        runs[refresh is None] = _generate(model, ids, cache, max_new_tokens=8)
+    full, translated = runs[False], runs[True]
+    assert torch.equal(full.sequences, native.sequences)
+    assert _max_logit_diff(full, native) < 1e-3
+    assert _max_logit_diff(translated, native) > 1.0  # the bridge alone is far off
+
+
 def test_a_sliding_window_source_cache_that_lacks_rows_gets_a_clear_error():
     model = tiny_model("gemma3")  # window 8: its sliding cache layers keep only the last 7 tokens
     ids = torch.randint(3, 300, (1, 25))
