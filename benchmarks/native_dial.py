@@ -13,7 +13,8 @@ an int n, or 0+1+17 for a set, or all), refresh (fraction or token count; none w
 (deviation, the default | source), minq (quality gate threshold); source-guided selection
 (`SourceAttention`): reduce (sum, the default | max over layers, heads and queries), after
 (scores reach the N following tokens, default 0), read (the source reads with its first N
-layers only, or a share of them such as 0.25; default all).
+layers only, or a share of them such as 0.25; default all), words (1: the refresh takes whole
+words, `RefreshConfig(whole_words=True)`).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
@@ -41,6 +42,7 @@ PAIRS = {
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
 _KEYS |= {"by": "refresh_by", "minq": "min_quality"}
 _KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after", "read": "refresh_read_layers"}
+_KEYS |= {"words": "refresh_whole_words"}
 
 
 def handoff_config(options: dict):
@@ -48,6 +50,7 @@ def handoff_config(options: dict):
     from bridgecache import HandoffConfig, QualityPolicy, RefreshConfig, SourceAttention
 
     refresh, by = options.get("refresh"), options.get("refresh_by", "deviation")
+    whole_words = bool(options.get("refresh_whole_words", 0))
     if by == "source":
         by = SourceAttention(
             reduce=options["refresh_reduce"],
@@ -58,7 +61,7 @@ def handoff_config(options: dict):
         native_head=options.get("native_head"),
         native_tail=options.get("native_tail", 0),
         native_layers=options.get("native_layers"),
-        refresh=None if refresh is None else RefreshConfig(refresh, by),
+        refresh=None if refresh is None else RefreshConfig(refresh, by, whole_words),
         quality=QualityPolicy(options.get("min_quality")),
     )
 
