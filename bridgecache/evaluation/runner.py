@@ -200,11 +200,16 @@ def evaluate(
     prompts = Prompts(source_tokenizer, target_tokenizer, chat)
     prepared, skipped = _prepare(items, prompts, variants[0].bridge, source, target, log)
     controls = controls if controls is not None else ControlScores(None)
-    needed = "1" if task == "generate" else "2 (the unrelated-context control reads another item's context)"
-    if len(prepared) < int(needed[0]):
+    # generation has no unrelated-context control; the other tasks read another item's context
+    needed, why = (
+        (1, "")
+        if task == "generate"
+        else (2, " (the unrelated-context control reads another item's context)")
+    )
+    if len(prepared) < needed:
         raise EvaluationError(
             f"{len(prepared)} of {len(items)} items fit the models' windows; the evaluation needs at least "
-            + needed
+            f"{needed}{why}"
         )
     _warm_up(source, target)
     prefixes = _Prefixes(source, target, size=1 if task == "generate" else 4)  # generate reads each once
