@@ -30,7 +30,8 @@ Variants (`variant_config` maps each onto its `HandoffConfig`):
     refresh=F        a share F of the context refreshed (F >= 1: a token count), the tokens chosen
                      by the source's attention from the question (`SourceAttention()`, the
                      default rule: max over layers, heads and question tokens, reaching the 4
-                     tokens after)
+                     tokens after), token by token (`whole_words=False`, said explicitly: the
+                     library's default takes whole words)
     refresh=F,words  the same at the same budget with `RefreshConfig(whole_words=True)`: scores
                      spread over whole words and numbers on both sides of the alignment
                      (bridgecache/runtime/words.py)
@@ -210,13 +211,12 @@ def recall(args) -> None:
         if i in done:
             continue
         item, start = items[i], time.perf_counter()
-        context = prompts.context(item.context, bridge)
+        context = prompts.context(item.context, bridge, words=True)
         if context.source_ids.shape[1] > source.config.max_position_embeddings:
             print(f"item {i}: {context.source_ids.shape[1]} source tokens exceed the window; skipped")
             continue
         kv = capture_kv(source, context.source_ids)
         query = torch.tensor([prompts.source_prompt(item)], dtype=torch.long)
-        words = prompts.words(context)
         columns = answer_columns(target_tok, context.target_ids[0].tolist(), item.context, item.answers)
         wanted = [c for cols in columns for c in cols]
         record = {"index": i, "kind": item.kind, "pair": args.pair, "task": args.task, "commit": _commit()}
@@ -226,7 +226,7 @@ def recall(args) -> None:
                 config = HandoffConfig(refresh=RefreshConfig(amount, "source", whole_words=whole_words))
                 cache = BridgedCache(
                     bridge, kv, target, context.target_ids, config=config, alignment=context.alignment,
-                    source_model=source, prompt_ids=query, words=words,
+                    source_model=source, prompt_ids=query, words=context.words,
                 )  # fmt: skip
                 picked = set(cache.refreshed_columns[0].tolist())
                 record[f"{name}@{budget}"] = {

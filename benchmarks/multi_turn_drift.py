@@ -2,16 +2,17 @@
 
     python benchmarks/multi_turn_drift.py --source qwen2.5-coder-1.5b --target qwen2.5-coder-0.5b \\
         [--bridge builtin:qwen2.5-coder-1.5b->qwen2.5-coder-0.5b] [--task facts-choice-512] [--limit 24] \\
-        [--turns 0 1 2 4] [--max-new-tokens 32] [--refresh 0.2 [--whole-words]] [--json drift.json]
+        [--turns 0 1 2 4] [--max-new-tokens 32] [--refresh 0.2 [--no-whole-words]] [--json drift.json]
 
 For each built-in fact item (bridgecache.evaluation, `facts-choice-N`: invented facts, five
 choices, answerable only from the context), the conversation so far is two messages: the user
 shares the context, the assistant acknowledges. Then, on one cache each:
     bridged    the source read those turns; the target's cache of them is translated
                (Conversation.handoff with HandoffConfig(): its default refresh)
-    refreshed  with --refresh F: as bridged, with HandoffConfig(refresh=RefreshConfig(F)) (and
-               whole_words with --whole-words); as in every Conversation, the source chooses the
-               refreshed tokens by reading the first user turn after the handover
+    refreshed  with --refresh F: as bridged, with HandoffConfig(refresh=RefreshConfig(F)): whole
+               words, as in every Conversation (RefreshConfig(F, whole_words=False) with
+               --no-whole-words); the source chooses the refreshed tokens by reading the first
+               user turn after the handover
     native     the target read them itself (Conversation.native)
 the target answers k further unrelated user turns (FILLERS, greedy, --max-new-tokens) and is then
 asked the item's question; the choice with the highest mean log-likelihood per token as the
@@ -128,7 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--refresh", type=float, help="also a conversation whose bridged cache refreshes this share (0.2)"
     )
     parser.add_argument(
-        "--whole-words", action="store_true", help="--refresh's conversation refreshes whole words"
+        "--whole-words",
+        action=argparse.BooleanOptionalAction,
+        help="--refresh's conversation refreshes whole words (the default) or, with --no-whole-words, "
+        "token by token",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the result here")
@@ -137,8 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--task must be a built-in facts-choice-N task")
     if min(args.turns) < 0 or max(args.turns) > len(FILLERS):
         parser.error(f"--turns must lie in 0..{len(FILLERS)}")
-    if args.whole_words and not args.refresh:
-        parser.error("--whole-words is an option of --refresh's conversation")
+    if args.whole_words is not None and not args.refresh:
+        parser.error("--[no-]whole-words is an option of --refresh's conversation")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -14,7 +14,8 @@ an int n, or 0+1+17 for a set, or all), refresh (fraction or token count; none w
 (`SourceAttention`): reduce (sum, the default | max over layers, heads and queries), after
 (scores reach the N following tokens, default 0), read (the source reads with its first N
 layers only, or a share of them such as 0.25; default all), words (1: the refresh takes whole
-words, `RefreshConfig(whole_words=True)`).
+words, `RefreshConfig(whole_words=True)`; 0, the default here: token by token, `whole_words=False`,
+as every run before the library's default took whole words).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with

@@ -1,7 +1,9 @@
 """One HandoffConfig, every path: BridgedCache, handoff, handoff_batch, Conversation.handoff,
 publish_context, the evaluation runner and the CLI flags all take the same object and it reaches
-the cache they build; and a handoff_batch row is the handoff() of its context under the default
-refresh, through a bridge that is not the identity (so the refresh's choice matters)."""
+the cache they build (whole_words decided: True on the paths that know the text); a
+handoff_batch row is the handoff() of its context under the default refresh, through a bridge
+that is not the identity (so the refresh's choice matters); and the default whole_words=None
+refreshes as True wherever the text is known and as False from ids alone."""
 
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def models():
     return model, _random_bridge(model, seed=3), byte_tokenizer()
 
 
-def _check(cache, rows: int = 1):
-    assert cache.handoff_config is CONFIG
+def _check(cache, rows: int = 1, words: bool = True):
+    assert cache.handoff_config == CONFIG.with_words(words)  # the default whole_words, decided
     assert tuple(cache.refreshed_columns.shape) == (rows, 3)
     assert cache.report().tokens_refreshed == 3 and cache.report().refresh_by == "key deviation"
 
@@ -45,7 +47,7 @@ def test_every_path_takes_the_config_and_it_reaches_the_cache(models, tmp_path, 
     model, bridge, tok = models
     ids = tok(CONTEXTS[0], return_tensors="pt").input_ids
 
-    _check(BridgedCache(bridge, capture_kv(model, ids), model, ids, config=CONFIG))
+    _check(BridgedCache(bridge, capture_kv(model, ids), model, ids, config=CONFIG), words=False)
     caches, published = _every_path(models, CONFIG, tmp_path)
     for cache in caches:
         _check(cache, rows=cache.translator.batch_size)
@@ -104,6 +106,9 @@ def test_the_cli_flags_describe_the_same_config():
     flags = ["--native-tail", "2", "--no-key-norm", "--refresh", "3", "--refresh-by", "deviation"]
     assert handoff_config(parser.parse_args(flags)) == CONFIG
     assert handoff_config(parser.parse_args([])) == HandoffConfig()  # one set of defaults
+    for flag, whole_words in (("--whole-words", True), ("--no-whole-words", False)):
+        refresh = RefreshConfig(3, "deviation", whole_words)
+        assert handoff_config(parser.parse_args([*flags, flag])) == CONFIG.replace(refresh=refresh)
 
 
 def test_a_batch_row_is_the_handoff_of_its_context_with_the_default_refresh(models):
@@ -112,7 +117,7 @@ def test_a_batch_row_is_the_handoff_of_its_context_with_the_default_refresh(mode
     tokenizers = dict(source_tokenizer=tok, target_tokenizer=tok)
     gen = dict(GEN, output_logits=True, return_dict_in_generate=True)
     batch = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **tokenizers, **gen)
-    assert batch.cache.handoff_config == HandoffConfig()
+    assert batch.cache.handoff_config == HandoffConfig(refresh=RefreshConfig(whole_words=True))
     assert batch.cache.report().tokens_refreshed > 0
     for b, context in enumerate(CONTEXTS):
         single = handoff(bridge, model, model, context, PROMPT, **tokenizers, **gen)
@@ -132,11 +137,9 @@ def test_whole_words_reach_every_path_and_name_the_recipe(models, tmp_path, monk
 
     model, bridge, tok = models
     words = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation", whole_words=True))
-    assert not HandoffConfig().whole_words and words.whole_words
-    assert words.kv_recipe != HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation")).kv_recipe
-    assert bridge_salt(bridge, config=words) != bridge_salt(
-        bridge, config=words.replace(refresh=CONFIG.refresh)
-    )
+    tokens = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation", whole_words=False))
+    assert words.kv_recipe != tokens.kv_recipe
+    assert bridge_salt(bridge, config=words) != bridge_salt(bridge, config=tokens)
     pooled = []
     pool = plan.pool_words
     monkeypatch.setattr(plan, "pool_words", lambda s, g: pooled.append(g.clone()) or pool(s, g))
@@ -144,7 +147,7 @@ def test_whole_words_reach_every_path_and_name_the_recipe(models, tmp_path, monk
     assert json.loads(published.manifest_path.read_text())["recipe"] == words.kv_recipe
     assert len(pooled) == len(caches) + 1  # each path's plan pooled over its words, publishing's too
     for cache, groups in zip(caches, pooled, strict=False):  # groups: [rows, prefix] the target's words
-        assert cache.handoff_config.whole_words
+        assert cache.handoff_config == words
         assert groups.shape == (cache.translator.batch_size, cache.translator.prefix_length)
         for b, chosen in enumerate(cache.refreshed_columns):  # words whole but for the budget's last
             cut = {
@@ -166,3 +169,51 @@ def test_whole_words_reach_every_path_and_name_the_recipe(models, tmp_path, monk
 
 def _columns(groups: torch.Tensor, word: int) -> list[int]:
     return (groups == word).nonzero()[:, 0].tolist()
+
+
+def test_the_default_takes_whole_words_wherever_the_text_is_known(models, tmp_path):
+    """whole_words=None (the default): handoff, every handoff_batch row, Conversation.handoff and
+    publish_context refresh the columns whole_words=True refreshes (which False does not), under
+    True's recipe; a BridgedCache from ids alone refreshes as False and records False, and what
+    it publishes says so. Labels tell the three apart."""
+    from bridgecache.integrations.publish import publish
+
+    model, bridge, tok = models
+    auto = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation"))
+    words = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation", whole_words=True))
+    tokens = HandoffConfig(refresh=RefreshConfig(amount=3, by="deviation", whole_words=False))
+    assert auto.wants_words and words.wants_words and not tokens.wants_words
+    assert not HandoffConfig(refresh=None).wants_words and HandoffConfig().wants_words
+    columns, recipes = {}, {}
+    for name, config in (("auto", auto), ("words", words), ("tokens", tokens)):
+        caches, published = _every_path(models, config, tmp_path / name)
+        assert [c.handoff_config for c in caches] == [config.with_words(True)] * len(caches)
+        columns[name] = [cache.refreshed_columns for cache in caches]
+        recipes[name] = json.loads(published.manifest_path.read_text())["recipe"]
+    assert all(torch.equal(a, w) for a, w in zip(columns["auto"], columns["words"], strict=True))
+    assert not all(torch.equal(w, t) for w, t in zip(columns["words"], columns["tokens"], strict=True))
+    assert recipes == {"auto": words.kv_recipe, "words": words.kv_recipe, "tokens": tokens.kv_recipe}
+    assert auto.kv_recipe == words.kv_recipe != tokens.kv_recipe
+    assert bridge_salt(bridge) == bridge_salt(
+        bridge, config=HandoffConfig(refresh=RefreshConfig(whole_words=True))
+    )
+
+    ids = tok(CONTEXTS[0], return_tensors="pt").input_ids
+    kv = capture_kv(model, ids)
+    alone = BridgedCache(bridge, kv, model, ids, config=auto)
+    assert alone.handoff_config == tokens
+    assert torch.equal(
+        alone.refreshed_columns, BridgedCache(bridge, kv, model, ids, config=tokens).refreshed_columns
+    )
+    written = publish(alone, ids, tmp_path / "alone", page_size=4, model_name="tiny")
+    assert json.loads(written.manifest_path.read_text())["recipe"] == tokens.kv_recipe
+    assert written.cache_salt == bridge_salt(bridge, config=tokens) != bridge_salt(bridge, config=auto)
+
+    assert [c.refresh.label for c in (auto, words, tokens)] == [
+        "3:deviation",
+        "3:deviation:words",
+        "3:deviation:no-words",
+    ]
+    assert HandoffConfig().label == "default" and tokens.replace(
+        refresh=RefreshConfig(whole_words=False)
+    ).label == ("refresh=0.2:source:no-words")

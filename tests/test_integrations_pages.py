@@ -183,6 +183,7 @@ def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_pat
     from tiny_models import byte_tokenizer
 
     from bridgecache.runtime.handoff import context_ids
+    from bridgecache.runtime.words import context_words
 
     source, target, bridge, _ = handoff
     tok = byte_tokenizer()
@@ -191,8 +192,9 @@ def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_pat
         bridge, text, target, tok, tok, tmp_path / "a", page_size=8, model_name="tiny", source=source
     )
     ids = context_ids(tok, text)
+    words = context_words(text, tok, tok, ids, ids)  # publish_context knows them: the default takes them
     manual = publish(
-        BridgedCache(bridge, capture_kv(source, ids), target, ids, source_model=source),
+        BridgedCache(bridge, capture_kv(source, ids), target, ids, source_model=source, words=words),
         ids,
         tmp_path / "b",
         page_size=8,

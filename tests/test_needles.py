@@ -1,11 +1,13 @@
 """The needle task (RULER's form) and generation scoring: items, exact match, the runner's
-generate path on tiny random models, and the whole-word refresh (RefreshConfig(whole_words=True))
-within one tokenization and across an alignment."""
+generate path on tiny random models, and the whole-word refresh (RefreshConfig.whole_words: the
+words themselves, within one tokenization and across an alignment, and the default, which takes
+them wherever the context's words are known)."""
 
 from __future__ import annotations
 
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -23,9 +25,11 @@ from bridgecache.evaluation.decoding import reply_ids
 from bridgecache.evaluation.items import DataFormatError, read_jsonl
 from bridgecache.evaluation.needles import NEEDLE, PREAMBLE, SUBTASKS, needle_item, needle_plan
 from bridgecache.evaluation.scoring import native_prefix
+from bridgecache.runtime.handoff import tokenize_context
 from bridgecache.runtime.selection import GivenScores, SourceAttention
 from bridgecache.runtime.words import ContextWords, context_words, pool_words, word_groups
 from bridgecache.text import documents
+from tokenalign import TokenSpans, align, token_spans
 
 VOCAB = 258
 
@@ -227,6 +231,106 @@ def test_word_groups_keep_numbers_and_words_whole(tok):
         words[g] += ch
     assert "9163758" in words.values() and "orchard" in words.values() and "icy" in words.values()
     assert " " not in "".join(w for w in words.values() if len(w) > 1)
+    _, spans = token_spans(text, tok, ids)
+    assert np.array_equal(word_groups(text, spans=spans), groups)  # from spans: no tokenizer call
+    assert word_groups("", spans=TokenSpans([], [])).shape == (0,)
+
+
+def _groups_by_token(text: str, spans) -> list[int]:
+    """word_groups' definition, token by token: a token continues the previous token's word when
+    it has text, starts inside or at the end of the previous token's text (which has text too),
+    and the bytes on both sides of its start are word bytes (ASCII letters, digits, "_", non-ASCII)."""
+    data = text.encode("utf-8", "surrogatepass")
+    is_word = lambda b: b >= 0x80 or chr(b).isalnum() or b == ord("_")  # noqa: E731
+    groups, previous = [], None  # previous: (start, end) of the previous token
+    for start, end in zip(spans.start.tolist(), spans.end.tolist()):
+        inside = (
+            previous is not None and previous[1] > previous[0] and end > start
+            and 0 < start <= previous[1] and is_word(data[start - 1]) and is_word(data[start])
+        )  # fmt: skip
+        groups.append(0 if not groups else groups[-1] + (not inside))
+        previous = (start, end)
+    return groups
+
+
+_PIECES = [
+    "ab",
+    "Z",
+    "_x",
+    "42",
+    "9163758",
+    " ",
+    "  ",
+    "\n",
+    ".",
+    ",",
+    "-",
+    ":",
+    "é",
+    "中文",
+    "🙂",
+    "ß1",
+    "x_2",
+]
+
+
+def _random_text(rng: random.Random) -> str:
+    return "".join(rng.choice(_PIECES) for _ in range(rng.randrange(0, 40)))
+
+
+def _random_spans(rng: random.Random, text: str) -> TokenSpans:
+    """Spans of a made-up tokenization: pieces of any byte length (mid-character too), some
+    shared with the previous token (a split character), some bytes left uncovered, tokens
+    without text anywhere."""
+    n = len(text.encode("utf-8", "surrogatepass"))
+    cuts = sorted({0, n} | {rng.randrange(n + 1) for _ in range(rng.randrange(n + 1))})
+    start, end = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        while rng.random() < 0.15:  # a special: no text
+            start.append(0), end.append(0)
+        if rng.random() < 0.1:  # uncovered (a skipped space, a normalised character)
+            continue
+        start.append(a), end.append(b)
+        if rng.random() < 0.1:  # the next token shares this one's bytes
+            start.append(a), end.append(b)
+    if rng.random() < 0.3:
+        start.append(0), end.append(0)
+    return TokenSpans(start, end)
+
+
+def test_word_groups_match_the_token_by_token_definition_on_random_texts(tok):
+    rng = random.Random(0)
+    merging = _merging_tokenizer()
+    for trial in range(300):
+        text = _random_text(rng)
+        spans = _random_spans(rng, text)
+        assert word_groups(text, spans=spans).tolist() == _groups_by_token(text, spans), (trial, text)
+        for tokenizer in (tok, merging):  # real spans: offsets, with specials around (rebuilt text)
+            ids = [256] + tokenizer(text)["input_ids"] + [257]
+            _, spans = token_spans(text, tokenizer, ids)
+            groups = word_groups(text, tokenizer, ids)
+            assert groups.dtype == np.int64 and groups.tolist() == _groups_by_token(text, spans), text
+
+
+def test_tokenize_context_finds_the_words_of_the_tokenizer_calls_it_made(tok):
+    """Words from the spans of tokenize_context's own tokenizer calls equal word_groups' from
+    scratch; the alignment and ids equal tokenalign.align's."""
+    text = "key icy-orchard: 9163758, café 中文 x_2."
+    bridge = Bridge.identity(tiny_model("llama", vocab_size=262))
+    for target_tok in (tok, _merging_tokenizer()):
+        read = tokenize_context(bridge, text, tok, target_tok, words=True)
+        expected = context_words(text, tok, target_tok, read.source_ids, read.target_ids)
+        assert torch.equal(read.words.source, expected.source)
+        assert torch.equal(read.words.target, expected.target)
+        assert tokenize_context(bridge, text, tok, target_tok).words is None
+        if target_tok is tok:
+            assert read.alignment is None and read.source_ids is read.target_ids
+        else:
+            aligned = align(text, tok, target_tok)
+            assert read.source_ids[0].tolist() == aligned.source_ids
+            assert read.target_ids[0].tolist() == aligned.target_ids
+            for field in ("source_index", "span_start", "span_end"):
+                assert np.array_equal(getattr(read.alignment, field), getattr(aligned.alignment, field))
 
 
 def test_pool_words_takes_each_words_best_per_row():
@@ -240,8 +344,10 @@ def test_pool_words_takes_each_words_best_per_row():
 
 
 def test_whole_words_refresh_takes_the_number_a_digit_was_chosen_in(llama, tok):
-    """One digit inside the number scores highest: whole words refresh the whole number; the
-    default refreshes that digit and the earliest columns (ties)."""
+    """One digit inside the number scores highest: whole words refresh the whole number; token by
+    token, that digit and the earliest columns (ties). The default (whole_words=None) takes whole
+    words when the cache is given them and refreshes token by token from ids alone; True without
+    words raises."""
     text = "the magic number is 9163758 ok"
     ids = tok(text, return_tensors="pt")["input_ids"]  # one token per byte
     bridge, kv = _random_bridge(llama, seed=1), capture_kv(llama, ids)
@@ -250,17 +356,27 @@ def test_whole_words_refresh_takes_the_number_a_digit_was_chosen_in(llama, tok):
     scores[0, digit] = 1.0
     number = list(range(text.index("9163758"), text.index("9163758") + 7))
 
-    def refreshed(whole_words: bool) -> list[int]:
+    known = context_words(text, tok, tok, ids, ids)
+
+    def cache(whole_words: bool | None, words=known) -> BridgedCache:
         refresh = RefreshConfig(7, by=GivenScores(scores), whole_words=whole_words)
-        words = context_words(text, tok, tok, ids, ids)
-        cache = BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh), words=words)
-        return cache.refreshed_columns[0].tolist()
+        return BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh), words=words)
+
+    def refreshed(whole_words: bool | None, **words) -> list[int]:
+        return cache(whole_words, **words).refreshed_columns[0].tolist()
 
     assert refreshed(True) == number
     assert refreshed(False) != number and digit in refreshed(False)
+    assert refreshed(None) == number  # the default, words given
+    assert refreshed(None, words=None) == refreshed(False)  # the default from ids alone
+    assert refreshed(False, words=None) == refreshed(False)
+    # The cache records what it did.
+    assert cache(None).handoff_config.refresh.whole_words is True
+    assert cache(None, words=None).handoff_config.refresh.whole_words is False
+    default = BridgedCache(bridge, kv, llama, ids, source_model=llama).handoff_config
+    assert default == HandoffConfig(refresh=RefreshConfig(whole_words=False))
     with pytest.raises(ValueError, match="whole_words=True. needs the context's words"):
-        refresh = RefreshConfig(7, by=GivenScores(scores), whole_words=True)
-        BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh))
+        cache(True, words=None)
 
 
 def _merging_tokenizer():
@@ -280,7 +396,9 @@ def _merging_tokenizer():
 def test_whole_words_cross_an_alignment_through_handoff(tok, monkeypatch):
     """Source: one token per byte; target: "916" "37" "58". The source's attention picks the
     digit "6" alone: with whole words the source's number (7 rows) and then the target's (3
-    columns) are refreshed whole; without, only the target column that reads that digit's row."""
+    columns) are refreshed whole; without, only the target column that reads that digit's row.
+    handoff() knows the text: the default (whole_words=None) is whole words, to the tokens
+    generated."""
     import bridgecache.runtime.selection as selection
 
     model = tiny_model("llama", vocab_size=262, initializer_range=0.3)
@@ -295,31 +413,49 @@ def test_whole_words_cross_an_alignment_through_handoff(tok, monkeypatch):
     monkeypatch.setattr(selection, "attention_scores", lambda *args, **kwargs: picked.clone())
     bridge = _random_bridge(model, seed=2)
 
-    def refreshed(whole_words: bool) -> list[str]:
+    def run(whole_words: bool | None):
         rule = RefreshConfig(3, by=SourceAttention(after=0), whole_words=whole_words)
-        out = handoff(
+        return handoff(
             bridge, model, model, text, " which?", source_tokenizer=tok, target_tokenizer=target_tok,
-            config=HandoffConfig(refresh=rule), max_new_tokens=1, do_sample=False,
+            config=HandoffConfig(refresh=rule), max_new_tokens=4, do_sample=False,
         )  # fmt: skip
+
+    def refreshed(out) -> list[str]:
         return [target_tok.decode([target_ids[c]]) for c in out.cache.refreshed_columns[0].tolist()]
 
-    assert refreshed(True) == ["916", "37", "58"]
-    assert "916" in refreshed(False) and refreshed(False) != ["916", "37", "58"]
+    words, tokens, default = run(True), run(False), run(None)
+    assert refreshed(words) == ["916", "37", "58"]
+    assert "916" in refreshed(tokens) and refreshed(tokens) != ["916", "37", "58"]
+    assert refreshed(default) == refreshed(words)
+    assert torch.equal(default.output_ids, words.output_ids)
+    assert default.cache.handoff_config == words.cache.handoff_config
 
 
 def test_whole_words_in_the_runner_refresh_whole_words(llama, tok):
+    """Under True and under the default (the runner knows the text) the same whole words; under
+    False, words cut."""
     items = _gen_items(llama, tok)
-    config = HandoffConfig(refresh=RefreshConfig(4, by="deviation", whole_words=True))
-    ev = evaluate(
-        llama, tok, llama, tok, items, "generate", [Variant(_random_bridge(llama), config)], progress=False
-    )
+    bridge = _random_bridge(llama)
+    configs = {
+        w: HandoffConfig(refresh=RefreshConfig(4, by="deviation", whole_words=w)) for w in (True, None, False)
+    }
+    variants = {w: Variant(bridge, config) for w, config in configs.items()}
+    ev = evaluate(llama, tok, llama, tok, items, "generate", list(variants.values()), progress=False)
+    cut_by = {w: 0 for w in variants}
     for result, item in zip(ev.items, items):
-        chosen = next(iter(result.refreshed.values()))
+        chosen = {w: result.refreshed[v.name] for w, v in variants.items()}
+        assert chosen[None] == chosen[True]
         groups = word_groups(item.context, tok, tok(item.context)["input_ids"])
-        partial_words = {
-            g for g in groups[chosen].tolist() if not set(np.flatnonzero(groups == g)) <= set(chosen)
-        }
-        assert len(partial_words) <= 1, (item.context, chosen)  # only the last word the budget reaches
+        for w in variants:
+            cut = {
+                g
+                for g in groups[chosen[w]].tolist()
+                if not set(np.flatnonzero(groups == g)) <= set(chosen[w])
+            }
+            cut_by[w] += len(cut)
+            if w is not False:
+                assert len(cut) <= 1, (item.context, chosen)  # only the last word the budget reaches
+    assert cut_by[False] > cut_by[True]
 
 
 def test_long_context_variants_are_handoff_configs():
@@ -327,8 +463,11 @@ def test_long_context_variants_are_handoff_configs():
 
     long_context = script("benchmarks/long_context.py")
     assert long_context.variant_config("plain") == HandoffConfig(refresh=None)
-    assert long_context.variant_config("refresh=0.2") == HandoffConfig()
+    # Explicit both ways: refresh=F is token by token whatever the library's default.
+    assert long_context.variant_config("refresh=0.2") == HandoffConfig(
+        refresh=RefreshConfig(whole_words=False)
+    )
     words = long_context.variant_config("refresh=64,words")
-    assert words.refresh == RefreshConfig(64, "source", whole_words=True) and words.whole_words
+    assert words.refresh == RefreshConfig(64, "source", whole_words=True) and words.wants_words
     with pytest.raises(SystemExit, match="bad variant"):
         long_context.variant_config("refresh=0.2,spread=2")

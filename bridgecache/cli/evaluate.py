@@ -4,10 +4,10 @@
                      [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
                      [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
                      --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
-                     --refresh-by source|deviation --whole-words --min-quality Q]
+                     --refresh-by source|deviation --[no-]whole-words --min-quality Q]
 
 The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
-source's attention), as every other path. Models come from the bridge's metadata
+source's attention, whole words), as every other path. Models come from the bridge's metadata
 (`bridge.source.name`, `bridge.target.name`: a built-in
 name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
 `report.format_table`; --json writes `report.summarise`'s object. Every option, the bridge, the

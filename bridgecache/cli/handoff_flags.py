@@ -1,7 +1,7 @@
 """The handoff flags of every command that hands a context over (eval, demo): one `HandoffConfig`.
 
 add_handoff_arguments(parser)   --native-head --native-tail --no-key-norm --native-layers
-                                --refresh --refresh-by --whole-words --min-quality
+                                --refresh --refresh-by --[no-]whole-words --min-quality
 handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s own)
 """
 
@@ -73,8 +73,9 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--whole-words",
-        action="store_true",
-        help="a refreshed token brings the rest of its word or number with it (both tokenizations)",
+        action=argparse.BooleanOptionalAction,
+        help="a refreshed token brings the rest of its word or number with it (both tokenizations); "
+        "the default, as every command here knows the context's text; --no-whole-words: token by token",
     )
     group.add_argument(
         "--min-quality",

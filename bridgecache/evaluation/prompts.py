@@ -5,8 +5,8 @@ An item is read in three parts:
     prompt   what the target then reads natively: "" (ppl) or "\\nQuestion: {q}\\nAnswer:" (choice)
     scored   the strings whose log-likelihood is measured: the continuation, or " {choice}" each
 Plain: the context is `tokenizer(context)` (with the model's own BOS where it adds one), in each
-    model's own tokenization, as `bridgecache.runtime.handoff` feeds it; across tokenizers
-    `tokenalign.align` pairs them.
+    model's own tokenization, as `handoff()` reads it (`bridgecache.runtime.handoff.tokenize_context`:
+    across tokenizers tokenalign pairs them).
 Chat (`chat=True`): the context is the first user message in each model's own chat template
     (`tokenalign.align_chat`; template scaffolding is computed by the target); the prompt is a second
     user message (the question, or CHAT_PPL_INSTRUCTION for ppl) and the assistant header; the
@@ -14,7 +14,8 @@ Chat (`chat=True`): the context is the first user message in each model's own ch
 No context: plain: the model's start token (BOS, else EOS: lm-evaluation-harness's convention) and
     the prompt; chat: the conversation without the context message. Scored strings are the same.
 
-This module knows nothing about KV caches or metrics; it calls tokenizers and tokenalign only.
+This module knows nothing about KV caches or metrics; it calls tokenizers, tokenalign and the
+runtime's `tokenize_context` and `ContextWords` only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.evaluation.items import ChoiceItem, EvaluationError, GenerationItem, PplItem
-from bridgecache.runtime.handoff import context_ids, same_tokenization
+from bridgecache.runtime.handoff import same_tokenization, tokenize_context
+from bridgecache.runtime.words import ContextWords
 
 __all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
 
@@ -37,12 +39,14 @@ class Context:
 
     source_ids [1, S], target_ids [1, T] int64, each model's own tokenization; alignment: the
     tokenalign.Alignment of target onto source, or None when both share a tokenizer (identity);
-    text: the context's text."""
+    text: the context's text; words: its `ContextWords` (each side's words in what that model
+    reads) when asked for, else None."""
 
     alignment: object
     source_ids: torch.Tensor
     target_ids: torch.Tensor
     text: str = ""
+    words: object = None
 
 
 class Prompts:
@@ -53,38 +57,33 @@ class Prompts:
         # Once: comparing vocabularies takes seconds for a 150K-token vocabulary.
         self.same = same_tokenization(source_tokenizer, target_tokenizer)
 
-    def context(self, text: str, bridge) -> Context:
-        """The context as each model reads it, aligned for `bridge` (its alignment policy)."""
-        from tokenalign import align, align_chat, render_chat
+    def context(self, text: str, bridge, *, words: bool = False) -> Context:
+        """The context as each model reads it, aligned for `bridge` (its alignment policy);
+        words=True adds its words on each side (for a whole-word refresh)."""
+        from tokenalign import align_chat, render_chat
 
-        policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
         if not self.chat:
-            if self.same:
-                ids = context_ids(self.target_tok, text)
-                return Context(None, ids, ids.clone(), text)
-            alignment, source_ids, target_ids = align(text, self.source_tok, self.target_tok, policy=policy)
-            return Context(alignment, _row(source_ids), _row(target_ids), text)
+            alignment, source_ids, target_ids, found = tokenize_context(
+                bridge, text, self.source_tok, self.target_tok, words=words
+            )
+            return Context(alignment, source_ids, target_ids.clone(), text, found)
         messages = [{"role": "user", "content": text}]
-        if self.same:
-            ids = self._chat_ids(render_chat(messages, self.target_tok))
-            return Context(None, ids, ids.clone(), text)
-        alignment, source_ids, target_ids = align_chat(
-            messages, self.source_tok, self.target_tok, policy=policy
-        )
-        return Context(alignment, _row(source_ids), _row(target_ids), text)
-
-    def words(self, context: Context):
-        """The `ContextWords` of `context`: each side's words in what that model reads (its chat
-        rendering under chat), for a whole-word refresh."""
-        from bridgecache.runtime.words import ContextWords
-        from tokenalign import render_chat
-
-        texts = [context.text], [context.text]
-        if self.chat:
-            message = [{"role": "user", "content": context.text}]
-            texts = [render_chat(message, self.source_tok).text], [render_chat(message, self.target_tok).text]
-        tokenizers = self.source_tok, self.target_tok
-        return ContextWords.of(*texts, *tokenizers, [context.source_ids], [context.target_ids])
+        target_chat = render_chat(messages, self.target_tok)
+        if self.same:  # one rendering read by both
+            ids = self._chat_ids(target_chat)
+            alignment, source_ids, target_ids, source_chat = None, ids, ids.clone(), target_chat
+        else:
+            policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
+            alignment, source_ids, target_ids = align_chat(
+                messages, self.source_tok, self.target_tok, policy=policy
+            )
+            source_ids, target_ids = _row(source_ids), _row(target_ids)
+            source_chat = render_chat(messages, self.source_tok)
+        found = None
+        if words:
+            texts = [source_chat.text], [target_chat.text]
+            found = ContextWords.of(*texts, self.source_tok, self.target_tok, [source_ids], [target_ids])
+        return Context(alignment, source_ids, target_ids, text, found)
 
     def prompt(self, item: PplItem | ChoiceItem, context_text: str | None = None) -> list[int]:
         """Target ids read natively right after the context (`context_text`: chat needs it)."""

@@ -206,7 +206,7 @@ def format_table(s: dict) -> str:
         f"    handoff (translate + native work + held-back)      {s['handoff_s']:9.3f} s"
         f"   ({s['speedup']:.1f}x faster)",
         f"    source prefill of the context                      {s['source_prefill_s']:9.3f} s",
-        f"    tokenization alignment                             {s['align_s']:9.3f} s",
+        f"    tokenization, alignment and words                  {s['align_s']:9.3f} s",
     ]
     if s["task"] == "generate":
         lines += [

@@ -18,9 +18,10 @@ the CPU seconds of each prefill and handoff (`cpu_s`, process time) and the refr
 Timings per item: `native_prefill_s` (target prefill of the context up to the first logits after
 it), `source_prefill_s` (the source reading the context), and per variant `handoff_s` (translate
 every layer + native head + native tail and held-back token, up to the same logits) and `align_s`
-(tokenizing and aligning the context for both models). Both models run once on a few tokens
-before anything is timed. Items whose context + prompt + scored text exceed a model's window are
-skipped with a message and counted.
+(tokenizing and aligning the context for both models, and finding its words when the variant's
+refresh takes whole words). Both models run once on a few tokens before anything is timed. Items
+whose context + prompt + scored text exceed a model's window are skipped with a message and
+counted.
 
 This module knows nothing about data files, metrics or output formats.
 """
@@ -269,7 +270,7 @@ class _ItemRun:
 
         for variant in self.variants:
             start = time.perf_counter()
-            context = prompts.context(item.context, variant.bridge)
+            context = prompts.context(item.context, variant.bridge, words=variant.config.wants_words)
             result.align_s[variant.name] = time.perf_counter() - start
             prefix = self._bridged(variant, context, item)
             result.handoff_s[variant.name] = prefix.seconds
@@ -279,7 +280,8 @@ class _ItemRun:
             result.fallback[variant.name] = report.fallback
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
             if self.task == "ppl":
-                prefix = self._bridged(variant, prompts.context(other_text, variant.bridge), item)
+                other = prompts.context(other_text, variant.bridge, words=variant.config.wants_words)
+                prefix = self._bridged(variant, other, item)
                 result.scores[f"other_bridged[{variant.name}]"] = score(
                     target, prefix, own.rows(other_prompt), len(other_prompt)
                 )
@@ -319,7 +321,7 @@ class _ItemRun:
         result.replies |= known["replies"]
         for variant in self.variants:
             start = time.perf_counter()
-            context = prompts.context(item.context, variant.bridge)
+            context = prompts.context(item.context, variant.bridge, words=variant.config.wants_words)
             result.align_s[variant.name] = time.perf_counter() - start
             clock = time.process_time()
             prefix = self._bridged(variant, context, item)
@@ -336,7 +338,6 @@ class _ItemRun:
     def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
         source_kv, _ = self.prefixes.source_kv(context.source_ids)
         prompt = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
-        words = self.prompts.words(context) if variant.config.whole_words else None
         return bridged_prefix(
             variant.bridge,
             source_kv,
@@ -346,7 +347,7 @@ class _ItemRun:
             config=variant.config,
             source_model=self.prefixes.source,
             prompt_ids=prompt,
-            words=words,
+            words=context.words,
         )
 
 

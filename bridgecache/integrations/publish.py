@@ -39,7 +39,7 @@ from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import align_context, words_for
+from bridgecache.runtime.handoff import tokenize_context
 
 __all__ = [
     "BridgedPages",
@@ -287,14 +287,15 @@ def translate_context(
 
     The one place where publishing builds a BridgedCache."""
     check_models(bridge, source, target, source_tokenizer, target_tokenizer)
-    alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
+    alignment, source_ids, target_ids, words = tokenize_context(
+        bridge, context, source_tokenizer, target_tokenizer, words=(config or HandoffConfig()).wants_words
+    )
     if source_kv is None:
         if source is None:
             raise ValueError("pass either the source model or its KV of the context (source_kv=)")
         source_kv = capture_kv(source, source_ids)
     else:  # KV of another model or another document are refused here, not published
         source_kv = as_source(source_kv, model=source, input_ids=source_ids)
-    words = words_for(config, [context], source_tokenizer, target_tokenizer, [source_ids], [target_ids])
     cache = BridgedCache(
         bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source,
         words=words,

@@ -26,7 +26,8 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import align_context, generated_ids, pad_token_id, prompt_ids, words_for
+from bridgecache.runtime.handoff import generated_ids, pad_token_id, prompt_ids, tokenize_context
+from bridgecache.runtime.words import ContextWords
 
 __all__ = ["BatchHandoffResult", "handoff_batch", "left_pad"]
 
@@ -80,8 +81,9 @@ def handoff_batch(
     if not contexts:
         raise ValueError("contexts is empty: pass at least one text")
     check_models(bridge, source, target, source_tokenizer, target_tokenizer)
-    aligned = [align_context(bridge, text, source_tokenizer, target_tokenizer) for text in contexts]
-    alignments, source_rows, target_rows = (list(side) for side in zip(*aligned, strict=True))
+    words = (config or HandoffConfig()).wants_words
+    rows = [tokenize_context(bridge, t, source_tokenizer, target_tokenizer, words=words) for t in contexts]
+    alignments, source_rows, target_rows, row_words = (list(side) for side in zip(*rows, strict=True))
     pad_id = pad_token_id(target_tokenizer)
     pad_id = pad_id if pad_id is not None else 0
     source_ids, source_mask = left_pad(source_rows, pad_id=0)
@@ -110,7 +112,7 @@ def handoff_batch(
         alignment=None if same else alignments,
         source_model=source,
         prompt_ids=source_prompt,
-        words=words_for(config, contexts, source_tokenizer, target_tokenizer, source_rows, target_rows),
+        words=ContextWords.stack(row_words) if words else None,
     )
     generate_kwargs.setdefault("pad_token_id", pad_id)
     output = target.generate(

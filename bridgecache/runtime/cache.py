@@ -190,7 +190,7 @@ class BridgedCache(DynamicCache):
         target_ids: [batch, tokens] the context in the TARGET's tokenization (left-padded for
             batch > 1). Pass the same ids (or ids that start with them) to generate().
         config: a `HandoffConfig` (default: `HandoffConfig()`, the defaults of every path: a 20%
-            refresh chosen by the source's attention).
+            refresh chosen by the source's attention, in whole words when `words` is given).
         alignment: which source token feeds each target token: a `tokenalign.Alignment` (batch 1)
             or a list of them (one per row, over the unpadded tokens). None when both sides share
             a tokenizer and the source context is the same token sequence (identity).
@@ -198,8 +198,10 @@ class BridgedCache(DynamicCache):
         source_model: the source model, for selection rules that read with it (the default).
         prompt_ids: [batch, q] the prompt in the SOURCE's tokens: what the source reads to choose
             the refreshed tokens (None: the context's last tokens read it).
-        words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`), read
-            only under `RefreshConfig(whole_words=True)`, which needs them.
+        words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`): the
+            refresh takes whole words with them unless `RefreshConfig(whole_words=False)`; without
+            them it refreshes token by token (the default, whole_words=None) or raises (True).
+            `handoff_config` records what was done: whole_words resolved to True or False.
     """
 
     def __init__(
@@ -222,6 +224,7 @@ class BridgedCache(DynamicCache):
             prompt_ids = prompt_ids.to(source_model.get_input_embeddings().weight.device, non_blocking=True)
         if not isinstance(config, HandoffConfig):
             raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
+        config = config.with_words(words is not None)
         layers = _bridged_layers(target.config)
         self.translator = Translator(
             bridge,

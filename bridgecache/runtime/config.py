@@ -1,9 +1,10 @@
 """One handoff configuration for every path: what the target computes itself, and how it is chosen.
 
-    HandoffConfig()                                        the defaults every path shares
-    HandoffConfig(refresh=RefreshConfig(amount=0.1))       refresh 10% of the translated tokens
-    HandoffConfig(refresh=None)                            translation only (loses facts)
-    HandoffConfig(quality=QualityPolicy(min_quality=0.7))  gate on the bridge's held-out scores
+    HandoffConfig()                                          the defaults every path shares
+    HandoffConfig(refresh=RefreshConfig(amount=0.1))         refresh 10% of the translated tokens
+    HandoffConfig(refresh=RefreshConfig(whole_words=False))  token by token, words known or not
+    HandoffConfig(refresh=None)                              translation only (loses facts)
+    HandoffConfig(quality=QualityPolicy(min_quality=0.7))    gate on the bridge's held-out scores
 
 `BridgedCache`, `handoff`, `handoff_batch`, `Conversation.handoff`, `publish_context`, the
 evaluation runner, the demo and the CLI's handoff flags all take one `HandoffConfig`, validated
@@ -35,12 +36,16 @@ class RefreshConfig:
         `bridgecache.Selector` instance (your own rule, or `GivenScores(tensor)`).
     whole_words: a chosen token brings the rest of its word or number with it, on both sides of
         the tokenizer alignment (bridgecache.runtime.words), so a refresh never stops inside a
-        number; needs the context's words, which every path that tokenizes a text computes.
+        number. It needs the context's words, which every path that tokenizes a text computes
+        (handoff, handoff_batch, Conversation.handoff, publish_context, the evaluation runner,
+        the demo and the CLI). None (the default): whole words wherever the words are known;
+        a `BridgedCache` built from ids without `words=` refreshes token by token. True: whole
+        words, and a cache without words raises. False: token by token everywhere.
     """
 
     amount: float | int = DEFAULT_REFRESH
     by: str | Selector = "source"
-    whole_words: bool = False
+    whole_words: bool | None = None
 
     def __post_init__(self):
         amount = self.amount
@@ -56,8 +61,11 @@ class RefreshConfig:
         if isinstance(amount, int) and amount < 1:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
         selector_named(self.by)  # raises for an unknown rule
-        if self.whole_words not in (True, False):
-            raise ValueError(f"RefreshConfig.whole_words={self.whole_words!r}; expected True or False")
+        if self.whole_words not in (None, True, False):
+            raise ValueError(
+                f"RefreshConfig.whole_words={self.whole_words!r}; expected None (where the words are "
+                "known), True or False"
+            )
 
     @property
     def selector(self) -> Selector:
@@ -65,10 +73,12 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        """amount:rule[:words], the rule by its name or, for an instance, its repr (two rules with
-        other parameters never share a label)."""
+        """amount:rule[:words|:no-words], the rule by its name or, for an instance, its repr (two
+        rules with other parameters never share a label); whole_words=None (the default) adds
+        nothing."""
         by = self.by if isinstance(self.by, str) else repr(self.by)
-        return f"{self.amount}:{by}" + (":words" if self.whole_words else "")
+        words = {None: "", True: ":words", False: ":no-words"}[self.whole_words]
+        return f"{self.amount}:{by}{words}"
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,8 @@ class HandoffConfig:
         stopped after the deepest): an int n (the first n), a tuple of indices, or "all".
     key_norm: for targets that normalise keys (Gemma 3, Qwen3: `k_norm`), put each mapped key on
         the norm the target produces (no effect on other targets).
-    refresh: a `RefreshConfig` (default: 20% chosen by the source's attention), or None.
+    refresh: a `RefreshConfig` (default: 20% chosen by the source's attention, whole words where
+        the context's words are known), or None.
     quality: the quality gate (`QualityPolicy`; default: no gate).
     one_launch: translate layers in groups, one kernel launch per group for keys and one for
         values (None: on CUDA targets).
@@ -143,16 +154,34 @@ class HandoffConfig:
         return " ".join(parts) or "default"
 
     @property
-    def whole_words(self) -> bool:
-        """Whether the refresh takes whole words (the paths then compute the context's words)."""
-        return self.refresh is not None and self.refresh.whole_words
+    def wants_words(self) -> bool:
+        """Whether a path that tokenizes the context computes its words (`BridgedCache(words=)`):
+        the refresh takes whole words, always (whole_words=True) or where known (None)."""
+        return self.refresh is not None and self.refresh.whole_words is not False
+
+    def with_words(self, known: bool) -> HandoffConfig:
+        """This config for a cache whose context's words are `known` or not: whole_words=None
+        becomes `known` (what the cache then does); whole_words=True without them raises."""
+        refresh = self.refresh
+        if refresh is None or refresh.whole_words is False or (refresh.whole_words and known):
+            return self
+        if refresh.whole_words is None:
+            return self.replace(refresh=dataclasses.replace(refresh, whole_words=known))
+        raise ValueError(
+            "RefreshConfig(whole_words=True) needs the context's words on both sides: pass "
+            "words=bridgecache.runtime.words.context_words(...) to BridgedCache (handoff, handoff_batch, "
+            "Conversation and publish_context compute them), or leave whole_words=None to refresh "
+            "token by token where they are not known"
+        )
 
     @property
     def kv_recipe(self) -> str:
         """What of this config changes the cache's KV values, as text: published pages are
         namespaced by it (the gate can send layers native; launch and graph choices change no
-        value)."""
-        refresh = self.refresh.label if self.refresh is not None else "none"
+        value). whole_words=None reads as True: every path that publishes from text knows the
+        words, and a `BridgedCache` built without them records whole_words=False."""
+        refresh = self.with_words(True).refresh
+        refresh = refresh.label if refresh is not None else "none"
         return (
             f"native_head={self.native_head} native_tail={self.native_tail} "
             f"native_layers={self.native_layers} key_norm={self.key_norm} refresh={refresh} "

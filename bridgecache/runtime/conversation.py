@@ -66,7 +66,7 @@ class _Handoff:
     target_ids: torch.Tensor
     alignment: object
     config: HandoffConfig | None
-    words: object = None  # ContextWords under RefreshConfig(whole_words=True)
+    words: object = None  # ContextWords, when the config takes whole words (HandoffConfig.wants_words)
 
     def cache(self, target, question: str) -> BridgedCache:
         """The bridged cache of the earlier turns; the source reads `question` to choose the
@@ -211,8 +211,9 @@ def _crop(cache, length: int) -> None:
 
 
 def _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids):
-    """The ContextWords of each side's rendering of `messages` (None unless the refresh takes whole words)."""
-    if config is None or not config.whole_words:
+    """The ContextWords of each side's rendering of `messages` (None unless `config`, None for
+    HandoffConfig(), takes whole words)."""
+    if not (config or HandoffConfig()).wants_words:
         return None
     from bridgecache.runtime.words import ContextWords
     from tokenalign import render_chat

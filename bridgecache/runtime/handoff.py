@@ -4,16 +4,18 @@
     print(result.text)
 
 Tokenizes the context once per tokenizer (once in all when both models share one), aligns the two
-tokenizations when they differ, runs the source's prefill (or takes `source_kv`), builds a
-`BridgedCache` with the given `HandoffConfig` (default: 20% of the context refreshed, chosen by the
-source's attention from the prompt) and calls the target's own `generate()`, whose first forward
-also does the cache's native work.
+tokenizations when they differ and finds its words from the same tokenizer calls
+(`tokenize_context`), runs the source's prefill (or takes `source_kv`), builds a `BridgedCache`
+with the given `HandoffConfig` (default: 20% of the context refreshed in whole words, chosen by
+the source's attention from the prompt) and calls the target's own `generate()`, whose first
+forward also does the cache's native work.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,16 +26,18 @@ from bridgecache.kv.files import as_source
 from bridgecache.models.spec import tokenizer_fingerprint
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.words import ContextWords, word_groups
 
 __all__ = [
     "HandoffResult",
+    "TokenizedContext",
     "handoff",
     "align_context",
     "context_ids",
     "prompt_ids",
     "pad_token_id",
     "same_tokenization",
-    "words_for",
+    "tokenize_context",
 ]
 
 
@@ -81,31 +85,47 @@ def same_tokenization(source_tokenizer, target_tokenizer) -> bool:
     return tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
 
 
+class TokenizedContext(NamedTuple):
+    """One context as each model reads it (`tokenize_context`)."""
+
+    alignment: object  # tokenalign.Alignment of the target's tokens onto the source's; None: one tokenization
+    source_ids: torch.Tensor  # [1, S]
+    target_ids: torch.Tensor  # [1, T]
+    words: object = None  # its ContextWords (batch 1) when asked for, else None
+
+
+def tokenize_context(
+    bridge, text: str, source_tokenizer, target_tokenizer, *, words: bool = False
+) -> TokenizedContext:
+    """The `TokenizedContext` of one context text: the same ids tensor for both sides when the
+    tokenizers agree (tokenized once), else both tokenizations aligned with `bridge`'s policy;
+    words=True adds the text's words on each side, from the byte spans of the same tokenizer calls."""
+    from tokenalign import match, token_spans
+
+    as_batch = lambda ids: torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)  # noqa: E731
+    if same_tokenization(source_tokenizer, target_tokenizer):
+        if not words:
+            ids = context_ids(target_tokenizer, text)
+            return TokenizedContext(None, ids, ids)
+        ids, spans = token_spans(text, target_tokenizer)
+        groups = word_groups(text, spans=spans)
+        ids = as_batch(ids)
+        return TokenizedContext(None, ids, ids, ContextWords.rows([groups], [groups]))
+    policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
+    source_ids, source_spans = token_spans(text, source_tokenizer)  # tokenalign.align, spans kept
+    target_ids, target_spans = token_spans(text, target_tokenizer)
+    alignment = match(source_spans, target_spans, policy)
+    found = None
+    if words:
+        source_groups, target_groups = (word_groups(text, spans=x) for x in (source_spans, target_spans))
+        found = ContextWords.rows([source_groups], [target_groups])
+    return TokenizedContext(alignment, as_batch(source_ids), as_batch(target_ids), found)
+
+
 def align_context(bridge, text: str, source_tokenizer, target_tokenizer):
     """(alignment or None, source_ids [1, S], target_ids [1, T]) for one context text; the same
     ids tensor for both when the tokenizers agree (tokenized once)."""
-    if same_tokenization(source_tokenizer, target_tokenizer):
-        ids = context_ids(target_tokenizer, text)
-        return None, ids, ids
-    from tokenalign import align
-
-    policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
-    alignment, source_ids, target_ids = align(text, source_tokenizer, target_tokenizer, policy=policy)
-    as_batch = lambda ids: torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)  # noqa: E731
-    return alignment, as_batch(source_ids), as_batch(target_ids)
-
-
-def words_for(
-    config: HandoffConfig | None, texts, source_tokenizer, target_tokenizer, source_rows, target_rows
-):
-    """The contexts' `ContextWords` when `config` refreshes whole words, else None. texts: one
-    per row; source_rows, target_rows: each row's unpadded ids ([1, n] or [n]), left-padded here
-    as the cache's rows are."""
-    if config is None or not config.whole_words:
-        return None
-    from bridgecache.runtime.words import ContextWords
-
-    return ContextWords.of(texts, texts, source_tokenizer, target_tokenizer, source_rows, target_rows)
+    return tokenize_context(bridge, text, source_tokenizer, target_tokenizer)[:3]
 
 
 @torch.no_grad()
@@ -136,7 +156,9 @@ def handoff(
         generate_kwargs: passed to target.generate (max_new_tokens, do_sample, num_beams, ...).
     """
     check_models(bridge, source, target, source_tokenizer, target_tokenizer)
-    alignment, source_ids, target_ids = align_context(bridge, context, source_tokenizer, target_tokenizer)
+    alignment, source_ids, target_ids, words = tokenize_context(
+        bridge, context, source_tokenizer, target_tokenizer, words=(config or HandoffConfig()).wants_words
+    )
     source_prefill_s = 0.0
     if source_kv is not None:  # KV of another model or another document are refused here
         source_kv = as_source(source_kv, model=source, input_ids=source_ids)
@@ -163,7 +185,7 @@ def handoff(
         alignment=alignment,
         source_model=source,
         prompt_ids=source_prompt,
-        words=words_for(config, [context], source_tokenizer, target_tokenizer, [source_ids], [target_ids]),
+        words=words,
     )
     generate_kwargs.setdefault("pad_token_id", pad_token_id(target_tokenizer))
     output = target.generate(

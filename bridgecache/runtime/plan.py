@@ -5,9 +5,9 @@
 In order: the quality gate (layers scoring below `min_quality` run natively, or the whole context
 falls back to the target's own prefill); layers a selection rule needs natively; those layers'
 exact KV (one forward stopped after the deepest, bridgecache.runtime.native); the refresh budget
-per row and the selection rule's scores (pooled over the target's words under
-`RefreshConfig(whole_words=True)`: bridgecache.runtime.words); then the pending columns (native
-head, columns without source text, the budget's best) that the target's first forward computes
+per row and the selection rule's scores (pooled over the target's words when the refresh takes
+whole words: bridgecache.runtime.words); then the pending columns (native head, columns without
+source text, the budget's best) that the target's first forward computes
 (bridgecache.runtime.native_pass), and the report of it all.
 
 Knows the translator's layout, the config and the selection rules; runs no generate().
@@ -58,7 +58,8 @@ def plan_native_work(
     tr, target, target_ids, config, source_model, prompt_ids, make_groups, words=None
 ) -> NativePlan:
     """Decide and prepare the native work of one cache (see the module docstring); `words`: the
-    context's `ContextWords`, read only under `RefreshConfig(whole_words=True)`."""
+    context's `ContextWords`, read only under `RefreshConfig(whole_words=True)` (the cache has decided
+    whole_words: `HandoffConfig.with_words`)."""
     num_layers = len(tr.windows)
     prefix = tr.prefix_length
     real = tr.target_mask[:, :prefix].bool()
@@ -76,12 +77,6 @@ def plan_native_work(
     refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
     selector = refresh.selector if refresh is not None else None
     words = words if refresh is not None and refresh.whole_words else None
-    if refresh is not None and refresh.whole_words and words is None:
-        raise ValueError(
-            "RefreshConfig(whole_words=True) needs the context's words on both sides: pass "
-            "words=bridgecache.runtime.words.context_words(...) to BridgedCache (handoff, handoff_batch, "
-            "Conversation and publish_context compute them)"
-        )
     if selector is not None:
         native |= set(selector.native_layers(num_layers))
     ids = target_ids[:, :prefix]

@@ -40,8 +40,9 @@ class SelectionRequest:
     prompt_ids: [batch, q] the prompt in the SOURCE's tokens (None: no prompt known yet).
     graphs: whether a model's reading may replay a captured CUDA graph (HandoffConfig.cuda_graphs).
     words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`), given
-        only under `RefreshConfig(whole_words=True)`: a rule that scores source tokens pools them
-        over the source's words before they cross to the target's columns.
+        only when the refresh takes whole words (`RefreshConfig.whole_words`: True, or None with
+        the words known): a rule that scores source tokens pools them over the source's words
+        before they cross to the target's columns.
     """
 
     target: object

@@ -2,15 +2,18 @@
 
 A selection rule scores context tokens one by one. Numbers split into many tokens (Qwen2.5 and
 SmolLM2 give each digit its own), so a refresh can stop inside an answer, "916375|8", and the
-target then reads the last digit from a translated row. With `RefreshConfig(whole_words=True)` a
-token's score becomes the best score of the word it belongs to, on BOTH sides of an alignment:
-over the source's words before the scores cross to the target's columns (`SourceAttention`), then
-over the target's words (the plan); the stable sort of the selection then takes each word whole
-(equal scores: the earliest column first), except at most the last one the budget reaches.
+target then reads the last digit from a translated row. With whole words (`RefreshConfig`'s
+whole_words: None, the default, wherever the context's words are known; True always) a token's
+score becomes the best score of the word it belongs to, on BOTH sides of an alignment: over the
+source's words before the scores cross to the target's columns (`SourceAttention`), then over the
+target's words (the plan); the stable sort of the selection then takes each word whole (equal
+scores: the earliest column first), except at most the last one the budget reaches.
 
     word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
+    word_groups(text, spans=spans)            the same from byte spans already made (no tokenizer call)
     ContextWords.rows(source, target)         per-row groups, left-padded like the cache's rows
     ContextWords.of(texts..., ids...)         word_groups of each row on each side, then .rows
+    ContextWords.stack(rows)                  one batch from each row's own ContextWords
     context_words(text, s_tok, t_tok, s, t)   ContextWords of one plain-text context (batch 1)
     pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
 
@@ -37,21 +40,27 @@ for _byte in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
 _WORD_BYTES[0x80:] = True  # UTF-8 bytes of non-ASCII characters: letters of other scripts
 
 
-def word_groups(text: str, tokenizer, ids) -> np.ndarray:
+def word_groups(text: str, tokenizer=None, ids=None, *, spans=None) -> np.ndarray:
     """int64 [tokens]: a group id per token of `ids` (a tokenization of `text`, specials allowed),
-    non-decreasing from 0, shared by the tokens of one word; a token without text is its own group."""
-    from tokenalign import token_spans
+    non-decreasing from 0, shared by the tokens of one word; a token without text is its own group.
+    spans: the tokens' byte spans in `text` (`tokenalign.TokenSpans`) when the caller has them
+    (tokenizer and ids are then not needed); else tokenalign computes them (a tokenizer call)."""
+    if spans is None:
+        from tokenalign import token_spans
 
-    _, spans = token_spans(text, tokenizer, ids)
-    word = _WORD_BYTES[np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8)]
-    groups = np.zeros(len(spans), dtype=np.int64)
-    previous_end = -1  # byte end of the previous token (-1: it had no text)
-    for t in range(len(spans)):
-        start, end = int(spans.start[t]), int(spans.end[t])
-        inside = 0 < start <= previous_end and end > start and word[start - 1] and word[start]
-        groups[t] = groups[t - 1] + (0 if inside else 1) if t else 0
-        previous_end = end if end > start else -1
-    return groups
+        _, spans = token_spans(text, tokenizer, ids)
+    if len(spans) == 0:
+        return np.zeros(0, dtype=np.int64)
+    # word[b + 1]: whether byte b of the text is a word byte; word[0] (before the text) is not.
+    data = np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8)
+    word = np.concatenate([[False], _WORD_BYTES[data]])
+    first = np.clip(spans.start[1:], 0, len(data))  # each token's first byte, from the second token
+    before, at = word[first], word[np.minimum(first + 1, len(data))]  # bytes first - 1 and first
+    # A token continues the previous one's word when it touches it and both sides are word bytes.
+    # Tokens without text span (0, 0) (TokenSpans) and nothing precedes byte 0, so a token without
+    # text neither continues a word nor is continued.
+    inside = (first <= spans.end[:-1]) & before & at
+    return np.concatenate([[0], np.cumsum(~inside, dtype=np.int64)])
 
 
 @dataclass(frozen=True)
@@ -70,16 +79,26 @@ class ContextWords:
         return cls(_left_padded(source), _left_padded(target))
 
     @classmethod
+    def stack(cls, rows: list[ContextWords]) -> ContextWords:
+        """The ContextWords of a batch from each row's own (batch 1, unpadded), left-padded."""
+        return cls.rows([w.source[0].numpy() for w in rows], [w.target[0].numpy() for w in rows])
+
+    @classmethod
     def of(cls, source_texts, target_texts, source_tokenizer, target_tokenizer, source_rows, target_rows):
         """Each row's words on each side: source_texts[b] is what source_rows[b] (unpadded ids,
-        [1, n] or [n]) tokenizes (a chat: that side's rendering), likewise for the target."""
+        [1, n] or [n]) tokenizes (a chat: that side's rendering), likewise for the target. One
+        side's words serve both when both sides are the same texts, tokenizer and ids."""
 
-        def side(texts, tokenizer, rows):
-            ids = [torch.as_tensor(row).reshape(-1).tolist() for row in rows]
-            return [word_groups(text, tokenizer, row) for text, row in zip(texts, ids, strict=True)]
+        def ids(rows):
+            return [torch.as_tensor(row).reshape(-1).tolist() for row in rows]
 
-        source = side(source_texts, source_tokenizer, source_rows)
-        return cls.rows(source, side(target_texts, target_tokenizer, target_rows))
+        source_ids, target_ids = ids(source_rows), ids(target_rows)
+        source = [word_groups(t, source_tokenizer, i) for t, i in zip(source_texts, source_ids, strict=True)]
+        same = source_tokenizer is target_tokenizer and list(source_texts) == list(target_texts)
+        if same and source_ids == target_ids:
+            return cls.rows(source, source)
+        target = [word_groups(t, target_tokenizer, i) for t, i in zip(target_texts, target_ids, strict=True)]
+        return cls.rows(source, target)
 
 
 def _left_padded(groups: list[np.ndarray]) -> torch.Tensor:
