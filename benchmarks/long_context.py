@@ -368,7 +368,7 @@ def summaries(records: list[dict]) -> dict:
                 for kind in ("single", "multikey", "multivalue")
             }
         controls["cpu_native"] = statistics.fmean(r["cpu_s"]["native_prefill"] for r in rs)
-        out[cell] = {"controls": controls, "rows": rows}
+        out[cell] = {"controls": controls, "rows": rows, "threads": sorted({r.get("threads", 1) for r in rs})}
     return out
 
 
@@ -484,9 +484,13 @@ def _plot(cells: dict, path: Path) -> None:
             "native prefill": dict(color="k", linestyle="--"),
             "no context": dict(color="grey", linestyle=":"),
         }
-        for name in sorted(series, key=lambda n: (n not in styles, _order(n))):
+        names = sorted(series, key=lambda n: (n not in styles, _order(n)))
+        for slot, name in enumerate(names):
             points = sorted(series[name])
-            xs = [p[0] for p in points]
+            # Each series a little to the side of the length it measures, so that intervals of
+            # the same length stay readable (the x axis is logarithmic: a factor, not an offset).
+            dodge = 2 ** (0.06 * (slot - (len(names) - 1) / 2))
+            xs = [p[0] * dodge for p in points]
             ys = [100 * p[1] for p in points]
             err = [[100 * (p[1] - p[2][0]) for p in points], [100 * (p[2][1] - p[1]) for p in points]]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, **styles.get(name, {}))
@@ -499,7 +503,11 @@ def _plot(cells: dict, path: Path) -> None:
         ax.set_title(pair)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("RULER needle retrieval through the handoff (2-core CPU, 1 thread)")
+    threads = sorted({t for cell in cells.values() for t in cell["threads"]})
+    fig.suptitle(
+        f"RULER needle retrieval through the handoff (2-core CPU, {'/'.join(map(str, threads))} "
+        f"torch thread{'s' if threads != [1] else ''})"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
