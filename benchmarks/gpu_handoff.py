@@ -21,6 +21,9 @@ each until the first new token:
 - default, forward: the same handoff, its first token from one target forward (no generate():
   beside "native, graph", the compiled-vs-compiled comparison without generate()'s host work);
 - default, eager: the same with `cuda_graphs=False` (every kernel launched from Python);
+- default, whole words: the default given the context's words (`words=`, random words of 1-4
+  tokens), as `handoff()` and every path that tokenizes a text builds it; the rows above build
+  the cache from ids alone, so their refresh goes token by token (`RefreshConfig` whole_words=None);
 - default, source reads L layers (--reading-layers L): the default with
   `SourceAttention(layers=L)`, the source's reading stopping after its first L layers;
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
@@ -115,15 +118,24 @@ def random_request(source, target, batch: int, n: int, device):
     return context, question, torch.cat([context, question], dim=1), capture_kv(source, context)
 
 
+def random_words(n: int):
+    """`ContextWords` of n context tokens in words of 1-4 tokens, the same on both sides (one
+    vocabulary: the alignment is the identity), as `handoff()` finds them in a text."""
+    from bridgecache.runtime.words import ContextWords
+
+    groups = torch.repeat_interleave(torch.arange(n), torch.randint(1, 5, (n,)))[:n].reshape(1, n)
+    return ContextWords(groups, groups)
+
+
 @torch.no_grad()
 def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions, reading_layers=()) -> dict:
     """Seconds to the first token of each row (see the module docstring) at n context tokens."""
     context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
-    def bridged(config):
+    def bridged(config, words=None):
         cache = BridgedCache(
-            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question
+            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question, words=words
         )
         target.generate(full, **gen, **cache_kwargs(target, cache))
 
@@ -141,6 +153,8 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
     rows["default"] = timed(lambda: bridged(HandoffConfig()), device, repeats)
     rows["default, forward"] = timed(lambda: bridged_forward(HandoffConfig()), device, repeats)
     rows["default, eager"] = timed(lambda: bridged(HandoffConfig(cuda_graphs=False)), device, repeats)
+    words = random_words(n)
+    rows["default, whole words"] = timed(lambda: bridged(HandoffConfig(), words), device, repeats)
     for layers in reading_layers:
         fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
         rows[f"default, source reads {layers} layers"] = timed(lambda: bridged(fewer), device, repeats)  # noqa: B023
