@@ -222,6 +222,8 @@ class BridgedCache(DynamicCache):
         config = HandoffConfig() if config is None else config
         if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
             prompt_ids = prompt_ids.to(source_model.get_input_embeddings().weight.device, non_blocking=True)
+        if words is not None:  # likewise: a copy from the host later would wait for the queued work
+            words = words.to(target.get_input_embeddings().weight.device)
         if not isinstance(config, HandoffConfig):
             raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
         config = config.with_words(words is not None)

@@ -78,6 +78,18 @@ class ContextWords:
         longest row on each side as `handoff_batch` pads ids."""
         return cls(_left_padded(source), _left_padded(target))
 
+    def to(self, device) -> ContextWords:
+        """Both sides on `device`; to a GPU from pinned memory, so that the copies join the stream
+        instead of waiting for the work already queued on it (as copies from pageable memory do)."""
+        device = torch.device(device)
+
+        def move(side: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and side.device.type == "cpu":
+                side = side.pin_memory()
+            return side.to(device, non_blocking=True)
+
+        return ContextWords(move(self.source), move(self.target))
+
     @classmethod
     def stack(cls, rows: list[ContextWords]) -> ContextWords:
         """The ContextWords of a batch from each row's own (batch 1, unpadded), left-padded."""
