@@ -22,7 +22,7 @@ from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig, QualityPolicy, RefreshConfig
 from bridgecache.runtime.conversation import Conversation, Turn
-from bridgecache.runtime.handoff import HandoffResult, align_context, handoff
+from bridgecache.runtime.handoff import HandoffResult, align_context, handoff, tokenize_context
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.selection import (
     GivenScores,
@@ -69,4 +69,5 @@ __all__ = [
     "load_tokenizer",
     "model_spec",
     "save_kv",
+    "tokenize_context",
 ]

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, FitConfig, align_context, capture_kv, fit_bridge, load_model
+from bridgecache import Bridge, BridgedCache, FitConfig, capture_kv, fit_bridge, load_model, tokenize_context
 
 CONTEXT = (
     "The lighthouse keeper of Port Ellis kept a logbook in which every ship was written down. "
@@ -52,17 +52,20 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     # 1. The source reads the context. Across tokenizers, the alignment says which source token
-    #    feeds each target token (None when both models share a tokenizer).
-    alignment, source_ids, context_ids = align_context(bridge, args.context, source_tok, target_tok)
+    #    feeds each target token (None when both models share a tokenizer); the words let the
+    #    refresh take whole words and numbers, as handoff() does.
+    alignment, source_ids, context_ids, words = tokenize_context(
+        bridge, args.context, source_tok, target_tok, words=True
+    )
     start = time.perf_counter()
     source_kv = capture_kv(source, source_ids)
     prefill_s = time.perf_counter() - start
 
     # 2. The target's cache of the same context, translated from the source's. The source reads
     #    the prompt (in its own tokens) over its cache to choose the 20% of the context that the
-    #    target recomputes itself (HandoffConfig's default). Nothing is translated yet: layer i is
-    #    translated when the target's layer i first reads it, and the recomputed tokens join the
-    #    target's first forward.
+    #    target recomputes itself, in whole words (HandoffConfig's default). Nothing is translated
+    #    yet: layer i is translated when the target's layer i first reads it, and the recomputed
+    #    tokens join the target's first forward.
     source_prompt = source_tok(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     cache = BridgedCache(
         bridge,
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         alignment=alignment,
         source_model=source,
         prompt_ids=source_prompt,
+        words=words,
     )
     cached = cache.get_seq_length()  # context positions in the cache (all but the last token)
 
