@@ -493,7 +493,8 @@ def _plot(cells: dict, path: Path) -> None:
             xs = [p[0] * dodge for p in points]
             ys = [100 * p[1] for p in points]
             err = [[100 * (p[1] - p[2][0]) for p in points], [100 * (p[2][1] - p[1]) for p in points]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, **styles.get(name, {}))
+            style = styles.get(name, dict(color=f"C{_order(name)}"))  # one colour per variant in every panel
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(set(lengths)) or [4096])
         ax.set_xticklabels([f"{x // 1024}K" for x in sorted(set(lengths))] or ["4K"])
