@@ -35,6 +35,9 @@ Variants (`variant_config` maps each onto its `HandoffConfig`):
     refresh=F,words  the same at the same budget with `RefreshConfig(whole_words=True)`: scores
                      spread over whole words and numbers on both sides of the alignment
                      (bridgecache/runtime/words.py)
+    refresh=F,words,ends  the same with `RefreshConfig(whole_words=True, word_ends=True)`: each
+                     chosen word also brings the token after it, so a refreshed number ends where
+                     the context ends it
 """
 
 from __future__ import annotations
@@ -53,7 +56,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from native_dial import PAIRS  # noqa: E402
 
-SPEC_ORDER = ("plain", "refresh=0.1", "refresh=0.1,words", "refresh=0.2", "refresh=0.2,words", "refresh=0.3")
+SPEC_ORDER = (
+    "plain",
+    "refresh=0.1",
+    "refresh=0.1,words",
+    "refresh=0.2",
+    "refresh=0.2,words",
+    "refresh=0.2,words,ends",
+    "refresh=0.3",
+)
 
 
 def variant_config(spec: str):
@@ -62,7 +73,7 @@ def variant_config(spec: str):
 
     if spec == "plain":
         return HandoffConfig(refresh=None)
-    amount, words = None, False
+    amount, words, ends = None, False, False
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key == "refresh" and value:
@@ -70,11 +81,17 @@ def variant_config(spec: str):
             amount = int(number) if number >= 1 else number
         elif key == "words" and not value:
             words = True
+        elif key == "ends" and not value and words:
+            ends = True
         else:
-            raise SystemExit(f"bad variant {spec!r}: {part!r} (plain, refresh=F, refresh=F,words)")
+            raise SystemExit(
+                f"bad variant {spec!r}: {part!r} (plain, refresh=F, refresh=F,words, refresh=F,words,ends)"
+            )
     if amount is None:
         raise SystemExit(f"bad variant {spec!r}: say refresh=F")
-    return HandoffConfig(refresh=RefreshConfig(amount, "source", whole_words=words))
+    # word_ends only means something with whole words (and is said explicitly there)
+    options = {"whole_words": words, "word_ends": ends} if words else {"whole_words": False}
+    return HandoffConfig(refresh=RefreshConfig(amount, "source", **options))
 
 
 def _commit() -> str:

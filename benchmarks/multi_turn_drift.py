@@ -14,13 +14,19 @@ shares the context, the assistant acknowledges. Then, on one cache each:
                --no-whole-words); the source chooses the refreshed tokens by reading the first
                user turn after the handover
     native     the target read them itself (Conversation.native)
+and two controls the target reads itself (--no-controls leaves them out):
+    no-context the conversation opens with a greeting instead of the context: what the model
+               answers from no document (chance is 20%)
+    unrelated  the context shared is another item's (the next one's): the same kind of document,
+               but not the one the question asks about
 the target answers k further unrelated user turns (FILLERS, greedy, --max-new-tokens) and is then
 asked the item's question; the choice with the highest mean log-likelihood per token as the
 assistant's reply is its answer. Accuracy is reported after each k of --turns (one conversation per
 item serves every k: scoring leaves the chat unchanged), with Wilson 95% intervals and, per
 bridged condition, a paired bootstrap interval of its difference from native. Prints a table;
---json writes the numbers, the per-item answers and the command. On CPU, pass --threads 1 on a
-shared machine.
+--json writes the numbers, the per-item answers and the command. --records FILE.jsonl keeps one
+line per finished item (with the run's settings): a killed run started again with the same
+settings resumes after the items it finished. On CPU, pass --threads 1 on a shared machine.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ FILLERS = (
     "Name a board game that two people can play.",
 )
 ACK = "I have read it and will keep it in mind."
+GREETING = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! How can I help?"}]
+CONTROLS = ("no-context", "unrelated")
 
 
 def drift(
@@ -58,39 +66,62 @@ def drift(
     max_new_tokens=32,
     configs=None,
     records=None,
+    controls=False,
+    others=None,
+    on_record=None,
 ):
     """{condition: {k: correct count}} over `items` after k further turns, for each k in turns.
 
     configs: bridged condition -> its HandoffConfig (default {"bridged": HandoffConfig()}); the
-    "native" condition is always measured. records (a list) receives one dict per item:
-    condition -> k -> right."""
+    "native" condition is always measured, and with `controls` the "no-context" and "unrelated"
+    ones (item i's unrelated context is others[i].context; default: the next item's). records (a
+    list) receives one dict per item: condition -> k -> right; on_record(i, record) is called as
+    each item finishes."""
+    from tqdm.auto import tqdm
+
     from bridgecache import HandoffConfig
     from bridgecache.runtime.conversation import Conversation
 
     configs = {"bridged": HandoffConfig()} if configs is None else configs
-    correct = {kind: dict.fromkeys(turns, 0) for kind in [*configs, "native"]}
-    for item in items:
-        earlier = [{"role": "user", "content": item.context}, {"role": "assistant", "content": ACK}]
-        tokenizers = dict(source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
+    kinds = [*configs, "native", *(CONTROLS if controls else ())]
+    correct = {kind: dict.fromkeys(turns, 0) for kind in kinds}
+    others = others if others is not None else [items[(i + 1) % len(items)] for i in range(len(items))]
+    tokenizers = dict(source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
+    for i, (item, other) in enumerate(zip(tqdm(items, desc="drift items", unit="item"), others, strict=True)):
         chats = {
-            kind: Conversation.handoff(bridge, source, target, earlier, **tokenizers, config=config)
+            kind: Conversation.handoff(bridge, source, target, _shared(item), **tokenizers, config=config)
             for kind, config in configs.items()
         }
-        chats["native"] = Conversation.native(target, target_tokenizer, earlier)
-        record = {kind: {} for kind in chats}
-        for kind, chat in chats.items():
-            done = 0
-            for k in sorted(turns):
-                for filler in FILLERS[done:k]:
-                    chat.ask(filler, max_new_tokens=max_new_tokens, do_sample=False)
-                done = k
-                scores = chat.score(item.question, item.choices)
-                right = max(range(len(scores)), key=scores.__getitem__) == item.answer
+        chats["native"] = Conversation.native(target, target_tokenizer, _shared(item))
+        if controls:
+            chats["no-context"] = Conversation.native(target, target_tokenizer, GREETING)
+            chats["unrelated"] = Conversation.native(target, target_tokenizer, _shared(other))
+        record = {kind: _answers(chat, item, turns, max_new_tokens) for kind, chat in chats.items()}
+        for kind, by_k in record.items():
+            for k, right in by_k.items():
                 correct[kind][k] += int(right)
-                record[kind][k] = right
         if records is not None:
             records.append(record)
+        if on_record is not None:
+            on_record(i, record)
     return correct
+
+
+def _shared(item) -> list[dict]:
+    """The conversation so far: the user shares the item's context, the assistant acknowledges."""
+    return [{"role": "user", "content": item.context}, {"role": "assistant", "content": ACK}]
+
+
+def _answers(chat, item, turns, max_new_tokens) -> dict:
+    """{k: whether the chat picks the item's answer after k further (filler) turns}."""
+    out, done = {}, 0
+    for k in sorted(turns):
+        for filler in FILLERS[done:k]:
+            chat.ask(filler, max_new_tokens=max_new_tokens, do_sample=False)
+        done = k
+        scores = chat.score(item.question, item.choices)
+        out[k] = max(range(len(scores)), key=scores.__getitem__) == item.answer
+    return out
 
 
 def _intervals(records: list[dict], turns) -> dict:
@@ -134,8 +165,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="--refresh's conversation refreshes whole words (the default) or, with --no-whole-words, "
         "token by token",
     )
+    parser.add_argument(
+        "--controls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the no-context and unrelated-context conversations (on by default)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--records", help="JSONL of finished items: resume a killed run from it")
     args = parser.parse_args(argv)
     if not args.task.startswith("facts-choice"):
         parser.error("--task must be a built-in facts-choice-N task")
@@ -151,39 +189,61 @@ def main(argv: list[str] | None = None) -> dict:
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
-    bridge = Bridge.from_pretrained(args.bridge or f"builtin:{args.source}->{args.target}")
+    bridge_name = args.bridge or f"builtin:{args.source}->{args.target}"
+    bridge = Bridge.from_pretrained(bridge_name)
     items = builtin_items(args.task, target_tok, limit=args.limit)
     configs = {"bridged": HandoffConfig()}
     if args.refresh:
         amount = int(args.refresh) if args.refresh >= 1 else args.refresh
         configs["refreshed"] = HandoffConfig(refresh=RefreshConfig(amount, whole_words=args.whole_words))
+    settings = {
+        "source": args.source,
+        "target": args.target,
+        "bridge": bridge_name,
+        "task": args.task,
+        "turns": sorted(args.turns),
+        "max_new_tokens": args.max_new_tokens,
+        "configs": {kind: config.label for kind, config in configs.items()},
+        "controls": args.controls,
+    }
+    finished = _finished(args.records, settings) if args.records else {}
+    todo = [i for i in range(len(items)) if i not in finished]
+    if finished:
+        print(f"resuming: {len(finished)} items finished in {args.records}, {len(todo)} to go")
+
+    def keep(position: int, record: dict) -> None:
+        finished[todo[position]] = record
+        if args.records:
+            line = {"settings": settings, "index": todo[position], "record": _jsonable(record)}
+            with open(args.records, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
     start = time.perf_counter()
-    records: list[dict] = []
-    correct = drift(
+    drift(
         source,
         target,
         bridge,
-        items,
+        [items[i] for i in todo],
         args.turns,
         source_tokenizer=source_tok,
         target_tokenizer=target_tok,
         max_new_tokens=args.max_new_tokens,
         configs=configs,
-        records=records,
+        controls=args.controls,
+        others=[items[(i + 1) % len(items)] for i in todo],
+        on_record=keep,
     )
+    records = [finished[i] for i in range(len(items))]
+    kinds = list(records[0])
+    correct = {kind: {k: sum(r[kind][k] for r in records) for k in args.turns} for kind in kinds}
     n = len(items)
     result = {
-        "source": args.source,
-        "target": args.target,
-        "bridge": args.bridge or f"builtin:{args.source}->{args.target}",
+        **settings,
         "method": bridge.method,
-        "task": args.task,
         "n": n,
-        "max_new_tokens": args.max_new_tokens,
-        "configs": {kind: config.label for kind, config in configs.items()},
         "accuracy": {kind: {str(k): c / n for k, c in by_k.items()} for kind, by_k in correct.items()},
         "intervals": _intervals(records, args.turns),
-        "items": [{kind: {str(k): v for k, v in by_k.items()} for kind, by_k in r.items()} for r in records],
+        "items": [_jsonable(r) for r in records],
         "date": time.strftime("%Y-%m-%d"),
         "seconds": round(time.perf_counter() - start, 1),
         "command": shlex.join(
@@ -191,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         ),
     }
     print(f"{args.source} -> {args.target} ({bridge.method}), {args.task}, {n} items")
-    kinds = ["native", *configs]
+    kinds = ["native", *configs, *(CONTROLS if args.controls else ())]
     print(f"{'further turns':>14}" + "".join(f"{kind:>24}" for kind in kinds))
     for k in sorted(args.turns):
         acc, ci = result["accuracy"], result["intervals"]
@@ -204,6 +264,33 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _jsonable(record: dict) -> dict:
+    """condition -> {str(k): right}: JSON keys are strings."""
+    return {kind: {str(k): bool(v) for k, v in by_k.items()} for kind, by_k in record.items()}
+
+
+def _finished(path: str, settings: dict) -> dict:
+    """{item index: record (condition -> k -> right)} of the lines in `path` made with `settings`;
+    lines of other settings are ignored (said once), so one file may hold several runs."""
+    import os
+
+    if not os.path.exists(path):
+        return {}
+    out, other = {}, 0
+    with open(path) as f:
+        for line in f:
+            entry = json.loads(line)
+            if entry["settings"] != settings:
+                other += 1
+                continue
+            out[entry["index"]] = {
+                kind: {int(k): v for k, v in by_k.items()} for kind, by_k in entry["record"].items()
+            }
+    if other:
+        print(f"{path}: {other} lines of other settings ignored")
+    return out
 
 
 if __name__ == "__main__":

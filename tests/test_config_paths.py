@@ -109,6 +109,9 @@ def test_the_cli_flags_describe_the_same_config():
     for flag, whole_words in (("--whole-words", True), ("--no-whole-words", False)):
         refresh = RefreshConfig(3, "deviation", whole_words)
         assert handoff_config(parser.parse_args([*flags, flag])) == CONFIG.replace(refresh=refresh)
+    for flag, ends in (("--word-ends", True), ("--no-word-ends", False)):
+        refresh = RefreshConfig(3, "deviation", word_ends=ends)
+        assert handoff_config(parser.parse_args([*flags, flag])) == CONFIG.replace(refresh=refresh)
 
 
 def test_a_batch_row_is_the_handoff_of_its_context_with_the_default_refresh(models):
@@ -210,8 +213,8 @@ def test_the_default_takes_whole_words_wherever_the_text_is_known(models, tmp_pa
     assert written.cache_salt == bridge_salt(bridge, config=tokens) != bridge_salt(bridge, config=auto)
 
     assert [c.refresh.label for c in (auto, words, tokens)] == [
-        "3:deviation",
-        "3:deviation:words",
+        "3:deviation+ends",
+        "3:deviation:words+ends",
         "3:deviation:no-words",
     ]
     assert HandoffConfig().label == "default" and tokens.replace(

@@ -141,11 +141,26 @@ def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
         str(saved / "bridge"),
     ]
     args += ["--task", "facts-choice-256", "--limit", "2", "--turns", "0", "1", "2", "--max-new-tokens", "3"]
-    got = drift.main([*args, "--json", str(tmp_path / "drift.json")])
-    assert got["n"] == 2 and set(got["accuracy"]) == {"native", "bridged"}
+    records = tmp_path / "drift.jsonl"
+    got = drift.main([*args, "--json", str(tmp_path / "drift.json"), "--records", str(records)])
+    assert got["n"] == 2 and set(got["accuracy"]) == {"native", "bridged", "no-context", "unrelated"}
     for by_k in got["accuracy"].values():
         assert set(by_k) == {"0", "1", "2"} and all(x in (0.0, 0.5, 1.0) for x in by_k.values())
     assert "further turns" in capsys.readouterr().out and (tmp_path / "drift.json").exists()
+
+    # Killed after its first item: started again, it resumes from the records and agrees.
+    lines = records.read_text().splitlines()
+    assert len(lines) == 2
+    records.write_text(lines[0] + "\n")
+    again = drift.main([*args, "--records", str(records)])
+    assert "resuming: 1 items finished" in capsys.readouterr().out
+    assert again["items"] == got["items"] and again["accuracy"] == got["accuracy"]
+    assert len(records.read_text().splitlines()) == 2
+    # Other settings never reuse those lines; --no-controls leaves the controls out.
+    fewer = drift.main([*args, "--records", str(records), "--no-controls"])
+    assert "2 lines of other settings ignored" in capsys.readouterr().out
+    assert set(fewer["accuracy"]) == {"native", "bridged"} and not fewer["controls"]
+    assert fewer["items"] == [{k: r[k] for k in ("bridged", "native")} for r in got["items"]]
 
 
 def test_drift_with_an_identity_bridge_matches_the_native_conversation():
@@ -158,6 +173,33 @@ def test_drift_with_an_identity_bridge_matches_the_native_conversation():
                       target_tokenizer=tok, max_new_tokens=3)  # fmt: skip
     assert got["bridged"] == got["native"]
     assert sum(got["native"].values()) <= 2 * len(items)
+
+
+def test_drift_controls_read_no_document_and_another_items_document(monkeypatch):
+    """The no-context control opens with a greeting, the unrelated one with the next item's
+    context; the native and bridged conversations read the item's own."""
+    from bridgecache.evaluation.builtin import builtin_items
+    from bridgecache.runtime.conversation import Conversation
+
+    drift = script("benchmarks/multi_turn_drift.py")
+    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    items = builtin_items("facts-choice-256", tok, limit=3)
+    read = []
+    native = Conversation.native.__func__
+    monkeypatch.setattr(
+        Conversation,
+        "native",
+        classmethod(lambda cls, t, tk, m: read.append(m[0]["content"]) or native(cls, t, tk, m)),
+    )
+    records = []
+    got = drift.drift(model, model, Bridge.identity(model), items, [0], source_tokenizer=tok,
+                      target_tokenizer=tok, max_new_tokens=2, controls=True, records=records)  # fmt: skip
+    assert set(got) == {"bridged", "native", "no-context", "unrelated"}
+    # per item: native (its own context), no-context (a greeting), unrelated (the next item's)
+    expected = [(items[i].context, "Hello.", items[(i + 1) % 3].context) for i in range(3)]
+    assert read == [text for triple in expected for text in triple]
+    assert got["bridged"] == got["native"] and len(records) == 3
+    assert all(items[i].context != items[(i + 1) % 3].context for i in range(3))
 
 
 @pytest.mark.real_model

@@ -27,7 +27,7 @@ from bridgecache.evaluation.needles import NEEDLE, PREAMBLE, SUBTASKS, needle_it
 from bridgecache.evaluation.scoring import native_prefix
 from bridgecache.runtime.handoff import tokenize_context
 from bridgecache.runtime.selection import GivenScores, SourceAttention
-from bridgecache.runtime.words import ContextWords, context_words, pool_words, word_groups
+from bridgecache.runtime.words import ContextWords, context_words, pool_words, reach_word_ends, word_groups
 from bridgecache.text import documents
 from tokenalign import TokenSpans, align, token_spans
 
@@ -343,6 +343,48 @@ def test_pool_words_takes_each_words_best_per_row():
         pool_words(scores, groups[:, :3])
 
 
+def test_reach_word_ends_scores_the_token_after_each_word_as_the_word():
+    scores = torch.tensor([[0.1, 0.9, 0.9, 0.2, 0.3], [0.5, 0.1, 0.7, 0.7, 0.8]])
+    groups = torch.tensor([[0, 1, 1, 2, 3], [0, 1, 2, 2, 3]])
+    # Row 0: the token after word 1 takes 0.9; row 1: the tokens after words 0 and 1 take 0.5 and
+    # 0.7 (the word after a lower one keeps its own score; one token inside a word is no end).
+    expected = torch.tensor([[0.1, 0.9, 0.9, 0.9, 0.3], [0.5, 0.5, 0.7, 0.7, 0.8]])
+    assert torch.equal(reach_word_ends(scores, groups), expected)
+    with pytest.raises(ValueError, match="one group per scored token"):
+        reach_word_ends(scores, groups[:, :3])
+
+
+def test_word_ends_refresh_the_token_that_ends_a_number(llama, tok):
+    """With word_ends (the default) a chosen number brings the token after it ("9163758" and the
+    space after it) within the same budget; labels and recipes tell the two apart; token by token
+    it changes nothing."""
+    text = "the magic number is 9163758 ok"
+    ids = tok(text, return_tensors="pt")["input_ids"]  # one token per byte
+    bridge, kv = _random_bridge(llama, seed=1), capture_kv(llama, ids)
+    start = text.index("9163758")
+    scores = torch.zeros(1, ids.shape[1])
+    scores[0, start + 3] = 1.0
+    words = context_words(text, tok, tok, ids, ids)
+
+    def refreshed(**options) -> list[int]:
+        refresh = RefreshConfig(8, by=GivenScores(scores), **options)
+        cache = BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh), words=words)
+        return cache.refreshed_columns[0].tolist()
+
+    number = list(range(start, start + 7))
+    assert refreshed(word_ends=True) == [*number, start + 7]  # the space that ends it
+    assert start + 7 not in refreshed(word_ends=False) and set(number) <= set(refreshed(word_ends=False))
+    assert refreshed(word_ends=True, whole_words=False) == refreshed(whole_words=False)
+    assert RefreshConfig(word_ends=True).label == f"{RefreshConfig().amount}:source+ends"
+    assert RefreshConfig(whole_words=False, word_ends=True).label.endswith(":no-words")
+    assert RefreshConfig().word_ends  # the default: pages made without ends never answer for it
+    assert HandoffConfig(refresh=RefreshConfig(word_ends=False)).kv_recipe != HandoffConfig().kv_recipe
+    with pytest.raises(ValueError, match="word_ends=1; expected True or False"):
+        RefreshConfig(word_ends=1)
+    with pytest.raises(ValueError, match="whole_words=1; expected None"):
+        RefreshConfig(whole_words=1)  # 1 == True, but not a bool
+
+
 def test_whole_words_refresh_takes_the_number_a_digit_was_chosen_in(llama, tok):
     """One digit inside the number scores highest: whole words refresh the whole number; token by
     token, that digit and the earliest columns (ties). The default (whole_words=None) takes whole
@@ -468,6 +510,13 @@ def test_long_context_variants_are_handoff_configs():
         refresh=RefreshConfig(whole_words=False)
     )
     words = long_context.variant_config("refresh=64,words")
-    assert words.refresh == RefreshConfig(64, "source", whole_words=True) and words.wants_words
+    assert (
+        words.refresh == RefreshConfig(64, "source", whole_words=True, word_ends=False) and words.wants_words
+    )
+    ends = long_context.variant_config("refresh=0.2,words,ends").refresh
+    assert ends == RefreshConfig(0.2, "source", whole_words=True, word_ends=True)
+    assert long_context.variant_config("refresh=0.2,words").refresh.word_ends is False
     with pytest.raises(SystemExit, match="bad variant"):
         long_context.variant_config("refresh=0.2,spread=2")
+    with pytest.raises(SystemExit, match="bad variant"):
+        long_context.variant_config("refresh=0.2,ends")  # ends only with words

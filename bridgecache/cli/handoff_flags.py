@@ -1,7 +1,8 @@
 """The handoff flags of every command that hands a context over (eval, demo): one `HandoffConfig`.
 
 add_handoff_arguments(parser)   --native-head --native-tail --no-key-norm --native-layers
-                                --refresh --refresh-by --[no-]whole-words --min-quality
+                                --refresh --refresh-by --[no-]whole-words --[no-]word-ends
+                                --min-quality
 handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s own)
 """
 
@@ -15,6 +16,7 @@ from bridgecache.runtime.config import DEFAULT_REFRESH, HandoffConfig, QualityPo
 __all__ = ["add_handoff_arguments", "config_problem", "handoff_config", "native_layers_arg"]
 
 _DEFAULT = HandoffConfig()
+_DEFAULT_ENDS = RefreshConfig().word_ends
 
 
 def native_layers_arg(text: str):
@@ -78,6 +80,12 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
         "the default, as every command here knows the context's text; --no-whole-words: token by token",
     )
     group.add_argument(
+        "--word-ends",
+        action=argparse.BooleanOptionalAction,
+        help="with whole words, each refreshed word also brings the token after it, so a refreshed "
+        f"number ends where the context ends it (default: {'on' if _DEFAULT_ENDS else 'off'})",
+    )
+    group.add_argument(
         "--min-quality",
         type=float,
         help="quality gate: layers whose held-out score is below it run natively; too many fall back",
@@ -97,7 +105,8 @@ def handoff_config(args) -> HandoffConfig:
         raise ValueError(
             f"--refresh is {amount}; expected a share of the context in (0, 1], a token count or none"
         )
-    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words)
+    ends = _DEFAULT_ENDS if args.word_ends is None else args.word_ends
+    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words, ends)
     return HandoffConfig(
         native_head=args.native_head,
         native_tail=args.native_tail,

@@ -41,11 +41,17 @@ class RefreshConfig:
         the demo and the CLI). None (the default): whole words wherever the words are known;
         a `BridgedCache` built from ids without `words=` refreshes token by token. True: whole
         words, and a cache without words raises. False: token by token everywhere.
+    word_ends: with whole words, each chosen word also brings the token after it (the target's
+        side, within the same budget), so a refreshed number ends where the context ends it
+        (bridgecache.runtime.words). On by default: on RULER's needles at 4K tokens across
+        tokenizers it took a 20% refresh from 66.7% to 90.0% (native 93.3%; the long-context
+        report). No effect token by token.
     """
 
     amount: float | int = DEFAULT_REFRESH
     by: str | Selector = "source"
     whole_words: bool | None = None
+    word_ends: bool = True
 
     def __post_init__(self):
         amount = self.amount
@@ -61,7 +67,9 @@ class RefreshConfig:
         if isinstance(amount, int) and amount < 1:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
         selector_named(self.by)  # raises for an unknown rule
-        if self.whole_words not in (None, True, False):
+        if not isinstance(self.word_ends, bool):
+            raise ValueError(f"RefreshConfig.word_ends={self.word_ends!r}; expected True or False")
+        if self.whole_words is not None and not isinstance(self.whole_words, bool):
             raise ValueError(
                 f"RefreshConfig.whole_words={self.whole_words!r}; expected None (where the words are "
                 "known), True or False"
@@ -73,12 +81,13 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        """amount:rule[:words|:no-words], the rule by its name or, for an instance, its repr (two
-        rules with other parameters never share a label); whole_words=None (the default) adds
-        nothing."""
+        """amount:rule[:words|:no-words][+ends], the rule by its name or, for an instance, its
+        repr (two rules with other parameters never share a label); whole_words=None (the
+        default) adds nothing; +ends: word_ends, unless token by token."""
         by = self.by if isinstance(self.by, str) else repr(self.by)
         words = {None: "", True: ":words", False: ":no-words"}[self.whole_words]
-        return f"{self.amount}:{by}{words}"
+        ends = "+ends" if self.word_ends and self.whole_words is not False else ""
+        return f"{self.amount}:{by}{words}{ends}"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.selection import SelectionRequest
-from bridgecache.runtime.words import pool_words
+from bridgecache.runtime.words import pool_words, reach_word_ends
 
 __all__ = ["NativePlan", "plan_native_work"]
 
@@ -102,6 +102,8 @@ def plan_native_work(
         chosen_by = selector.scores(request) if any(budgets) else None
         if chosen_by is not None and words is not None:  # whole words on the target's side
             chosen_by = pool_words(chosen_by.float(), words.target[:, :prefix])
+            if refresh.word_ends:
+                chosen_by = reach_word_ends(chosen_by, words.target[:, :prefix])
         cols, valid = plan.select(chosen_by)
         pending = PendingWork(
             columns=cols,

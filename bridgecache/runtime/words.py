@@ -16,6 +16,7 @@ scores: the earliest column first), except at most the last one the budget reach
     ContextWords.stack(rows)                  one batch from each row's own ContextWords
     context_words(text, s_tok, t_tok, s, t)   ContextWords of one plain-text context (batch 1)
     pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
+    reach_word_ends(scores, groups)           [batch, tokens] the token after each word scored as it
 
 A word is a maximal run of letters, digits and underscores (any non-ASCII byte counts as a
 letter); two neighbouring tokens share a word when they touch and the characters on both sides of
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ContextWords", "word_groups", "context_words", "pool_words"]
+__all__ = ["ContextWords", "word_groups", "context_words", "pool_words", "reach_word_ends"]
 
 _WORD_BYTES = np.zeros(256, dtype=bool)
 for _byte in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
@@ -139,3 +140,18 @@ def pool_words(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     best = torch.full_like(scores, float("-inf"))  # a row has at most `tokens` groups
     best = best.scatter_reduce(1, groups, scores, reduce="amax")
     return best.gather(1, groups)
+
+
+def reach_word_ends(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """scores [batch, tokens] pooled over words (`pool_words`), groups [batch, tokens] int64 ->
+    the same with the first token after each word raised to that word's score (`RefreshConfig`'s
+    word_ends): a refreshed number then ends where the context ends it. Without it the token after
+    "8561971" is a translated row, and a model copying the number reads on past its end
+    ("85619711"). The stable sort of the selection takes the word before its end (earlier column)."""
+    groups = groups.to(scores.device)
+    if groups.shape != scores.shape:
+        shapes = f"{tuple(groups.shape)} for scores of shape {tuple(scores.shape)}"
+        raise ValueError(f"word groups of shape {shapes}; expected one group per scored token")
+    starts = groups[:, 1:] != groups[:, :-1]  # token t + 1 opens a new group
+    after = torch.where(starts, torch.maximum(scores[:, 1:], scores[:, :-1]), scores[:, 1:])
+    return torch.cat([scores[:, :1], after], dim=1)
