@@ -24,6 +24,8 @@ each until the first new token:
 - default, whole words: the default given the context's words (`words=`, random words of 1-4
   tokens), as `handoff()` and every path that tokenizes a text builds it; the rows above build
   the cache from ids alone, so their refresh goes token by token (`RefreshConfig` whole_words=None);
+- whole words, no ends: the same with `RefreshConfig(word_ends=False)` (each chosen word without
+  the token after it, the default before 15b174b);
 - default, source reads L layers (--reading-layers L): the default with
   `SourceAttention(layers=L)`, the source's reading stopping after its first L layers;
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
@@ -155,6 +157,8 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
     rows["default, eager"] = timed(lambda: bridged(HandoffConfig(cuda_graphs=False)), device, repeats)
     words = random_words(n)
     rows["default, whole words"] = timed(lambda: bridged(HandoffConfig(), words), device, repeats)
+    no_ends = HandoffConfig(refresh=RefreshConfig(word_ends=False))
+    rows["whole words, no ends"] = timed(lambda: bridged(no_ends, words), device, repeats)
     for layers in reading_layers:
         fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
         rows[f"default, source reads {layers} layers"] = timed(lambda: bridged(fewer), device, repeats)  # noqa: B023
