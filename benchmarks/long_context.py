@@ -432,9 +432,12 @@ def report(args) -> None:
             print(f"- {spec}: {_kinds(s['kinds'])}")
         print(f"- native: {_kinds(c['native']['kinds'])}; no context: {_kinds(c['no_context']['kinds'])}")
         row = next(iter(cell["rows"].values()))
+        made = sorted(cell["rows"].items(), key=lambda kv: _order(kv[0]))
+        dates = sorted({d for _, r in made for d in r["dates"]})
+        commits = "; ".join(f"{spec} {', '.join(r['commits'])}" for spec, r in made)
         print(
             f"\nsource prefill {row['cpu_source']:.0f} CPU s/item; context {row['context_tokens']:.0f} "
-            f"target tokens; dates {', '.join(row['dates'])}; commits {', '.join(row['commits'])}"
+            f"target tokens; dates {', '.join(dates)}; commits: {commits}"
         )
     if args.misses:
         _print_misses(records)

@@ -7,7 +7,9 @@ whole_words: None, the default, wherever the context's words are known; True alw
 score becomes the best score of the word it belongs to, on BOTH sides of an alignment: over the
 source's words before the scores cross to the target's columns (`SourceAttention`), then over the
 target's words (the plan); the stable sort of the selection then takes each word whole (equal
-scores: the earliest column first), except at most the last one the budget reaches.
+scores: the earliest column first), except at most the last one the budget reaches. With word
+ends (`RefreshConfig.word_ends`, the default) the token after each word then takes the word's
+score too, so a refreshed number ends where the context ends it.
 
     word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
     word_groups(text, spans=spans)            the same from byte spans already made (no tokenizer call)
