@@ -9,8 +9,9 @@
 `run` evaluates item by item (`bridgecache.evaluation.evaluate` on one item with every variant it
 still lacks) and appends one JSON line per (item, variant) to
 $BRIDGECACHE_HOME/needle/<tag>/<pair>/<task>.jsonl: a killed run resumes where it stopped, and
-the native and no-context replies are remembered in $BRIDGECACHE_HOME/needle/controls.json, so
-both pairs (one target) compute them once. Each line holds the replies (native, no context,
+the native, no-context and unrelated-context replies (the target's prefill of item i + 1's context,
+asked item i's question) are remembered in $BRIDGECACHE_HOME/needle/controls.json, so
+both pairs (one target) compute them once. Each line holds the replies (native, no context, unrelated,
 bridged), whether each is right, the handoff's FLOPs share (`cache.report()`), the CPU (process)
 seconds of the target's prefill, the source's prefill and the handoff, the refreshed columns
 and the target columns of the answers (so the report can say whether a miss had its answer
@@ -60,10 +61,12 @@ SPEC_ORDER = (
     "plain",
     "refresh=0.1",
     "refresh=0.1,words",
+    "refresh=0.1,words,ends",
     "refresh=0.2",
     "refresh=0.2,words",
     "refresh=0.2,words,ends",
     "refresh=0.3",
+    "refresh=0.3,words,ends",
 )
 
 
@@ -152,7 +155,8 @@ def run(args) -> None:
     source, source_tok = load_model(source_name)
     controls = ControlScores(args.raw / "controls.json")
     first, stop = _span(args.items)
-    items = builtin_items(args.task, target_tok, limit=stop)
+    # item i's unrelated context is item i + 1's (items depend on their index only, not the count)
+    items = builtin_items(args.task, target_tok, limit=stop + 1)
     out = _raw(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["index"], r["spec"]) for r in _read(out)}
@@ -167,7 +171,7 @@ def run(args) -> None:
         skipped = []
         ev = evaluate(
             source, source_tok, target, target_tok, [item], "generate", variants,
-            progress=False, controls=controls, log=skipped.append,
+            progress=False, controls=controls, log=skipped.append, others=[items[i + 1]],
         )  # fmt: skip
         with out.open("a") as f:
             if ev.skipped:
@@ -385,6 +389,17 @@ def summaries(records: list[dict]) -> dict:
                 for kind in ("single", "multikey", "multivalue")
             }
         controls["cpu_native"] = statistics.fmean(r["cpu_s"]["native_prefill"] for r in rs)
+        # The unrelated-context control: only records made since the runner measures it.
+        unrelated = {
+            r["index"]: r for items in specs.values() for r in items.values() if "correct_other_native" in r
+        }
+        if unrelated:
+            k = sum(r["correct_other_native"] for r in unrelated.values())
+            controls["unrelated"] = {
+                "n": len(unrelated),
+                "acc": k / len(unrelated),
+                "acc_ci": _wilson(k, len(unrelated)),
+            }
         out[cell] = {"controls": controls, "rows": rows, "threads": sorted({r.get("threads", 1) for r in rs})}
     return out
 
@@ -408,7 +423,13 @@ def report(args) -> None:
         print(
             f"native {_pct(c['native']['acc'])}{_ci(c['native']['acc_ci'])} (n={c['native']['n']}); "
             f"no context {_pct(c['no_context']['acc'])}{_ci(c['no_context']['acc_ci'])}; "
-            f"target prefill {c['cpu_native']:.0f} CPU s/item\n"
+            + (
+                f"unrelated context {_pct(c['unrelated']['acc'])}{_ci(c['unrelated']['acc_ci'])} "
+                f"(n={c['unrelated']['n']}); "
+                if "unrelated" in c
+                else ""
+            )
+            + f"target prefill {c['cpu_native']:.0f} CPU s/item\n"
         )
         print(
             "| variant | n | exact match [Wilson 95%] | native on these items | retention [bootstrap 95%] "

@@ -215,7 +215,30 @@ def test_generate_task_through_an_identity_bridge_gives_native_replies(llama, to
         llama, tok, llama, tok, items, "generate", variants[:1], progress=False, controls=controls
     )
     assert [r.replies["native"] for r in again.items] == [r.replies["native"] for r in ev.items]
-    assert len(json.loads((tmp_path / "controls.json").read_text())) == 3
+    # one entry per item for the native and no-context replies, one per (item, other context)
+    assert len(json.loads((tmp_path / "controls.json").read_text())) == 6
+
+
+def test_generate_task_answers_after_an_unrelated_context(llama, tok):
+    """The unrelated-context control: item 0's question asked natively after item 1's context
+    (cut to item 0's length); one item alone has none unless `others` names one."""
+    from bridgecache.evaluation.prompts import Prompts
+
+    items = _gen_items(llama, tok)
+    variant = Variant(Bridge.identity(llama), HandoffConfig(refresh=None))
+    run = dict(progress=False)
+    ev = evaluate(llama, tok, llama, tok, items[:1], "generate", [variant], others=[items[1]], **run)
+    prompts = Prompts(tok, tok)
+    cut = prompts.cut(items[1].context, prompts.content_length(items[0].context))
+    swapped = GenerationItem(cut, items[0].question, items[0].answers, 4, "single")
+    alone = evaluate(llama, tok, llama, tok, [swapped], "generate", [variant], **run)
+    assert ev.items[0].replies["other_native"] == alone.items[0].replies["native"]
+    assert "other_native" not in alone.items[0].replies
+    summary = summarise(ev, variant)
+    assert summary["acc_other_native"] in (0.0, 1.0) and "acc_other_native" not in summarise(alone, variant)
+    assert "(d) native, unrelated context" in format_table(summary)
+    with pytest.raises(ValueError, match="expected one per item"):
+        evaluate(llama, tok, llama, tok, items[:2], "generate", [variant], others=items[2:], **run)
 
 
 # ---------------------------------------------------------------------- whole words

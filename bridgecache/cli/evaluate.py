@@ -4,12 +4,13 @@
                      [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
                      [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
                      --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
-                     --refresh-by source|deviation --[no-]whole-words --min-quality Q]
+                     --refresh-by source|deviation --[no-]whole-words --[no-]word-ends --min-quality Q]
 
 The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
-source's attention, whole words), as every other path. Models come from the bridge's metadata
-(`bridge.source.name`, `bridge.target.name`: a built-in
-name, hub id or local directory) unless --source/--target say otherwise. Prints the table of
+source's attention, whole words with the token that ends each), as every other path. Models come
+from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in name, hub id or
+local directory) unless --source/--target say otherwise. Generation tasks are answered after
+native prefill, no context, another item's context and the bridged cache. Prints the table of
 `report.format_table`; --json writes `report.summarise`'s object. Every option, the bridge, the
 data, the model names and both output paths (--json, --controls) are checked before a model
 loads; errors exit with status 2 and one line naming the file, line and field.

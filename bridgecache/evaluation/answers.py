@@ -102,8 +102,8 @@ def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 def generation_metrics(replies: dict[str, Sequence[str]], answers: Sequence[Sequence[str]]) -> dict:
     """Metrics of the generation task.
 
-    replies: condition -> per-item reply text, for "native", "bridged", "no_context" (those
-        present are reported). answers: per item, the answers its reply must hold.
+    replies: condition -> per-item reply text, for "native", "bridged", "no_context",
+        "other_native" (those present are reported). answers: per item, the answers its reply must hold.
     Returns acc_X, acc_X_ci (Wilson 95%), correct_X (count), partial_X and partial_X_n (mean share
     of answers found over items with several answers; NaN and 0 when there are none), retention
     (acc_bridged / acc_native) with a paired bootstrap retention_ci, and n.

@@ -34,6 +34,7 @@ _GENERATE_ROWS = (
     ("native", "(a) native prefill"),
     ("bridged", "(b) bridged cache"),
     ("no_context", "(c) no context"),
+    ("other_native", "(d) native, unrelated context"),
 )
 _CHOICE_ROWS = (
     ("native", "(a) native prefill"),
@@ -47,8 +48,8 @@ def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
     """Our condition name -> the key of its scores in ItemResult.scores."""
     keys = {"native": "native", "no_context": "no_context", "other_native": "other_native"}
     keys["bridged"] = f"bridged[{variant.name}]"
-    if evaluation.task == "generate":
-        del keys["other_native"]
+    if evaluation.task == "generate" and not all("other_native" in r.replies for r in evaluation.items):
+        del keys["other_native"]  # one item evaluated alone has no unrelated context
     if evaluation.task == "ppl":
         keys["other_bridged"] = f"other_bridged[{variant.name}]"
     return keys
@@ -184,6 +185,8 @@ def format_table(s: dict) -> str:
             f"  {'condition':<34}{'exact match':>12}  {'95% CI (Wilson)':<18}{'several: partial':>16}"
         )
         for key, label in _GENERATE_ROWS:
+            if f"acc_{key}" not in s:
+                continue
             share = s[f"partial_{key}"]
             partial = f"{_pct(share)} of {s[f'partial_{key}_n']}" if s[f"partial_{key}_n"] else "-"
             interval = _ci(s[f"acc_{key}_ci"]).strip()

@@ -11,8 +11,9 @@ A `Variant` is a bridge with its native-anchor options, so several bridges share
 data: the source prefill, the target's native prefills and the controls are computed once.
 
 Generation items (task "generate") are answered instead: a greedy reply after native prefill,
-after no context and after each variant's bridged cache (evaluation.decoding), with no unrelated
-context; the replies are kept as text (`ItemResult.replies`, scored by evaluation.answers), with
+after no context, after the target's prefill of another item's context (`others`, or the next
+item evaluated; none when one item is evaluated alone) and after each variant's bridged cache
+(evaluation.decoding); the replies are kept as text (`ItemResult.replies`, scored by evaluation.answers), with
 the CPU seconds of each prefill and handoff (`cpu_s`, process time) and the refreshed columns.
 
 Timings per item: `native_prefill_s` (target prefill of the context up to the first logits after
@@ -186,6 +187,7 @@ def evaluate(
     progress: bool = True,
     log=None,
     controls: ControlScores | None = None,
+    others: list | None = None,
 ) -> Evaluation:
     """Score `items` under every condition; see the module docstring.
 
@@ -194,7 +196,15 @@ def evaluate(
     log: where skip messages go (default: stderr).
     controls: a `ControlScores` file that remembers the native, no-context and unrelated-context
         scores of (target, item) across runs, so that comparing variants repeats only bridged work.
+    others: generation only, one item per item of `items` whose context is that item's unrelated
+        context (so one item evaluated alone still gets the control); default: the next item
+        evaluated.
     """
+    if others is not None and (task != "generate" or len(others) != len(items)):
+        raise ValueError(
+            f"others: {len(others)} items for {len(items)} items of task {task!r}; expected one per item, "
+            "and only for generation tasks (the others read the next item's context)"
+        )
     log = log or (lambda message: print(message, file=sys.stderr))
     if not variants:
         raise ValueError("give at least one variant (a bridge and its native anchors)")
@@ -219,7 +229,7 @@ def evaluate(
     results = []
     for position, i in enumerate(tqdm(order, desc="eval", disable=not progress)):
         j = order[(position + 1) % len(order)]
-        results.append(run(i, items[i], prepared[i], j, items[j]))
+        results.append(run(i, items[i], prepared[i], j, items[j] if others is None else others[i]))
     return Evaluation(task, list(variants), results, skipped)
 
 
@@ -244,7 +254,8 @@ class _ItemRun:
             answer=None if isinstance(item, (PplItem, GenerationItem)) else item.answer,
         )
         if isinstance(item, GenerationItem):
-            return self._generate(item, own, result)
+            unrelated = other_item if other_item.context != item.context else None
+            return self._generate(item, own, result, unrelated)
         source_kv, result.source_prefill_s = self.prefixes.source_kv(own.context.source_ids)
         # The unrelated context: the other item's, cut to this one's length in target tokens.
         other_text = prompts.cut(other_item.context, prompts.content_length(item.context))
@@ -287,8 +298,9 @@ class _ItemRun:
                 )
         return result
 
-    def _generate(self, item: GenerationItem, own: _Prepared, result: ItemResult) -> ItemResult:
-        """Greedy replies after native prefill, no context and each variant's bridged cache."""
+    def _generate(self, item: GenerationItem, own: _Prepared, result: ItemResult, other_item) -> ItemResult:
+        """Greedy replies after native prefill, no context, the unrelated context (`other_item`'s,
+        cut to this context's length; skipped when None) and each variant's bridged cache."""
         prompts, target, tok = self.prompts, self.target, self.prompts.target_tok
         result.answer = item.answers
         stop = stop_ids(tok)
@@ -319,6 +331,17 @@ class _ItemRun:
         result.native_prefill_s = known["native_prefill_s"]
         result.cpu_s["native_prefill"] = known["native_prefill_cpu_s"]
         result.replies |= known["replies"]
+        if other_item is not None:
+            # Its own entry: the native and no-context replies stay valid whatever the other is.
+            other_text = prompts.cut(other_item.context, prompts.content_length(item.context))
+            other_ids = prompts.context(other_text, self.variants[0].bridge).target_ids
+            limits = [item.max_new_tokens, len(item.answers)]
+            key = self.controls.key(target, other_ids, own.prompt, "unrelated", limits)
+            unrelated = self.controls.get(key)
+            if unrelated is None:
+                unrelated = {"reply": reply(native_prefix(target, other_ids), own.prompt)}
+                self.controls.put(key, unrelated)
+            result.replies["other_native"] = unrelated["reply"]
         for variant in self.variants:
             start = time.perf_counter()
             context = prompts.context(item.context, variant.bridge, words=variant.config.wants_words)
