@@ -84,7 +84,7 @@ def variant_config(spec: str):
             amount = int(number) if number >= 1 else number
         elif key == "words" and not value:
             words = True
-        elif key == "ends" and not value and words:
+        elif key == "ends" and not value:
             ends = True
         else:
             raise SystemExit(
@@ -92,6 +92,8 @@ def variant_config(spec: str):
             )
     if amount is None:
         raise SystemExit(f"bad variant {spec!r}: say refresh=F")
+    if ends and not words:
+        raise SystemExit(f"bad variant {spec!r}: ends only with words (refresh=F,words,ends)")
     # word_ends only means something with whole words (and is said explicitly there)
     options = {"whole_words": words, "word_ends": ends} if words else {"whole_words": False}
     return HandoffConfig(refresh=RefreshConfig(amount, "source", **options))
@@ -142,7 +144,7 @@ def run(args) -> None:
 
     from bridgecache.bridge import Bridge
     from bridgecache.evaluation import evaluate, summarise
-    from bridgecache.evaluation.builtin import builtin_items
+    from bridgecache.evaluation.builtin import MAX_ITEMS, builtin_items
     from bridgecache.evaluation.controls import ControlScores
     from bridgecache.evaluation.prompts import Prompts
     from bridgecache.evaluation.runner import Variant
@@ -155,8 +157,10 @@ def run(args) -> None:
     source, source_tok = load_model(source_name)
     controls = ControlScores(args.raw / "controls.json")
     first, stop = _span(args.items)
-    # item i's unrelated context is item i + 1's (items depend on their index only, not the count)
-    items = builtin_items(args.task, target_tok, limit=stop + 1)
+    items = builtin_items(args.task, target_tok, limit=stop)
+    # Item i's unrelated context: item i + 1's, from its own list (the measured items stay those of
+    # `limit=stop`, whatever a longer list would make of them).
+    others = builtin_items(args.task, target_tok, limit=min(stop + 1, MAX_ITEMS))
     out = _raw(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["index"], r["spec"]) for r in _read(out)}
@@ -171,7 +175,7 @@ def run(args) -> None:
         skipped = []
         ev = evaluate(
             source, source_tok, target, target_tok, [item], "generate", variants,
-            progress=False, controls=controls, log=skipped.append, others=[items[i + 1]],
+            progress=False, controls=controls, log=skipped.append, others=[others[(i + 1) % len(others)]],
         )  # fmt: skip
         with out.open("a") as f:
             if ev.skipped:
@@ -244,7 +248,9 @@ def recall(args) -> None:
         for budget in args.budgets:
             amount = int(budget) if budget >= 1 else budget
             for name, whole_words in (("default", False), ("words", True)):
-                config = HandoffConfig(refresh=RefreshConfig(amount, "source", whole_words=whole_words))
+                # answer tokens only: word ends add the token after an answer, never one of it
+                refresh = RefreshConfig(amount, "source", whole_words=whole_words, word_ends=False)
+                config = HandoffConfig(refresh=refresh)
                 cache = BridgedCache(
                     bridge, kv, target, context.target_ids, config=config, alignment=context.alignment,
                     source_model=source, prompt_ids=query, words=context.words,

@@ -201,9 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
         "target": args.target,
         "bridge": bridge_name,
         "task": args.task,
+        "items": len(items),  # the task's items depend on how many are made
         "turns": sorted(args.turns),
         "max_new_tokens": args.max_new_tokens,
-        "configs": {kind: config.label for kind, config in configs.items()},
+        # what each config does, spelled out: a label says "default" whatever the default is
+        "configs": {kind: config.kv_recipe for kind, config in configs.items()},
         "controls": args.controls,
     }
     finished = _finished(args.records, settings) if args.records else {}
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = len(items)
     result = {
         **settings,
+        "labels": {kind: config.label for kind, config in configs.items()},
         "method": bridge.method,
         "n": n,
         "accuracy": {kind: {str(k): c / n for k, c in by_k.items()} for kind, by_k in correct.items()},

@@ -15,7 +15,9 @@ an int n, or 0+1+17 for a set, or all), refresh (fraction or token count; none w
 (scores reach the N following tokens, default 0), read (the source reads with its first N
 layers only, or a share of them such as 0.25; default all), words (1: the refresh takes whole
 words, `RefreshConfig(whole_words=True)`; 0, the default here: token by token, `whole_words=False`,
-as every run before the library's default took whole words).
+as every run before the library's default took whole words), ends (1: with words, also the token
+after each word, `word_ends=True`, the library's default; 0, the default here: without, as every
+words=1 run before 15b174b).
 `run` evaluates every variant of one pair in one pass with the library behind `bridgecache eval`
 (`bridgecache.evaluation.evaluate`); the native, no-context and unrelated-context controls are
 remembered per (target, item) in $BRIDGECACHE_HOME/quality/controls.json, so a later run with
@@ -43,7 +45,7 @@ PAIRS = {
 _KEYS = {"head": "native_head", "tail": "native_tail", "layers": "native_layers", "refresh": "refresh"}
 _KEYS |= {"by": "refresh_by", "minq": "min_quality"}
 _KEYS |= {"reduce": "refresh_reduce", "after": "refresh_after", "read": "refresh_read_layers"}
-_KEYS |= {"words": "refresh_whole_words"}
+_KEYS |= {"words": "refresh_whole_words", "ends": "refresh_word_ends"}
 
 
 def handoff_config(options: dict):
@@ -52,6 +54,7 @@ def handoff_config(options: dict):
 
     refresh, by = options.get("refresh"), options.get("refresh_by", "deviation")
     whole_words = bool(options.get("refresh_whole_words", 0))
+    word_ends = bool(options.get("refresh_word_ends", 0))
     if by == "source":
         by = SourceAttention(
             reduce=options["refresh_reduce"],
@@ -62,7 +65,7 @@ def handoff_config(options: dict):
         native_head=options.get("native_head"),
         native_tail=options.get("native_tail", 0),
         native_layers=options.get("native_layers"),
-        refresh=None if refresh is None else RefreshConfig(refresh, by, whole_words),
+        refresh=None if refresh is None else RefreshConfig(refresh, by, whole_words, word_ends),
         quality=QualityPolicy(options.get("min_quality")),
     )
 

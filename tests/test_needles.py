@@ -239,6 +239,17 @@ def test_generate_task_answers_after_an_unrelated_context(llama, tok):
     assert "(d) native, unrelated context" in format_table(summary)
     with pytest.raises(ValueError, match="expected one per item"):
         evaluate(llama, tok, llama, tok, items[:2], "generate", [variant], others=items[2:], **run)
+    assert ev.items[0].other_index is None  # the caller's item, not one evaluated
+
+
+def test_the_unrelated_context_is_the_next_item_with_another_text(llama, tok):
+    """Several questions on one context: each one's unrelated context is another text."""
+    first, _, third = _gen_items(llama, tok)
+    shared = GenerationItem(first.context, "what is the town", first.answers, 4, "single")
+    variant = Variant(Bridge.identity(llama), HandoffConfig(refresh=None))
+    ev = evaluate(llama, tok, llama, tok, [first, shared, third], "generate", [variant], progress=False)
+    assert [r.other_index for r in ev.items] == [2, 2, 0]
+    assert all("other_native" in r.replies for r in ev.items)
 
 
 # ---------------------------------------------------------------------- whole words
@@ -402,10 +413,38 @@ def test_word_ends_refresh_the_token_that_ends_a_number(llama, tok):
     assert RefreshConfig(whole_words=False, word_ends=True).label.endswith(":no-words")
     assert RefreshConfig().word_ends  # the default: pages made without ends never answer for it
     assert HandoffConfig(refresh=RefreshConfig(word_ends=False)).kv_recipe != HandoffConfig().kv_recipe
-    with pytest.raises(ValueError, match="word_ends=1; expected True or False"):
-        RefreshConfig(word_ends=1)
-    with pytest.raises(ValueError, match="whole_words=1; expected None"):
-        RefreshConfig(whole_words=1)  # 1 == True, but not a bool
+    with pytest.raises(ValueError, match="word_ends='yes'; expected True or False"):
+        RefreshConfig(word_ends="yes")
+
+
+def test_word_ends_in_a_padded_batch_pick_what_each_row_picks_alone(llama, tok):
+    """Padding lends the first real column nothing, even when it scores highest and that column
+    is eligible (no native head)."""
+    texts = ["the magic number is 9163758 ok", "a 42 b"]
+    rows = [tok(t, return_tensors="pt")["input_ids"][0] for t in texts]
+    width, pad = len(rows[0]), len(rows[0]) - len(rows[1])
+    ids = torch.stack([rows[0], torch.cat([torch.zeros(pad, dtype=torch.long), rows[1]])])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    groups = [word_groups(t, tok, r.tolist()) for t, r in zip(texts, rows, strict=True)]
+    scores = torch.zeros(2, width)
+    scores[1, :pad] = 10.0  # padding: whatever a rule gives it
+    scores[1, pad + 2] = 1.0  # the "4" of "42"
+    bridge = _random_bridge(llama, seed=1)
+
+    def refresh(given: torch.Tensor) -> HandoffConfig:
+        return HandoffConfig(native_head=0, refresh=RefreshConfig(3, GivenScores(given)))
+
+    batch = BridgedCache(
+        bridge, capture_kv(llama, ids, attention_mask=mask), llama, ids, config=refresh(scores),
+        target_attention_mask=mask, source_attention_mask=mask, words=ContextWords.rows(groups, groups),
+    )  # fmt: skip
+    alone = BridgedCache(
+        bridge, capture_kv(llama, rows[1][None]), llama, rows[1][None], config=refresh(scores[1:, pad:]),
+        words=context_words(texts[1], tok, tok, rows[1][None], rows[1][None]),
+    )  # fmt: skip
+    assert alone.refreshed_columns[0].tolist() == [2, 3, 4]  # "42" and the space after it
+    assert (batch.refreshed_columns[1] - pad).tolist() == alone.refreshed_columns[0].tolist()
 
 
 def test_whole_words_refresh_takes_the_number_a_digit_was_chosen_in(llama, tok):
@@ -541,5 +580,6 @@ def test_long_context_variants_are_handoff_configs():
     assert long_context.variant_config("refresh=0.2,words").refresh.word_ends is False
     with pytest.raises(SystemExit, match="bad variant"):
         long_context.variant_config("refresh=0.2,spread=2")
-    with pytest.raises(SystemExit, match="bad variant"):
-        long_context.variant_config("refresh=0.2,ends")  # ends only with words
+    with pytest.raises(SystemExit, match="ends only with words"):
+        long_context.variant_config("refresh=0.2,ends")
+    assert long_context.variant_config("refresh=0.2,ends,words").refresh == ends

@@ -16,7 +16,6 @@ from bridgecache.runtime.config import DEFAULT_REFRESH, HandoffConfig, QualityPo
 __all__ = ["add_handoff_arguments", "config_problem", "handoff_config", "native_layers_arg"]
 
 _DEFAULT = HandoffConfig()
-_DEFAULT_ENDS = RefreshConfig().word_ends
 
 
 def native_layers_arg(text: str):
@@ -82,8 +81,9 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--word-ends",
         action=argparse.BooleanOptionalAction,
+        default=RefreshConfig().word_ends,
         help="with whole words, each refreshed word also brings the token after it, so a refreshed "
-        f"number ends where the context ends it (default: {'on' if _DEFAULT_ENDS else 'off'})",
+        "number ends where the context ends it (the default; no effect token by token)",
     )
     group.add_argument(
         "--min-quality",
@@ -105,8 +105,9 @@ def handoff_config(args) -> HandoffConfig:
         raise ValueError(
             f"--refresh is {amount}; expected a share of the context in (0, 1], a token count or none"
         )
-    ends = _DEFAULT_ENDS if args.word_ends is None else args.word_ends
-    refresh = None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words, ends)
+    refresh = (
+        None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words, args.word_ends)
+    )
     return HandoffConfig(
         native_head=args.native_head,
         native_tail=args.native_tail,

@@ -75,7 +75,7 @@ class ItemResult:
     """
 
     index: int
-    other_index: int
+    other_index: int | None  # the unrelated context's item; None: none, or the caller's (`others`)
     context_tokens: int
     source_tokens: int
     answer: int | tuple[str, ...] | None  # choice: the index; generate: the answers
@@ -203,7 +203,7 @@ def evaluate(
     if others is not None and (task != "generate" or len(others) != len(items)):
         raise ValueError(
             f"others: {len(others)} items for {len(items)} items of task {task!r}; expected one per item, "
-            "and only for generation tasks (the others read the next item's context)"
+            "and only for generation tasks"
         )
     log = log or (lambda message: print(message, file=sys.stderr))
     if not variants:
@@ -211,7 +211,7 @@ def evaluate(
     prompts = Prompts(source_tokenizer, target_tokenizer, chat)
     prepared, skipped = _prepare(items, prompts, variants[0].bridge, source, target, log)
     controls = controls if controls is not None else ControlScores(None)
-    # generation has no unrelated-context control; the other tasks read another item's context
+    # generation works on one item (its unrelated control is then skipped); the others need two
     needed, why = (
         (1, "")
         if task == "generate"
@@ -228,8 +228,11 @@ def evaluate(
     order = sorted(prepared)
     results = []
     for position, i in enumerate(tqdm(order, desc="eval", disable=not progress)):
-        j = order[(position + 1) % len(order)]
-        results.append(run(i, items[i], prepared[i], j, items[j] if others is None else others[i]))
+        j = _next_other(items, order, position)
+        if others is None:
+            results.append(run(i, items[i], prepared[i], j, items[j]))
+        else:  # the caller's item: no index among those evaluated
+            results.append(run(i, items[i], prepared[i], None, others[i]))
     return Evaluation(task, list(variants), results, skipped)
 
 
@@ -244,7 +247,7 @@ class _ItemRun:
     target: object
     controls: ControlScores
 
-    def __call__(self, i: int, item, own: _Prepared, j: int, other_item) -> ItemResult:
+    def __call__(self, i: int, item, own: _Prepared, j: int | None, other_item) -> ItemResult:
         prompts, target = self.prompts, self.target
         result = ItemResult(
             index=i,
@@ -255,6 +258,8 @@ class _ItemRun:
         )
         if isinstance(item, GenerationItem):
             unrelated = other_item if other_item.context != item.context else None
+            if unrelated is None:
+                result.other_index = None
             return self._generate(item, own, result, unrelated)
         source_kv, result.source_prefill_s = self.prefixes.source_kv(own.context.source_ids)
         # The unrelated context: the other item's, cut to this one's length in target tokens.
@@ -372,6 +377,17 @@ class _ItemRun:
             prompt_ids=prompt,
             words=context.words,
         )
+
+
+def _next_other(items, order: list[int], position: int) -> int:
+    """The next evaluated item after order[position] whose context is another text (several
+    questions may share one context); the next item itself when every context is the same."""
+    own = items[order[position]].context
+    for step in range(1, len(order)):
+        j = order[(position + step) % len(order)]
+        if items[j].context != own:
+            return j
+    return order[(position + 1) % len(order)]
 
 
 def _warm_up(*models) -> None:

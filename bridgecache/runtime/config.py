@@ -67,9 +67,9 @@ class RefreshConfig:
         if isinstance(amount, int) and amount < 1:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
         selector_named(self.by)  # raises for an unknown rule
-        if not isinstance(self.word_ends, bool):
+        if self.word_ends not in (True, False):
             raise ValueError(f"RefreshConfig.word_ends={self.word_ends!r}; expected True or False")
-        if self.whole_words is not None and not isinstance(self.whole_words, bool):
+        if self.whole_words not in (None, True, False):
             raise ValueError(
                 f"RefreshConfig.whole_words={self.whole_words!r}; expected None (where the words are "
                 "known), True or False"

@@ -102,8 +102,11 @@ def plan_native_work(
         chosen_by = selector.scores(request) if any(budgets) else None
         if chosen_by is not None and words is not None:  # whole words on the target's side
             chosen_by = pool_words(chosen_by.float(), words.target[:, :prefix])
-            if refresh.word_ends:
-                chosen_by = reach_word_ends(chosen_by, words.target[:, :prefix])
+            if refresh.word_ends:  # padding lends nothing: a padded row picks what it picks alone
+                real = torch.arange(prefix, device=device)[None] >= first_column[:, None]
+                chosen_by = reach_word_ends(
+                    chosen_by.masked_fill(~real, float("-inf")), words.target[:, :prefix]
+                )
         cols, valid = plan.select(chosen_by)
         pending = PendingWork(
             columns=cols,

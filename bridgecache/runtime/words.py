@@ -146,10 +146,13 @@ def pool_words(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 def reach_word_ends(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """scores [batch, tokens] pooled over words (`pool_words`), groups [batch, tokens] int64 ->
-    the same with the first token after each word raised to that word's score (`RefreshConfig`'s
-    word_ends): a refreshed number then ends where the context ends it. Without it the token after
-    "8561971" is a translated row, and a model copying the number reads on past its end
-    ("85619711"). The stable sort of the selection takes the word before its end (earlier column)."""
+    the same with the first token after each group raised to that group's score when higher
+    (`RefreshConfig`'s word_ends): a refreshed number then ends where the context ends it. A group
+    is a word or number, or one token outside words (punctuation, spaces, specials), which then
+    brings its next token too. A column scored -inf (padding) lends nothing.
+    Without it the token after "8561971" is a translated row, and a model copying the number reads
+    on past its end ("85619711"). The stable sort of the selection takes the word before its end
+    (earlier column)."""
     groups = groups.to(scores.device)
     if groups.shape != scores.shape:
         shapes = f"{tuple(groups.shape)} for scores of shape {tuple(scores.shape)}"
