@@ -522,7 +522,14 @@ def _plot(cells: dict, path: Path) -> None:
         series: dict = {}
         for task, length in zip(tasks, lengths):
             cell = cells[(pair, task)]
-            for cond, label in (("native", "native prefill"), ("no_context", "no context")):
+            controls = (
+                ("native", "native prefill"),
+                ("no_context", "no context"),
+                ("unrelated", "unrelated context"),
+            )
+            for cond, label in controls:
+                if cond not in cell["controls"]:  # the unrelated control: records since b3e5f2d
+                    continue
                 c = cell["controls"][cond]
                 series.setdefault(label, []).append((length, c["acc"], c["acc_ci"], c["n"]))
             for spec, s in cell["rows"].items():
@@ -530,6 +537,7 @@ def _plot(cells: dict, path: Path) -> None:
         styles = {
             "native prefill": dict(color="k", linestyle="--"),
             "no context": dict(color="grey", linestyle=":"),
+            "unrelated context": dict(color="silver", linestyle="-."),
         }
         names = sorted(series, key=lambda n: (n not in styles, _order(n)))
         for slot, name in enumerate(names):
