@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target": args.target,
         "bridge": bridge_name,
         "task": args.task,
-        "items": len(items),  # the task's items depend on how many are made
+        "item_count": len(items),  # the task's items depend on how many are made
         "turns": sorted(args.turns),
         "max_new_tokens": args.max_new_tokens,
         # what each config does, spelled out: a label says "default" whatever the default is

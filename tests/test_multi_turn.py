@@ -143,7 +143,8 @@ def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
     args += ["--task", "facts-choice-256", "--limit", "2", "--turns", "0", "1", "2", "--max-new-tokens", "3"]
     records = tmp_path / "drift.jsonl"
     got = drift.main([*args, "--json", str(tmp_path / "drift.json"), "--records", str(records)])
-    assert got["n"] == 2 and set(got["accuracy"]) == {"native", "bridged", "no-context", "unrelated"}
+    assert got["n"] == got["item_count"] == len(got["items"]) == 2
+    assert set(got["accuracy"]) == {"native", "bridged", "no-context", "unrelated"}
     for by_k in got["accuracy"].values():
         assert set(by_k) == {"0", "1", "2"} and all(x in (0.0, 0.5, 1.0) for x in by_k.values())
     assert "further turns" in capsys.readouterr().out and (tmp_path / "drift.json").exists()
