@@ -26,7 +26,9 @@ item serves every k: scoring leaves the chat unchanged), with Wilson 95% interva
 bridged condition, a paired bootstrap interval of its difference from native. Prints a table;
 --json writes the numbers, the per-item answers and the command. --records FILE.jsonl keeps one
 line per finished item (with the run's settings): a killed run started again with the same
-settings resumes after the items it finished. On CPU, pass --threads 1 on a shared machine.
+settings resumes after the items it finished. --explain ITEM... instead says, per item, the choice
+each conversation picks at turn 0 and how many tokens of each choice's text in the chat the refresh
+recomputed. On CPU, pass --threads 1 on a shared machine.
 """
 
 from __future__ import annotations
@@ -124,6 +126,52 @@ def _answers(chat, item, turns, max_new_tokens) -> dict:
     return out
 
 
+def explain(source, target, bridge, item, *, source_tokenizer, target_tokenizer, config=None) -> dict:
+    """Why a bridged chat answers `item` as it does at turn 0: the choice each conversation picks
+    and, for every choice, how many of its tokens the refresh recomputed at each place the shared
+    chat holds it ("refreshed/tokens" per occurrence; the target's rendering, byte spans from
+    tokenalign), and those tokens with three before and one after, each marked R (refreshed) or
+    t (translated). Returns {"bridged", "native", "answer": choice indices, "refreshed", "tokens":
+    counts over the chat, "choices": [{"text", "occurrences", "around"}]}."""
+    from bridgecache import HandoffConfig
+    from bridgecache.runtime.conversation import Conversation
+    from tokenalign import render_chat, token_spans
+
+    chat = Conversation.handoff(
+        bridge, source, target, _shared(item), source_tokenizer=source_tokenizer,
+        target_tokenizer=target_tokenizer, config=config or HandoffConfig(),
+    )  # fmt: skip
+    native = Conversation.native(target, target_tokenizer, _shared(item))
+    picks = {}
+    for kind, conversation in (("bridged", chat), ("native", native)):
+        scores = conversation.score(item.question, item.choices)  # builds the bridged cache first
+        picks[kind] = max(range(len(scores)), key=scores.__getitem__)
+    refreshed = set(chat.cache.refreshed_columns[0].tolist())
+    text = render_chat(_shared(item), target_tokenizer).text
+    _, spans = token_spans(text, target_tokenizer, chat.ids[0].tolist())
+    data = text.encode("utf-8")
+    choices = []
+    for choice in item.choices:
+        needle, found, around, at = choice.encode("utf-8"), [], [], data.find(choice.encode("utf-8"))
+        while at >= 0:  # the tokens that overlap this occurrence's bytes
+            tokens = [t for t in range(len(spans)) if spans.start[t] < at + len(needle) and spans.end[t] > at]
+            found.append(f"{sum(t in refreshed for t in tokens)}/{len(tokens)}")
+            near = range(max(tokens[0] - 3, 0), min(tokens[-1] + 2, len(spans)))  # 3 before, 1 after
+            marked = [f"{data[spans.start[t] : spans.end[t]].decode(errors='replace')!r}" for t in near]
+            around.append(
+                " ".join(m + ("R" if t in refreshed else "t") for m, t in zip(marked, near, strict=True))
+            )
+            at = data.find(needle, at + 1)
+        choices.append({"text": choice, "occurrences": found, "around": around})
+    return {
+        **picks,
+        "answer": item.answer,
+        "refreshed": len(refreshed),
+        "tokens": len(spans),
+        "choices": choices,
+    }
+
+
 def _intervals(records: list[dict], turns) -> dict:
     """Wilson 95% interval per condition and k ("kind@k"); paired bootstrap 95% interval of each
     bridged condition's accuracy minus native's ("kind-native@k")."""
@@ -174,6 +222,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--records", help="JSONL of finished items: resume a killed run from it")
+    parser.add_argument(
+        "--explain",
+        type=int,
+        nargs="+",
+        metavar="ITEM",
+        help="instead of the run: for these item indices, the choice each conversation picks at turn 0 "
+        "and how much of each choice's text in the chat the default refresh recomputed",
+    )
     args = parser.parse_args(argv)
     if not args.task.startswith("facts-choice"):
         parser.error("--task must be a built-in facts-choice-N task")
@@ -192,6 +248,20 @@ def main(argv: list[str] | None = None) -> dict:
     bridge_name = args.bridge or f"builtin:{args.source}->{args.target}"
     bridge = Bridge.from_pretrained(bridge_name)
     items = builtin_items(args.task, target_tok, limit=args.limit)
+    if args.explain:
+        if not all(0 <= i < len(items) for i in args.explain):
+            parser.error(f"--explain takes item indices in 0..{len(items) - 1} (--limit {args.limit})")
+        tokenizers = dict(source_tokenizer=source_tok, target_tokenizer=target_tok)
+        found = {i: explain(source, target, bridge, items[i], **tokenizers) for i in args.explain}
+        for i, why in found.items():
+            picks = f"answer {why['answer']}, bridged picks {why['bridged']}, native picks {why['native']}"
+            print(f"item {i}: {picks}; {why['refreshed']} of {why['tokens']} chat tokens refreshed")
+            for c, choice in enumerate(why["choices"]):
+                where = ", ".join(choice["occurrences"]) or "not in the chat"
+                print(f"  choice {c} {choice['text']!r}: refreshed/tokens where the chat holds it: {where}")
+                for tokens in choice["around"]:  # R: refreshed, t: translated
+                    print(f"    {tokens}")
+        return {"explain": found}
     configs = {"bridged": HandoffConfig()}
     if args.refresh:
         amount = int(args.refresh) if args.refresh >= 1 else args.refresh

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,37 @@ def test_drift_with_a_refreshed_conversation_records_each_condition_per_item():
     got = drift.drift(model, model, _random_bridge(model, seed=1), items[:1], [0], source_tokenizer=tok,
                       target_tokenizer=tok, max_new_tokens=2, configs=configs, records=records)  # fmt: skip
     assert set(got) == {"bridged", "refreshed", "native"} and set(records[0]["refreshed"]) == {0}
+
+
+def test_drift_explain_counts_the_refreshed_tokens_of_each_choice(saved):
+    """--explain's counts: every token of every choice in the chat refreshed under a full refresh,
+    none under translation only; the answer is in the shared context, so it is always found."""
+    from bridgecache import HandoffConfig, RefreshConfig
+    from bridgecache.evaluation.builtin import builtin_items
+
+    drift = script("benchmarks/multi_turn_drift.py")
+    (source, source_tok), (target, target_tok) = (load_model(str(saved / r)) for r in ("source", "target"))
+    bridge = Bridge.from_pretrained(str(saved / "bridge"))
+    item = builtin_items("facts-choice-256", target_tok, limit=2)[1]
+    tokenizers = dict(source_tokenizer=source_tok, target_tokenizer=target_tok)
+
+    def counts(config):
+        why = drift.explain(source, target, bridge, item, **tokenizers, config=config)
+        assert why["answer"] == item.answer
+        assert {why["bridged"], why["native"]} <= set(range(len(item.choices)))
+        assert [c["text"] for c in why["choices"]] == list(item.choices)
+        assert why["choices"][item.answer]["occurrences"], "the answer is in the shared context"
+        pairs = [tuple(map(int, o.split("/"))) for c in why["choices"] for o in c["occurrences"]]
+        for c in why["choices"]:  # each occurrence's tokens and their neighbours, marked R or t
+            assert len(c["around"]) == len(c["occurrences"])
+            for marked, occurrence in zip(c["around"], c["occurrences"], strict=True):
+                marks = re.findall(r"['\"]([Rt])(?= |$)", marked)
+                assert len(marks) >= int(occurrence.split("/")[1])
+                assert marks.count("R") >= int(occurrence.split("/")[0])
+        return why, pairs
+
+    full, pairs = counts(HandoffConfig(refresh=RefreshConfig(1.0)))
+    assert all(k == n > 0 for k, n in pairs) and 0 < full["refreshed"] < full["tokens"]
+    none, pairs = counts(HandoffConfig(refresh=None))
+    assert all(k == 0 < n for k, n in pairs) and none["refreshed"] == 0
+    assert none["native"] == full["native"]  # the target's own conversation does not depend on it
