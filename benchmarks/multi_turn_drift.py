@@ -121,9 +121,14 @@ def _answers(chat, item, turns, max_new_tokens) -> dict:
         for filler in FILLERS[done:k]:
             chat.ask(filler, max_new_tokens=max_new_tokens, do_sample=False)
         done = k
-        scores = chat.score(item.question, item.choices)
-        out[k] = max(range(len(scores)), key=scores.__getitem__) == item.answer
+        out[k] = _pick(chat, item) == item.answer
     return out
+
+
+def _pick(chat, item) -> int:
+    """The index of the choice `chat` likes best as its reply to the item's question."""
+    scores = chat.score(item.question, item.choices)
+    return max(range(len(scores)), key=scores.__getitem__)
 
 
 def explain(source, target, bridge, item, *, source_tokenizer, target_tokenizer, config=None) -> dict:
@@ -142,17 +147,15 @@ def explain(source, target, bridge, item, *, source_tokenizer, target_tokenizer,
         target_tokenizer=target_tokenizer, config=config or HandoffConfig(),
     )  # fmt: skip
     native = Conversation.native(target, target_tokenizer, _shared(item))
-    picks = {}
-    for kind, conversation in (("bridged", chat), ("native", native)):
-        scores = conversation.score(item.question, item.choices)  # builds the bridged cache first
-        picks[kind] = max(range(len(scores)), key=scores.__getitem__)
+    picks = {"bridged": _pick(chat, item), "native": _pick(native, item)}  # the first builds the cache
     refreshed = set(chat.cache.refreshed_columns[0].tolist())
     text = render_chat(_shared(item), target_tokenizer).text
     _, spans = token_spans(text, target_tokenizer, chat.ids[0].tolist())
     data = text.encode("utf-8")
     choices = []
     for choice in item.choices:
-        needle, found, around, at = choice.encode("utf-8"), [], [], data.find(choice.encode("utf-8"))
+        needle, found, around = choice.encode("utf-8"), [], []
+        at = data.find(needle)
         while at >= 0:  # the tokens that overlap this occurrence's bytes
             tokens = [t for t in range(len(spans)) if spans.start[t] < at + len(needle) and spans.end[t] > at]
             found.append(f"{sum(t in refreshed for t in tokens)}/{len(tokens)}")
