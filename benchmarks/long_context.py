@@ -99,6 +99,15 @@ def variant_config(spec: str):
     return HandoffConfig(refresh=RefreshConfig(amount, "source", **options))
 
 
+def row_name(record: dict) -> str:
+    """The report row of a run record: its spec, or "SPEC [earlier ends]" for word ends made
+    before an end brought the word it enters whole (their label's tag "+ends"; now
+    "+whole-ends"). `run` makes such items again; their old records stay beside them, apart."""
+    if record.get("variant", "").endswith("+ends"):
+        return f"{record['spec']} [earlier ends]"
+    return record["spec"]
+
+
 def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -163,7 +172,7 @@ def run(args) -> None:
     others = builtin_items(args.task, target_tok, limit=min(stop + 1, MAX_ITEMS))
     out = _raw(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["index"], r["spec"]) for r in _read(out)}
+    done = {(r["index"], r["spec"]) for r in _read(out) if row_name(r) == r["spec"]}
     prompts = Prompts(source_tok, target_tok)
     commit, command = _commit(), " ".join(["python", *sys.argv])
     for i in range(first, stop):
@@ -324,7 +333,7 @@ def summaries(records: list[dict]) -> dict:
     for r in records:
         if "skipped" in r:
             continue
-        by_cell.setdefault((r["pair"], r["task"]), {}).setdefault(r["spec"], {})[r["index"]] = r
+        by_cell.setdefault((r["pair"], r["task"]), {}).setdefault(row_name(r), {})[r["index"]] = r
     for cell, specs in by_cell.items():
         rows = {}
         for spec, items in specs.items():
@@ -414,8 +423,10 @@ def _kinds(kinds: dict) -> str:
     return ", ".join(f"{kind} {right}/{n}" for kind, (right, n) in kinds.items())
 
 
-def _order(spec: str) -> int:
-    return SPEC_ORDER.index(spec) if spec in SPEC_ORDER else len(SPEC_ORDER)
+def _order(name: str) -> int:
+    """A row's place: SPEC_ORDER's; a spec's rows made by the earlier ends (`row_name`) after it."""
+    spec = name.split(" [")[0]
+    return 2 * (SPEC_ORDER.index(spec) if spec in SPEC_ORDER else len(SPEC_ORDER)) + (spec != name)
 
 
 def report(args) -> None:

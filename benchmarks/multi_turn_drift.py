@@ -71,6 +71,7 @@ def drift(
     controls=False,
     others=None,
     on_record=None,
+    known=None,
 ):
     """{condition: {k: correct count}} over `items` after k further turns, for each k in turns.
 
@@ -78,7 +79,9 @@ def drift(
     "native" condition is always measured, and with `controls` the "no-context" and "unrelated"
     ones (item i's unrelated context is others[i].context; default: the next item's). records (a
     list) receives one dict per item: condition -> k -> right; on_record(i, record) is called as
-    each item finishes."""
+    each item finishes. known: per item, {condition: {k: right}} already measured (native and
+    the controls of an earlier run, which no config changes): those conversations are not run
+    again and their answers enter the record as given."""
     from tqdm.auto import tqdm
 
     from bridgecache import HandoffConfig
@@ -88,17 +91,23 @@ def drift(
     kinds = [*configs, "native", *(CONTROLS if controls else ())]
     correct = {kind: dict.fromkeys(turns, 0) for kind in kinds}
     others = others if others is not None else [items[(i + 1) % len(items)] for i in range(len(items))]
+    known = known if known is not None else [{}] * len(items)
     tokenizers = dict(source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
-    for i, (item, other) in enumerate(zip(tqdm(items, desc="drift items", unit="item"), others, strict=True)):
-        chats = {
-            kind: Conversation.handoff(bridge, source, target, _shared(item), **tokenizers, config=config)
-            for kind, config in configs.items()
+    items_shown = tqdm(items, desc="drift items", unit="item")
+
+    def answers(kind, item, other) -> dict:
+        if kind in configs:
+            shared = _shared(item)
+            chat = Conversation.handoff(bridge, source, target, shared, **tokenizers, config=configs[kind])
+        else:
+            shared = {"native": _shared(item), "no-context": GREETING, "unrelated": _shared(other)}[kind]
+            chat = Conversation.native(target, target_tokenizer, shared)
+        return _answers(chat, item, turns, max_new_tokens)
+
+    for i, (item, other, given) in enumerate(zip(items_shown, others, known, strict=True)):
+        record = {  # a conversation whose answers are known never runs
+            kind: given[kind] if kind in given else answers(kind, item, other) for kind in kinds
         }
-        chats["native"] = Conversation.native(target, target_tokenizer, _shared(item))
-        if controls:
-            chats["no-context"] = Conversation.native(target, target_tokenizer, GREETING)
-            chats["unrelated"] = Conversation.native(target, target_tokenizer, _shared(other))
-        record = {kind: _answers(chat, item, turns, max_new_tokens) for kind, chat in chats.items()}
         for kind, by_k in record.items():
             for k, right in by_k.items():
                 correct[kind][k] += int(right)
@@ -226,6 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--records", help="JSONL of finished items: resume a killed run from it")
     parser.add_argument(
+        "--reuse",
+        metavar="RECORDS.jsonl",
+        help="take native's and the controls' answers from the records of an earlier run that differs "
+        "only in its bridged configs (a new default): only the bridged conversations run again",
+    )
+    parser.add_argument(
         "--explain",
         type=int,
         nargs="+",
@@ -282,6 +297,12 @@ def main(argv: list[str] | None = None) -> dict:
         "controls": args.controls,
     }
     finished = _finished(args.records, settings) if args.records else {}
+    reused = {}
+    if args.reuse:  # what no config changes: native and the controls
+        earlier = _finished(args.reuse, settings, ignore=("configs",))
+        unchanged = ("native", *(CONTROLS if args.controls else ()))
+        reused = {i: {kind: r[kind] for kind in unchanged} for i, r in earlier.items()}
+        print(f"reusing native and the controls of {len(reused)} items from {args.reuse}")
     todo = [i for i in range(len(items)) if i not in finished]
     if finished:
         print(f"resuming: {len(finished)} items finished in {args.records}, {len(todo)} to go")
@@ -307,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         controls=args.controls,
         others=[items[(i + 1) % len(items)] for i in todo],
         on_record=keep,
+        known=[reused.get(i, {}) for i in todo],
     )
     records = [finished[i] for i in range(len(items))]
     kinds = list(records[0])
@@ -347,9 +369,10 @@ def _jsonable(record: dict) -> dict:
     return {kind: {str(k): bool(v) for k, v in by_k.items()} for kind, by_k in record.items()}
 
 
-def _finished(path: str, settings: dict) -> dict:
-    """{item index: record (condition -> k -> right)} of the lines in `path` made with `settings`;
-    lines of other settings are ignored (said once), so one file may hold several runs."""
+def _finished(path: str, settings: dict, ignore: tuple = ()) -> dict:
+    """{item index: record (condition -> k -> right)} of the lines in `path` made with `settings`
+    (the keys in `ignore` aside); lines of other settings are ignored (said once), so one file may
+    hold several runs."""
     import os
 
     if not os.path.exists(path):
@@ -358,7 +381,7 @@ def _finished(path: str, settings: dict) -> dict:
     with open(path) as f:
         for line in f:
             entry = json.loads(line)
-            if entry["settings"] != settings:
+            if {**entry["settings"], **dict.fromkeys(ignore)} != {**settings, **dict.fromkeys(ignore)}:
                 other += 1
                 continue
             out[entry["index"]] = {

@@ -213,8 +213,8 @@ def test_the_default_takes_whole_words_wherever_the_text_is_known(models, tmp_pa
     assert written.cache_salt == bridge_salt(bridge, config=tokens) != bridge_salt(bridge, config=auto)
 
     assert [c.refresh.label for c in (auto, words, tokens)] == [
-        "3:deviation+ends",
-        "3:deviation:words+ends",
+        "3:deviation+whole-ends",
+        "3:deviation:words+whole-ends",
         "3:deviation:no-words",
     ]
     assert HandoffConfig().label == "default" and tokens.replace(

@@ -131,17 +131,15 @@ def test_multi_turn_example_runs(saved, capsys):
     assert f"bridged: {got['turns'][2]['answer']!r}" in printed and "cached tokens reused" in printed
 
 
+def _drift_args(saved, *more: str) -> list[str]:
+    """multi_turn_drift's arguments for the saved tiny pair, two items of facts-choice-256."""
+    models = ["--source", str(saved / "source"), "--target", str(saved / "target")]
+    return [*models, "--bridge", str(saved / "bridge"), "--task", "facts-choice-256", "--limit", "2", *more]
+
+
 def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
     drift = script("benchmarks/multi_turn_drift.py")
-    args = [
-        "--source",
-        str(saved / "source"),
-        "--target",
-        str(saved / "target"),
-        "--bridge",
-        str(saved / "bridge"),
-    ]
-    args += ["--task", "facts-choice-256", "--limit", "2", "--turns", "0", "1", "2", "--max-new-tokens", "3"]
+    args = _drift_args(saved, "--turns", "0", "1", "2", "--max-new-tokens", "3")
     records = tmp_path / "drift.jsonl"
     got = drift.main([*args, "--json", str(tmp_path / "drift.json"), "--records", str(records)])
     assert got["n"] == got["item_count"] == len(got["items"]) == 2
@@ -163,6 +161,28 @@ def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
     assert "2 lines of other settings ignored" in capsys.readouterr().out
     assert set(fewer["accuracy"]) == {"native", "bridged"} and not fewer["controls"]
     assert fewer["items"] == [{k: r[k] for k in ("bridged", "native")} for r in got["items"]]
+
+
+def test_drift_reuse_runs_only_the_bridged_conversations(saved, tmp_path, capsys, monkeypatch):
+    """--reuse takes native's and the controls' answers from an earlier run whose bridged configs
+    differ (a new default): none of those conversations runs again, the bridged ones do."""
+    from bridgecache.runtime.conversation import Conversation
+
+    drift = script("benchmarks/multi_turn_drift.py")
+    args = _drift_args(saved, "--turns", "0", "1", "--max-new-tokens", "2")
+    earlier = tmp_path / "earlier.jsonl"
+    got = drift.main([*args, "--records", str(earlier)])
+
+    def never(*args, **kwargs):
+        raise AssertionError("a native conversation ran again")
+
+    monkeypatch.setattr(Conversation, "native", never)
+    later = tmp_path / "later.jsonl"
+    again = drift.main([*args, "--refresh", "0.5", "--records", str(later), "--reuse", str(earlier)])
+    assert "reusing native and the controls of 2 items" in capsys.readouterr().out
+    kept = ("bridged", "native", "no-context", "unrelated")
+    assert [{k: r[k] for k in kept} for r in again["items"]] == got["items"]
+    assert all(set(r) == {*kept, "refreshed"} for r in again["items"])
 
 
 def test_drift_with_an_identity_bridge_matches_the_native_conversation():

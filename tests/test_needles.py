@@ -384,6 +384,11 @@ def test_reach_word_ends_scores_the_token_after_each_word_as_the_word():
     # 0.7 (the word after a lower one keeps its own score; one token inside a word is no end).
     expected = torch.tensor([[0.1, 0.9, 0.9, 0.9, 0.3], [0.5, 0.5, 0.7, 0.7, 0.8]])
     assert torch.equal(reach_word_ends(scores, groups), expected)
+    # A token outside words (group 0, a space) ends in a word of three tokens: all three take its
+    # score, and the chain stops there (the token after that word keeps the word's own 0.2).
+    spaced = torch.tensor([[0.9, 0.2, 0.2, 0.2, 0.0]])
+    entered = reach_word_ends(spaced, torch.tensor([[0, 1, 1, 1, 2]]))
+    assert torch.equal(entered, torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.2]]))
     with pytest.raises(ValueError, match="one group per scored token"):
         reach_word_ends(scores, groups[:, :3])
 
@@ -409,12 +414,28 @@ def test_word_ends_refresh_the_token_that_ends_a_number(llama, tok):
     assert refreshed(word_ends=True) == [*number, start + 7]  # the space that ends it
     assert start + 7 not in refreshed(word_ends=False) and set(number) <= set(refreshed(word_ends=False))
     assert refreshed(word_ends=True, whole_words=False) == refreshed(whole_words=False)
-    assert RefreshConfig(word_ends=True).label == f"{RefreshConfig().amount}:source+ends"
+    assert RefreshConfig(word_ends=True).label == f"{RefreshConfig().amount}:source+whole-ends"
     assert RefreshConfig(whole_words=False, word_ends=True).label.endswith(":no-words")
     assert RefreshConfig().word_ends  # the default: pages made without ends never answer for it
     assert HandoffConfig(refresh=RefreshConfig(word_ends=False)).kv_recipe != HandoffConfig().kv_recipe
     with pytest.raises(ValueError, match="word_ends='yes'; expected True or False"):
         RefreshConfig(word_ends="yes")
+
+
+def test_an_end_that_enters_a_number_brings_the_whole_number(llama, tok):
+    """A chosen space before a number (a token outside words) brings the number whole through its
+    end, never its first digit alone with the rest translated (a year split so lost the drift's
+    items 25 and 43 to a distractor year refreshed whole)."""
+    text = "in the year 1987 it rained"
+    ids = tok(text, return_tensors="pt")["input_ids"]  # one token per byte
+    bridge, kv = _random_bridge(llama, seed=2), capture_kv(llama, ids)
+    space = text.index("1987") - 1
+    scores = torch.zeros(1, ids.shape[1])
+    scores[0, space] = 1.0
+    refresh = RefreshConfig(5, by=GivenScores(scores))
+    words = context_words(text, tok, tok, ids, ids)
+    cache = BridgedCache(bridge, kv, llama, ids, config=HandoffConfig(refresh=refresh), words=words)
+    assert cache.refreshed_columns[0].tolist() == list(range(space, space + 5))  # " 1987"
 
 
 def test_word_ends_in_a_padded_batch_pick_what_each_row_picks_alone(llama, tok):
@@ -583,3 +604,8 @@ def test_long_context_variants_are_handoff_configs():
     with pytest.raises(SystemExit, match="ends only with words"):
         long_context.variant_config("refresh=0.2,ends")
     assert long_context.variant_config("refresh=0.2,ends,words").refresh == ends
+    # Records of word ends before an end brought the word it enters whole stay apart in the report.
+    made = {"spec": "refresh=0.2,words,ends", "variant": "fullhead " + HandoffConfig(refresh=ends).label}
+    assert long_context.row_name(made) == "refresh=0.2,words,ends"
+    earlier = {**made, "variant": "fullhead refresh=0.2:source:words+ends"}
+    assert long_context.row_name(earlier) == "refresh=0.2,words,ends [earlier ends]"

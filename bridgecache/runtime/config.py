@@ -42,10 +42,10 @@ class RefreshConfig:
         a `BridgedCache` built from ids without `words=` refreshes token by token. True: whole
         words, and a cache without words raises. False: token by token everywhere.
     word_ends: with whole words, each chosen word also brings the token after it (the target's
-        side, within the same budget), so a refreshed number ends where the context ends it
-        (bridgecache.runtime.words). On by default: on RULER's needles at 4K tokens across
-        tokenizers it took a 20% refresh from 66.7% to 90.0% (native 93.3%; the long-context
-        report). No effect token by token.
+        side, within the same budget), so a refreshed number ends where the context ends it,
+        and the word that token opens comes whole (bridgecache.runtime.words). On by default: on
+        RULER's needles at 4K tokens across tokenizers it took a 20% refresh from 66.7% to 90.0%
+        (native 93.3%; the long-context report). No effect token by token.
     """
 
     amount: float | int = DEFAULT_REFRESH
@@ -81,12 +81,14 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        """amount:rule[:words|:no-words][+ends], the rule by its name or, for an instance, its
-        repr (two rules with other parameters never share a label); whole_words=None (the
-        default) adds nothing; +ends: word_ends, unless token by token."""
+        """amount:rule[:words|:no-words][+whole-ends], the rule by its name or, for an instance,
+        its repr (two rules with other parameters never share a label); whole_words=None (the
+        default) adds nothing; +whole-ends: word_ends, unless token by token (the tag "+ends"
+        named the earlier rule, whose ends could split the word they entered: pages made by it
+        never answer for this one)."""
         by = self.by if isinstance(self.by, str) else repr(self.by)
         words = {None: "", True: ":words", False: ":no-words"}[self.whole_words]
-        ends = "+ends" if self.word_ends and self.whole_words is not False else ""
+        ends = "+whole-ends" if self.word_ends and self.whole_words is not False else ""
         return f"{self.amount}:{by}{words}{ends}"
 
 

@@ -9,7 +9,8 @@ source's words before the scores cross to the target's columns (`SourceAttention
 target's words (the plan); the stable sort of the selection then takes each word whole (equal
 scores: the earliest column first), except at most the last one the budget reaches. With word
 ends (`RefreshConfig.word_ends`, the default) the token after each word then takes the word's
-score too, so a refreshed number ends where the context ends it.
+score too, so a refreshed number ends where the context ends it; a word that token opens comes
+whole, so an end never splits a word either.
 
     word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
     word_groups(text, spans=spans)            the same from byte spans already made (no tokenizer call)
@@ -18,7 +19,8 @@ score too, so a refreshed number ends where the context ends it.
     ContextWords.stack(rows)                  one batch from each row's own ContextWords
     context_words(text, s_tok, t_tok, s, t)   ContextWords of one plain-text context (batch 1)
     pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
-    reach_word_ends(scores, groups)           [batch, tokens] the token after each word scored as it
+    reach_word_ends(scores, groups)           [batch, tokens] the token after each word (and the word
+                                              it opens) scored as the word
 
 A word is a maximal run of letters, digits and underscores (any non-ASCII byte counts as a
 letter); two neighbouring tokens share a word when they touch and the characters on both sides of
@@ -146,17 +148,21 @@ def pool_words(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 def reach_word_ends(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """scores [batch, tokens] pooled over words (`pool_words`), groups [batch, tokens] int64 ->
-    the same with the first token after each group raised to that group's score when higher
-    (`RefreshConfig`'s word_ends): a refreshed number then ends where the context ends it. A group
-    is a word or number, or one token outside words (punctuation, spaces, specials), which then
-    brings its next token too. A column scored -inf (padding) lends nothing.
-    Without it the token after "8561971" is a translated row, and a model copying the number reads
-    on past its end ("85619711"). The stable sort of the selection takes the word before its end
-    (earlier column)."""
+    the same with each group's score lent to the token after it when higher (`RefreshConfig`'s
+    word_ends), and a word so entered scored whole: a refreshed number then ends where the
+    context ends it, and an end never splits the word it enters. A group is a word or number, or
+    one token outside words (punctuation, spaces, specials), which then brings its next token
+    too: " the year " chosen brings all of "1987", never "1" alone (the target would read "987"
+    from translated rows, and prefers a year refreshed whole). The chain stops at the entered
+    word: its own end is not added. A column scored -inf (padding, each padding token its own
+    group) lends nothing.
+    Without ends the token after "8561971" is a translated row, and a model copying the number
+    reads on past its end ("85619711"). The stable sort of the selection takes a word before its
+    end (earlier column)."""
     groups = groups.to(scores.device)
     if groups.shape != scores.shape:
         shapes = f"{tuple(groups.shape)} for scores of shape {tuple(scores.shape)}"
         raise ValueError(f"word groups of shape {shapes}; expected one group per scored token")
     starts = groups[:, 1:] != groups[:, :-1]  # token t + 1 opens a new group
-    after = torch.where(starts, torch.maximum(scores[:, 1:], scores[:, :-1]), scores[:, 1:])
-    return torch.cat([scores[:, :1], after], dim=1)
+    lent = torch.where(starts, torch.maximum(scores[:, 1:], scores[:, :-1]), scores[:, 1:])
+    return pool_words(torch.cat([scores[:, :1], lent], dim=1), groups)
