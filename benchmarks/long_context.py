@@ -519,6 +519,15 @@ def _print_misses(records: list[dict]) -> None:
         print(f"| {where} | {' '.join(r['answers'])} | {reply} | {' '.join(share)} |")
 
 
+def _variant_style(name: str) -> dict:
+    """One colour per spec in every panel; a spec's rows made by the earlier ends in its colour,
+    dotted, with hollow markers."""
+    colour = f"C{_order(name) // 2}"
+    if name.split(" [")[0] == name:
+        return dict(color=colour)
+    return dict(color=colour, linestyle=":", markerfacecolor="none", alpha=0.7)
+
+
 def _plot(cells: dict, path: Path) -> None:
     import matplotlib
 
@@ -559,7 +568,7 @@ def _plot(cells: dict, path: Path) -> None:
             xs = [p[0] * dodge for p in points]
             ys = [100 * p[1] for p in points]
             err = [[100 * (p[1] - p[2][0]) for p in points], [100 * (p[2][1] - p[1]) for p in points]]
-            style = styles.get(name, dict(color=f"C{_order(name)}"))  # one colour per variant in every panel
+            style = styles.get(name) or _variant_style(name)
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(set(lengths)) or [4096])
