@@ -4,7 +4,8 @@
     python benchmarks/long_context.py run --pair qwen1.5b-to-0.5b --task needle-4096 --items 0:30 \\
         --variants plain refresh=0.1 refresh=0.2 refresh=0.3 refresh=0.2,words
     python benchmarks/long_context.py recall --pair smollm2-to-qwen0.5b --task needle-4096 --items 60:84
-    python benchmarks/long_context.py report [--misses] [--plot FILE.png]
+    python benchmarks/long_context.py report [--misses] [--cells benchmarks/reports/needle-cells.json] \\
+        [--plot FILE.png]
 
 `run` evaluates item by item (`bridgecache.evaluation.evaluate` on one item with every variant it
 still lacks) and appends one JSON line per (item, variant) to
@@ -24,7 +25,10 @@ the share of the answers' target tokens picked is reported (with the share of an
 whole).
 
 `report` prints the tables (accuracy with Wilson 95% intervals, retention with a paired
-bootstrap, cost per row) and draws accuracy against context length per strategy.
+bootstrap, cost per row) and draws accuracy against context length per strategy. The records
+stay on the machine that made them; `--cells` keeps each cell's counts (right / n per row and
+control) in a file of the repository, merged with the cells of the records at hand, and the
+plot draws from it, so cells measured on other machines stay drawn.
 
 Variants (`variant_config` maps each onto its `HandoffConfig`):
     plain            translation only (refresh=None)
@@ -419,6 +423,58 @@ def summaries(records: list[dict]) -> dict:
     return out
 
 
+def cell_counts(cells: dict) -> list[dict]:
+    """What a plot needs of `summaries()`' cells, as counts (right, n) per row and control, with
+    each row's dates and commits: the form `report --cells` keeps in the repository, since the
+    records live on the machine that ran them."""
+    entries = []
+    for (pair, task), cell in sorted(cells.items()):
+        controls = {
+            cond: {"k": round(c["acc"] * c["n"]), "n": c["n"]}
+            for cond, c in cell["controls"].items()
+            if isinstance(c, dict) and "acc" in c
+        }
+        rows = {
+            spec: {"k": round(s["acc"] * s["n"]), "n": s["n"], "dates": s["dates"], "commits": s["commits"]}
+            for spec, s in cell["rows"].items()
+        }
+        cell_of = {"pair": pair, "task": task, "threads": cell["threads"]}
+        entries.append(cell_of | {"controls": controls, "rows": rows})
+    return entries
+
+
+def cells_from_counts(entries: list[dict]) -> dict:
+    """The cells `_plot` draws, from `cell_counts` entries (Wilson intervals from the counts)."""
+
+    def acc(count: dict) -> dict:
+        k, n = count["k"], count["n"]
+        return {"acc": k / n, "acc_ci": _wilson(k, n), "n": n}
+
+    return {
+        (e["pair"], e["task"]): {
+            "controls": {cond: acc(c) for cond, c in e["controls"].items()},
+            "rows": {spec: acc(s) for spec, s in e["rows"].items()},
+            "threads": e["threads"],
+        }
+        for e in entries
+    }
+
+
+def merge_counts(kept: list[dict], measured: list[dict]) -> list[dict]:
+    """`kept` updated by `measured`: a measured row replaces the kept row of its name, a control
+    is the one counted over more items (ties: the measured one); cells and rows that were not
+    measured again stay as kept."""
+    merged = {(e["pair"], e["task"]): json.loads(json.dumps(e)) for e in kept}
+    for e in measured:
+        cell = merged.setdefault((e["pair"], e["task"]), {**e, "rows": {}, "controls": {}})
+        cell["rows"] |= e["rows"]
+        for cond, c in e["controls"].items():
+            if c["n"] >= cell["controls"].get(cond, {"n": -1})["n"]:
+                cell["controls"][cond] = c
+        cell["threads"] = sorted(set(cell["threads"]) | set(e["threads"]))
+    return [merged[key] for key in sorted(merged)]
+
+
 def _kinds(kinds: dict) -> str:
     return ", ".join(f"{kind} {right}/{n}" for kind, (right, n) in kinds.items())
 
@@ -497,6 +553,14 @@ def report(args) -> None:
                 picked = f"{_pct(statistics.fmean(tokens))}{_ci(_boot(tokens))}"
                 entire = f"{_pct(statistics.fmean(whole))}{_ci(_boot(whole))}"
                 print(f"| {pair} | {task} | {span} | {budget} | {name} | {picked} | {entire} |")
+    if args.cells:
+        # The records of a cell live on the machine that ran it; the counts in the repository keep
+        # every cell drawable, and the cells measured here replace theirs.
+        kept = json.loads(args.cells.read_text()) if args.cells.exists() else []
+        counts = merge_counts(kept, cell_counts(cells))
+        args.cells.write_text(json.dumps(counts, indent=1) + "\n")
+        print(f"\nwrote {args.cells} ({len(counts)} cells)")
+        cells = cells_from_counts(counts)
     if args.plot:
         _plot(cells, args.plot)
 
@@ -615,6 +679,12 @@ def main() -> None:
     p.add_argument("--tags", nargs="*")
     p.add_argument("--plot", type=Path, help="e.g. benchmarks/reports/figures/needle_accuracy.png")
     p.add_argument("--misses", action="store_true", help="list every miss of the refresh variants")
+    p.add_argument(
+        "--cells",
+        type=Path,
+        help="counts per cell kept in the repository (benchmarks/reports/needle-cells.json): merged "
+        "with the cells of the records here, written back, and what --plot draws",
+    )
     p.set_defaults(func=report)
     args = parser.parse_args()
     args.func(args)

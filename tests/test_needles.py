@@ -609,3 +609,45 @@ def test_long_context_variants_are_handoff_configs():
     assert long_context.row_name(made) == "refresh=0.2,words,ends"
     earlier = {**made, "variant": "fullhead refresh=0.2:source:words+ends"}
     assert long_context.row_name(earlier) == "refresh=0.2,words,ends [earlier ends]"
+
+
+def test_long_context_cells_keep_what_other_machines_measured():
+    """`report --cells`: counts round-trip into the intervals the plot draws; a cell measured again
+    replaces its rows by name and a control only by one counted over as many items or more."""
+    from test_multi_turn import script
+
+    long_context = script("benchmarks/long_context.py")
+
+    def cell(rows: dict, native: tuple[int, int]) -> dict:
+        def acc(k, n):
+            return {"acc": k / n, "acc_ci": long_context._wilson(k, n), "n": n}
+
+        made = {"dates": ["2026-12-02"], "commits": ["abc1234"]}
+        return {
+            "controls": {"native": acc(*native), "cpu_native": 12.5},
+            "rows": {spec: acc(k, n) | made for spec, (k, n) in rows.items()},
+            "threads": [1],
+        }
+
+    kept = long_context.cell_counts(
+        {("p", "needle-4096"): cell({"plain": (0, 30), "refresh=0.2,words,ends": (26, 30)}, (28, 30))}
+    )
+    assert kept[0]["controls"] == {"native": {"k": 28, "n": 30}}  # counts only: CPU seconds stay out
+    drawn = long_context.cells_from_counts(kept)[("p", "needle-4096")]
+    assert drawn["rows"]["refresh=0.2,words,ends"]["acc_ci"] == long_context._wilson(26, 30)
+    assert drawn["rows"]["refresh=0.2,words,ends"]["acc"] == pytest.approx(26 / 30)
+    before = json.dumps(kept)
+    measured = long_context.cell_counts(
+        {
+            ("p", "needle-4096"): cell({"refresh=0.2,words,ends": (5, 6)}, (6, 6)),
+            ("p", "needle-8192"): cell({"plain": (0, 6)}, (5, 6)),
+        }
+    )
+    merged = {(c["pair"], c["task"]): c for c in long_context.merge_counts(kept, measured)}
+    assert json.dumps(kept) == before  # the kept counts are not edited in place
+    four = merged[("p", "needle-4096")]
+    assert four["rows"]["refresh=0.2,words,ends"]["k"] == 5 and four["rows"]["plain"]["n"] == 30
+    assert four["controls"]["native"] == {"k": 28, "n": 30}  # 6 items do not replace 30
+    assert merged[("p", "needle-8192")]["rows"] == measured[1]["rows"]
+    again = long_context.merge_counts(list(merged.values()), measured)
+    assert again == list(merged.values())  # merging the same records twice changes nothing
