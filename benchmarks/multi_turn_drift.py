@@ -236,9 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--records", help="JSONL of finished items: resume a killed run from it")
     parser.add_argument(
         "--reuse",
-        metavar="RECORDS.jsonl",
-        help="take native's and the controls' answers from the records of an earlier run that differs "
-        "only in its bridged configs (a new default): only the bridged conversations run again",
+        metavar="RECORDS.jsonl|RESULT.json",
+        help="take native's and the controls' answers from the records (or the --json result, such as "
+        "a report's raw file) of an earlier run that differs only in its bridged configs (a new "
+        "default): only the bridged conversations run again",
     )
     parser.add_argument(
         "--explain",
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     finished = _finished(args.records, settings) if args.records else {}
     reused = {}
     if args.reuse:  # what no config changes: native and the controls
-        earlier = _finished(args.reuse, settings, ignore=("configs",))
+        earlier = _earlier(args.reuse, settings)
         unchanged = ("native", *(CONTROLS if args.controls else ()))
         reused = {i: {kind: r[kind] for kind in unchanged} for i, r in earlier.items()}
         print(f"reusing native and the controls of {len(reused)} items from {args.reuse}")
@@ -367,6 +368,25 @@ def main(argv: list[str] | None = None) -> dict:
 def _jsonable(record: dict) -> dict:
     """condition -> {str(k): right}: JSON keys are strings."""
     return {kind: {str(k): bool(v) for k, v in by_k.items()} for kind, by_k in record.items()}
+
+
+def _earlier(path: str, settings: dict) -> dict:
+    """--reuse's records: a --records JSONL, or a --json result (which holds its settings and one
+    record per item), made with `settings` but for the bridged configs."""
+    if not path.endswith(".json"):
+        return _finished(path, settings, ignore=("configs",))
+    with open(path) as f:
+        result = json.load(f)
+    differ = sorted(k for k in settings if k != "configs" and result.get(k) != settings[k])
+    if differ:
+        shown = ", ".join(f"{k}: {result.get(k)!r} there, {settings[k]!r} here" for k in differ)
+        raise SystemExit(
+            f"--reuse {path}: made with other settings ({shown}); expected all but the configs alike"
+        )
+    return {
+        i: {kind: {int(k): v for k, v in by_k.items()} for kind, by_k in record.items()}
+        for i, record in enumerate(result["items"])
+    }
 
 
 def _finished(path: str, settings: dict, ignore: tuple = ()) -> dict:

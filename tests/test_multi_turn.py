@@ -183,6 +183,15 @@ def test_drift_reuse_runs_only_the_bridged_conversations(saved, tmp_path, capsys
     kept = ("bridged", "native", "no-context", "unrelated")
     assert [{k: r[k] for k in kept} for r in again["items"]] == got["items"]
     assert all(set(r) == {*kept, "refreshed"} for r in again["items"])
+    # The --json result (a report's raw file) serves as well; one of other settings is refused.
+    result = tmp_path / "earlier.json"
+    drift.main([*args, "--records", str(earlier), "--json", str(result)])
+    from_json = drift.main([*args, "--refresh", "0.5", "--reuse", str(result)])
+    assert from_json["items"] == again["items"]
+    with pytest.raises(
+        SystemExit, match=r"other settings \(turns: \[0, 1\] there, \[0\] here\); expected all but"
+    ):
+        drift.main([*_drift_args(saved, "--turns", "0", "--max-new-tokens", "2"), "--reuse", str(result)])
 
 
 def test_drift_with_an_identity_bridge_matches_the_native_conversation():
