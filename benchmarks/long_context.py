@@ -9,14 +9,15 @@
 
 `run` evaluates item by item (`bridgecache.evaluation.evaluate` on one item with every variant it
 still lacks) and appends one JSON line per (item, variant) to
-$BRIDGECACHE_HOME/needle/<tag>/<pair>/<task>.jsonl: a killed run resumes where it stopped, and
-the native, no-context and unrelated-context replies (the target's prefill of item i + 1's context,
-asked item i's question) are remembered in $BRIDGECACHE_HOME/needle/controls.json, so
-both pairs (one target) compute them once. Each line holds the replies (native, no context, unrelated,
-bridged), whether each is right, the handoff's FLOPs share (`cache.report()`), the CPU (process)
-seconds of the target's prefill, the source's prefill and the handoff, the refreshed columns
-and the target columns of the answers (so the report can say whether a miss had its answer
-refreshed).
+benchmarks/reports/needle-records/<tag>/<pair>/<task>.jsonl (`--raw`). The records are results
+and live in the repository: a killed run resumes where it stopped, on this machine or another,
+and `report` reads every cell. The native, no-context and unrelated-context replies (the target's
+prefill of item i + 1's context, asked item i's question) are a cache, remembered in
+$BRIDGECACHE_HOME/needle/controls.json, so both pairs (one target) compute them once. Each line
+holds the replies (native, no context, unrelated, bridged), whether each is right, the handoff's
+FLOPs share (`cache.report()`), the CPU (process) seconds of the target's prefill, the source's
+prefill and the handoff, the refreshed columns and the target columns of the answers (so the
+report can say whether a miss had its answer refreshed).
 
 `recall` is the cheap proxy of benchmarks/refresh_recall.py on other items than `run` reports:
 per item, rule and budget a `BridgedCache` is built (the source reads the question over its
@@ -61,6 +62,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from native_dial import PAIRS  # noqa: E402
 
+# The records are results: they live in the repository (a machine's cache dies with it), one JSON
+# line per (item, variant), a few KB each.
+RECORDS = Path(__file__).parent / "reports" / "needle-records"
 SPEC_ORDER = (
     "plain",
     "refresh=0.1",
@@ -161,14 +165,14 @@ def run(args) -> None:
     from bridgecache.evaluation.controls import ControlScores
     from bridgecache.evaluation.prompts import Prompts
     from bridgecache.evaluation.runner import Variant
-    from bridgecache.models.zoo import load_model
+    from bridgecache.models.zoo import cache_root, load_model
 
     torch.set_num_threads(args.threads)
     source_name, target_name = PAIRS[args.pair]
     bridge = Bridge.from_pretrained(args.bridge or f"builtin:{source_name}->{target_name}")
     target, target_tok = load_model(target_name)
     source, source_tok = load_model(source_name)
-    controls = ControlScores(args.raw / "controls.json")
+    controls = ControlScores(cache_root() / "needle" / "controls.json")  # a cache: stays on the machine
     first, stop = _span(args.items)
     items = builtin_items(args.task, target_tok, limit=stop)
     # Item i's unrelated context: item i + 1's, from its own list (the measured items stay those of
@@ -655,11 +659,8 @@ def _plot(cells: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from bridgecache.models.zoo import cache_root
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(required=True)
-    raw = cache_root() / "needle"
     for name, func in (("run", run), ("recall", recall)):
         p = sub.add_parser(name)
         p.add_argument("--pair", required=True, choices=list(PAIRS))
@@ -667,7 +668,7 @@ def main() -> None:
         p.add_argument("--task", default="needle-4096")
         p.add_argument("--items", default="0:30", help="FIRST:STOP item indices")
         p.add_argument("--threads", type=int, default=1)
-        p.add_argument("--raw", type=Path, default=raw)
+        p.add_argument("--raw", type=Path, default=RECORDS, help=f"the records' folder (default {RECORDS})")
         p.set_defaults(func=func)
         if name == "run":
             p.add_argument("--variants", nargs="+", default=["plain", "refresh=0.2"])
@@ -675,7 +676,7 @@ def main() -> None:
         else:
             p.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     p = sub.add_parser("report")
-    p.add_argument("--raw", type=Path, default=raw)
+    p.add_argument("--raw", type=Path, default=RECORDS, help=f"the records' folder (default {RECORDS})")
     p.add_argument("--tags", nargs="*")
     p.add_argument("--plot", type=Path, help="e.g. benchmarks/reports/figures/needle_accuracy.png")
     p.add_argument("--misses", action="store_true", help="list every miss of the refresh variants")
