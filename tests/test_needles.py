@@ -151,7 +151,8 @@ def test_several_answers_need_all_and_earn_partial_credit():
 def test_wilson_interval():
     lo, hi = wilson(5, 10)
     assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
-    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0  # exactly: 10/10 lies in it
+    assert all(wilson(n, n)[0] <= 1.0 == wilson(n, n)[1] for n in range(1, 200))
     assert wilson(0, 10)[1] == pytest.approx(0.2775, abs=1e-3)
     assert all(math.isnan(x) for x in wilson(0, 0))
 

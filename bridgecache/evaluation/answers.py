@@ -96,7 +96,11 @@ def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # All right (none right) reaches 1 (0) exactly; in floats centre + half can fall an ulp short,
+    # and an interval that misses its own point breaks every plot's error bars.
+    lower = 0.0 if successes == 0 else max(0.0, centre - half)
+    upper = 1.0 if successes == n else min(1.0, centre + half)
+    return (lower, upper)
 
 
 def generation_metrics(replies: dict[str, Sequence[str]], answers: Sequence[Sequence[str]]) -> dict:
