@@ -26,10 +26,10 @@ the share of the answers' target tokens picked is reported (with the share of an
 whole).
 
 `report` prints the tables (accuracy with Wilson 95% intervals, retention with a paired
-bootstrap, cost per row) and draws accuracy against context length per strategy. The records
-stay on the machine that made them; `--cells` keeps each cell's counts (right / n per row and
-control) in a file of the repository, merged with the cells of the records at hand, and the
-plot draws from it, so cells measured on other machines stay drawn.
+bootstrap, cost per row) and draws accuracy against context length per strategy. `--cells` keeps
+each cell's counts (right / n per row and control) in a file of the repository, merged with the
+cells of the records at hand, and the plot draws from it: the cells whose records were made
+before they lived in the repository (and stayed on the machine that ran them) stay drawn.
 
 Variants (`variant_config` maps each onto its `HandoffConfig`):
     plain            translation only (refresh=None)
@@ -429,8 +429,8 @@ def summaries(records: list[dict]) -> dict:
 
 def cell_counts(cells: dict) -> list[dict]:
     """What a plot needs of `summaries()`' cells, as counts (right, n) per row and control, with
-    each row's dates and commits: the form `report --cells` keeps in the repository, since the
-    records live on the machine that ran them."""
+    each row's dates and commits: the form `report --cells` keeps in the repository, for cells
+    whose records are not at hand."""
     entries = []
     for (pair, task), cell in sorted(cells.items()):
         controls = {
@@ -558,8 +558,8 @@ def report(args) -> None:
                 entire = f"{_pct(statistics.fmean(whole))}{_ci(_boot(whole))}"
                 print(f"| {pair} | {task} | {span} | {budget} | {name} | {picked} | {entire} |")
     if args.cells:
-        # The records of a cell live on the machine that ran it; the counts in the repository keep
-        # every cell drawable, and the cells measured here replace theirs.
+        # Cells whose records are not at hand stay drawable from their counts; the cells of the
+        # records here replace theirs.
         kept = json.loads(args.cells.read_text()) if args.cells.exists() else []
         counts = merge_counts(kept, cell_counts(cells))
         args.cells.write_text(json.dumps(counts, indent=1) + "\n")
