@@ -49,6 +49,7 @@ Variants (`variant_config` maps each onto its `HandoffConfig`):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -468,7 +469,7 @@ def merge_counts(kept: list[dict], measured: list[dict]) -> list[dict]:
     """`kept` updated by `measured`: a measured row replaces the kept row of its name, a control
     is the one counted over more items (ties: the measured one); cells and rows that were not
     measured again stay as kept."""
-    merged = {(e["pair"], e["task"]): json.loads(json.dumps(e)) for e in kept}
+    merged = {(e["pair"], e["task"]): copy.deepcopy(e) for e in kept}
     for e in measured:
         cell = merged.setdefault((e["pair"], e["task"]), {**e, "rows": {}, "controls": {}})
         cell["rows"] |= e["rows"]

@@ -370,6 +370,11 @@ def _jsonable(record: dict) -> dict:
     return {kind: {str(k): bool(v) for k, v in by_k.items()} for kind, by_k in record.items()}
 
 
+def _from_jsonable(record: dict) -> dict:
+    """`_jsonable`'s inverse: condition -> {k: right}."""
+    return {kind: {int(k): v for k, v in by_k.items()} for kind, by_k in record.items()}
+
+
 def _earlier(path: str, settings: dict) -> dict:
     """--reuse's records: a --records JSONL, or a --json result (which holds its settings and one
     record per item), made with `settings` but for the bridged configs."""
@@ -383,10 +388,7 @@ def _earlier(path: str, settings: dict) -> dict:
         raise SystemExit(
             f"--reuse {path}: made with other settings ({shown}); expected all but the configs alike"
         )
-    return {
-        i: {kind: {int(k): v for k, v in by_k.items()} for kind, by_k in record.items()}
-        for i, record in enumerate(result["items"])
-    }
+    return {i: _from_jsonable(record) for i, record in enumerate(result["items"])}
 
 
 def _finished(path: str, settings: dict, ignore: tuple = ()) -> dict:
@@ -404,9 +406,7 @@ def _finished(path: str, settings: dict, ignore: tuple = ()) -> dict:
             if {**entry["settings"], **dict.fromkeys(ignore)} != {**settings, **dict.fromkeys(ignore)}:
                 other += 1
                 continue
-            out[entry["index"]] = {
-                kind: {int(k): v for k, v in by_k.items()} for kind, by_k in entry["record"].items()
-            }
+            out[entry["index"]] = _from_jsonable(entry["record"])
     if other:
         print(f"{path}: {other} lines of other settings ignored")
     return out
