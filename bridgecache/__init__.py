@@ -22,6 +22,7 @@ from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig, QualityPolicy, RefreshConfig
 from bridgecache.runtime.conversation import Conversation, Turn
+from bridgecache.runtime.engine import HandoffEngine, clear_engines
 from bridgecache.runtime.handoff import HandoffResult, align_context, handoff, tokenize_context
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.selection import (
@@ -43,6 +44,7 @@ __all__ = [
     "FitConfig",
     "GivenScores",
     "HandoffConfig",
+    "HandoffEngine",
     "HandoffReport",
     "HandoffResult",
     "KVFileError",
@@ -61,6 +63,7 @@ __all__ = [
     "align_context",
     "as_source",
     "capture_kv",
+    "clear_engines",
     "fit_bridge",
     "handoff",
     "handoff_batch",

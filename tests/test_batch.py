@@ -18,18 +18,11 @@ PROMPT = " the"
 
 
 @pytest.mark.parametrize("one_launch", [False, True])
-def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_launch, monkeypatch):  # noqa: F811
-    import bridgecache.runtime.batch as batch_module
-
+def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_launch):  # noqa: F811
     model = tiny_model("qwen2")
     bridge = Bridge.identity(model)
-    real = batch_module.BridgedCache
-
-    def with_launch(*args, config=None, **kwargs):
-        return real(*args, config=(config or HandoffConfig()).replace(one_launch=one_launch), **kwargs)
-
-    monkeypatch.setattr(batch_module, "BridgedCache", with_launch)
     kwargs = dict(source_tokenizer=byte_bpe, target_tokenizer=byte_bpe, max_new_tokens=5, do_sample=False)
+    kwargs["config"] = HandoffConfig(one_launch=one_launch)
     batched = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **kwargs)
     assert batched.cache.translator.batch_size == len(CONTEXTS)
     assert (batched.cache.translator.groups is not None) == one_launch

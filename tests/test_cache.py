@@ -17,10 +17,15 @@ from bridgecache.kv.files import load_kv, save_kv
 from bridgecache.kv.source import KVFileError
 from bridgecache.models.spec import SpecMismatchError
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.engine import generate
 
 
-def _generate(model, ids, cache=None, **kwargs):
+def _generate(model, ids, cache=None, fused=False, **kwargs):
+    """generate() over `cache`: the model's own (the cache's native work in a forward of its own)
+    or, fused, the engine's (bridgecache.runtime.engine.generate: in generate()'s first forward)."""
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True) | kwargs
+    if fused:
+        return generate(model, cache, ids, return_dict_in_generate=True, **kwargs)
     if cache is not None:
         kwargs |= cache_kwargs(model, cache)
     return model.generate(ids, return_dict_in_generate=True, **kwargs)
@@ -99,7 +104,7 @@ def test_layers_materialise_lazily_one_at_a_time_each_once():
     cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
-    _generate(model, ids, cache)
+    _generate(model, ids, cache, fused=True)
     assert calls == [0, 1, 2]  # each once, in order
     first_pass = seen_at_layer[:3]
     assert first_pass == [(0, []), (1, [0]), (2, [0, 1])]  # layer i is translated when layer i runs

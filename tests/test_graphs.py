@@ -68,7 +68,7 @@ def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
     from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
     from bridgecache.bridge.maps import Bridge
     from bridgecache.compat import cache_kwargs
-    from bridgecache.runtime.native_pass import NativePass
+    from bridgecache.runtime.native_pass import NativePass, forward_with_pass
 
     model = tiny_model(family)
     ids = torch.randint(3, 300, (2, 24))
@@ -87,14 +87,13 @@ def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
     prefix = made[0].translator.prefix_length
     new = ids[:, prefix:]
     positions = (mask.cumsum(-1) - 1)[:, prefix:]
-    exact = model(
-        input_ids=new, position_ids=positions, logits_to_keep=1, **cache_kwargs(model, made[0])
+    exact = forward_with_pass(  # the exact-shape pass, as generate()'s first forward runs it
+        model, input_ids=new, position_ids=positions, logits_to_keep=1, **cache_kwargs(model, made[0])
     ).logits
-    original = model.forward.args[1]  # the forward the native pass wraps
     work = made[1].pending_for_batch(2)
-    native = NativePass(model, 2, bucket(work.count + 1), bucket(prefix + 2, 256))
+    native = NativePass(made[1].state.view("target"), 2, bucket(work.count + 1), bucket(prefix + 2, 256))
     native.load(made[1], work, new, positions)
-    bucketed = native.forward(original, 1, {}).logits
+    bucketed = native.forward(1, {}).logits
     native.commit(made[1], 1, copy=True)
     assert torch.allclose(bucketed, exact, atol=1e-5)
     for a, b in zip(made[0].layers, made[1].layers):
@@ -104,22 +103,25 @@ def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
 def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
-    from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
     from bridgecache.bridge.maps import Bridge
-    from bridgecache.compat import cache_kwargs
+    from bridgecache.runtime.engine import generate
 
     model = tiny_model("llama", head_dim=32).cuda()
     bridge = Bridge.identity(model)
     bridge.method = "fullhead"
+    engine = HandoffEngine(bridge, model, model)
     for _ in range(3):  # new contexts through the same captured graph
         ids = torch.randint(3, 300, (1, 40), device="cuda")
         kv = capture_kv(model, ids)
         config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))))
         outputs = []
         for graphs in (False, True):
-            cache = BridgedCache(bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs))
-            out = model.generate(
-                ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache)
+            cache = BridgedCache(
+                bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
             )
-            outputs.append(out)
+            outputs.append(generate(model, cache, ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
         assert torch.equal(outputs[0], outputs[1])
+    assert len(engine.state.graphs) == 1  # one pass graph, replayed for every context
+    engine.close()
+    assert len(engine.state.graphs) == 0

@@ -14,10 +14,15 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.models.spec import model_spec
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.engine import generate
 
 
-def _generate(model, ids, cache=None, **kwargs):
+def _generate(model, ids, cache=None, fused=False, **kwargs):
+    """generate() over `cache`: the model's own (the cache's native work in a forward of its own)
+    or, fused, the engine's (bridgecache.runtime.engine.generate: in generate()'s first forward)."""
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True) | kwargs
+    if fused:
+        return generate(model, cache, ids, return_dict_in_generate=True, **kwargs)
     if cache is not None:
         kwargs |= cache_kwargs(model, cache)
     return model.generate(ids, return_dict_in_generate=True, **kwargs)
@@ -107,7 +112,7 @@ def test_layers_still_materialise_one_by_one():
     cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
-    assert torch.equal(_generate(model, ids, cache).sequences, _generate(model, ids).sequences)
+    assert torch.equal(_generate(model, ids, cache, fused=True).sequences, _generate(model, ids).sequences)
     assert seen_at_layer[:3] == [(0, []), (1, [0]), (2, [0, 1])]
     assert cache.translator.groups.translations == 1  # one launch pair for the whole group
 
@@ -158,7 +163,6 @@ def test_shared_inputs_take_one_gemm_and_translate_as_per_head_inputs(one_launch
     import copy
 
     from bridgecache.runtime import translate
-    from bridgecache.runtime.memo import MEMO
 
     model = tiny_model("qwen2")
     bridge = _fullhead_bridge(model)
@@ -168,7 +172,7 @@ def test_shared_inputs_take_one_gemm_and_translate_as_per_head_inputs(one_launch
     shared = BridgedCache(bridge, source, model, ids, config=config).materialize()
     cpu, every = torch.device("cpu"), tuple(range(len(bridge.layers)))
     plans = (
-        [MEMO.stacked_plan(bridge, every, cpu)] if one_launch else [MEMO.plan(bridge, i, cpu) for i in every]
+        [shared.state.stacked_plan(every, cpu)] if one_launch else [shared.state.plan(i, cpu) for i in every]
     )
     assert all(plan.heads.stride(-2) == 0 for plan in plans)
     monkeypatch.setattr(translate, "_shared_if_equal", lambda heads, device: heads.to(device))

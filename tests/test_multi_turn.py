@@ -56,7 +56,9 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi_turn")
     pairs = (("source", "llama", ZEPHYR, None), ("target", "qwen2", CHATML, "<extra>"))
     for role, family, template, extra in pairs:
-        tiny_model(family, seed=3, initializer_range=0.2).save_pretrained(root / role)
+        tiny_model(family, seed=3, initializer_range=0.2, max_position_embeddings=4096).save_pretrained(
+            root / role
+        )
         chat_tokenizer(template, extra).save_pretrained(root / role)
     (source, source_tok), (target, target_tok) = (load_model(str(root / r)) for r in ("source", "target"))
     config = FitConfig(method="fullhead", num_sequences=4, seq_len=48, heldout_every=2)
@@ -66,7 +68,10 @@ def saved(tmp_path_factory):
 
 
 def test_identity_handoff_continues_the_conversation_like_the_target_itself():
-    model, tok = tiny_model("qwen2", seed=4, initializer_range=0.2), chat_tokenizer(CHATML)
+    model, tok = (
+        tiny_model("qwen2", seed=4, initializer_range=0.2, max_position_embeddings=4096),
+        chat_tokenizer(CHATML),
+    )
     bridged = Conversation.handoff(
         Bridge.identity(model), model, model, EARLIER, source_tokenizer=tok, target_tokenizer=tok
     )
@@ -198,7 +203,10 @@ def test_drift_with_an_identity_bridge_matches_the_native_conversation():
     from bridgecache.evaluation.builtin import builtin_items
 
     drift = script("benchmarks/multi_turn_drift.py")
-    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    model, tok = (
+        tiny_model("qwen2", seed=5, initializer_range=0.2, max_position_embeddings=4096),
+        chat_tokenizer(CHATML),
+    )
     items = builtin_items("facts-choice-256", tok, limit=3)
     got = drift.drift(model, model, Bridge.identity(model), items, [0, 1], source_tokenizer=tok,
                       target_tokenizer=tok, max_new_tokens=3)  # fmt: skip
@@ -213,7 +221,10 @@ def test_drift_controls_read_no_document_and_another_items_document(monkeypatch)
     from bridgecache.runtime.conversation import Conversation
 
     drift = script("benchmarks/multi_turn_drift.py")
-    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    model, tok = (
+        tiny_model("qwen2", seed=5, initializer_range=0.2, max_position_embeddings=4096),
+        chat_tokenizer(CHATML),
+    )
     items = builtin_items("facts-choice-256", tok, limit=3)
     read = []
     native = Conversation.native.__func__
@@ -255,7 +266,10 @@ def test_drift_with_a_refreshed_conversation_records_each_condition_per_item():
     from bridgecache.evaluation.builtin import builtin_items
 
     drift = script("benchmarks/multi_turn_drift.py")
-    model, tok = tiny_model("qwen2", seed=5, initializer_range=0.2), chat_tokenizer(CHATML)
+    model, tok = (
+        tiny_model("qwen2", seed=5, initializer_range=0.2, max_position_embeddings=4096),
+        chat_tokenizer(CHATML),
+    )
     items = builtin_items("facts-choice-256", tok, limit=2)
     configs = {
         "bridged": HandoffConfig(),

@@ -32,14 +32,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from bridgecache.bridge.builtin import check_models
 from bridgecache.integrations.keys import bridge_fingerprint, bridge_salt, namespace_seed, page_keys
 from bridgecache.integrations.pages import FORMAT, VERSION, Manifest, dtype_name, read_context, write_new_file
-from bridgecache.kv.capture import capture_kv
-from bridgecache.kv.files import as_source
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import tokenize_context
+from bridgecache.runtime.engine import engine_for
 
 __all__ = [
     "BridgedPages",
@@ -285,22 +282,10 @@ def translate_context(
     yet, so the refresh is chosen by the source's reading of the context's last tokens).
     Returns (cache, target_ids [1, T]).
 
-    The one place where publishing builds a BridgedCache."""
-    check_models(bridge, source, target, source_tokenizer, target_tokenizer)
-    alignment, source_ids, target_ids, words = tokenize_context(
-        bridge, context, source_tokenizer, target_tokenizer, words=(config or HandoffConfig()).wants_words
-    )
-    if source_kv is None:
-        if source is None:
-            raise ValueError("pass either the source model or its KV of the context (source_kv=)")
-        source_kv = capture_kv(source, source_ids)
-    else:  # KV of another model or another document are refused here, not published
-        source_kv = as_source(source_kv, model=source, input_ids=source_ids)
-    cache = BridgedCache(
-        bridge, source_kv, target, target_ids, config=config, alignment=alignment, source_model=source,
-        words=words,
-    )  # fmt: skip
-    return cache, target_ids
+    The one place where publishing builds a BridgedCache: a thin call over the setup's
+    `HandoffEngine` (bridgecache.runtime.engine)."""
+    engine = engine_for(bridge, source, target, source_tokenizer, target_tokenizer)
+    return engine.translate_context(context, source_kv=source_kv, config=config)
 
 
 def publish_context(

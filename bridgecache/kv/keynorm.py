@@ -12,8 +12,6 @@ Knows nothing about bridges or caches.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 __all__ = ["key_norm_scales", "project_to_key_norm"]
@@ -23,11 +21,6 @@ __all__ = ["key_norm_scales", "project_to_key_norm"]
 # other channels. In key units (the normalised key has rms 1); a cut relative to the largest
 # scale also dropped small live channels and did worse on Qwen-0.5B -> Gemma 3.
 _DEAD_CHANNEL = 1e-2
-
-
-# model -> (weights' identity and version, scales): every BridgedCache of a model reuses them
-# (no forward, no device sync on the handoff path) until a norm weight is replaced or edited.
-_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def key_norm_scales(model) -> list[torch.Tensor | None] | None:
@@ -45,10 +38,6 @@ def key_norm_scales(model) -> list[torch.Tensor | None] | None:
     attention.sort(key=lambda m: m.layer_idx)
     norms = [getattr(module, "k_norm", None) for module in attention]
     norms = [n if isinstance(n, torch.nn.Module) and hasattr(n, "weight") else None for n in norms]
-    signature = tuple(None if n is None else (id(n.weight), n.weight._version) for n in norms)
-    known = _SCALES.get(model)
-    if known is not None and known[0] == signature:
-        return known[1]
     scales = []
     for norm in norms:
         if norm is None:
@@ -57,9 +46,7 @@ def key_norm_scales(model) -> list[torch.Tensor | None] | None:
         with torch.no_grad():  # an RMSNorm of a vector of ones returns its scale (times ~1 - eps/2)
             ones = torch.ones(1, norm.weight.shape[-1], dtype=torch.float32, device=norm.weight.device)
             scales.append(norm(ones)[0].float())
-    scales = scales if any(s is not None for s in scales) else None
-    _SCALES[model] = (signature, scales)
-    return scales
+    return scales if any(s is not None for s in scales) else None
 
 
 def project_to_key_norm(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,10 @@ Two of bridgecache's forwards attend in ways transformers' masks cannot say chea
                  a score (the largest any layer, head and prompt token gives it, or their sum).
 
 A forward passes one of these as the keyword `bridgecache_attention=` (transformers hands a
-forward's extra keywords down to every attention call) inside `attention_override(model)`, which
-points the model's attention modules at `dispatch` for the duration; transformers then builds no
-mask at all (it builds none for an attention implementation without a mask function). Calls
-without one go to the model's own implementation.
+forward's extra keywords down to every attention call) through a `ModelView` of the model
+(bridgecache.runtime.views), whose config copies name `dispatch`'s implementation; transformers
+then builds no mask at all (it builds none for an attention implementation without a mask
+function). The user's own model and config are never switched over.
 
 Knows transformers' attention-module conventions (scaling, sliding_window, softcapping); nothing
 about bridges or tokenizers.
@@ -25,19 +25,15 @@ about bridges or tokenizers.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
+from bridgecache.runtime.views import FALLBACK
 
-__all__ = [
-    "ColumnMask", "ReadingMask", "attention_override", "layers_read", "read_without_logits",
-    "KEYWORD", "NAME",
-]  # fmt: skip
+__all__ = ["ColumnMask", "ReadingMask", "layers_read", "read_without_logits", "KEYWORD", "NAME"]
 
 NAME = "bridgecache"  # the attention implementation's name
 KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
@@ -177,99 +173,45 @@ class ReadingMask:
             self.scores.add_(probs.sum(dim=(1, 2, 3)))
 
 
-_ORIGINAL: dict[int, tuple[str, int]] = {}  # id(config) -> (its own implementation, override depth)
-_LOCK = threading.Lock()
-
-
 def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function registered as `NAME`: ours for our masks, the model's own otherwise."""
+    """The attention function registered as `NAME`: ours for our masks, else the implementation the
+    user's config names (kept on our config copy: bridgecache.runtime.views)."""
     ours = kwargs.pop(KEYWORD, None)
     if ours is not None:
         scaling = module.scaling if scaling is None else scaling
         return ours.attend(module, query, key, value, scaling), None
-    original = _ORIGINAL.get(id(module.config), ("sdpa", 0))[0]
+    original = module.config.__dict__.get(FALLBACK, "sdpa")
     function = ALL_ATTENTION_FUNCTIONS.get(original) or ALL_ATTENTION_FUNCTIONS["sdpa"]
     return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-# No mask function is registered for NAME: transformers then builds no mask (None) for forwards
-# under an override, ours included (their masks travel as KEYWORD). A forward that is not ours,
-# run under an override (another thread), reaches its implementation without a mask.
+# Registered once, at import: the one change bridgecache makes to transformers' process state, and
+# one that changes nothing for anyone else (only our config copies name it). No mask function is
+# registered for NAME: transformers then builds no mask for our forwards (theirs travel as KEYWORD).
 AttentionInterface.register(NAME, dispatch)
 
 
-def _attention_configs(model) -> list:
-    """The distinct config objects the model's attention modules read their implementation from."""
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(module, "layer_idx") and hasattr(module, "scaling"):
-            configs[id(config)] = config
-    top = getattr(model, "config", None)
-    if top is not None:
-        configs[id(top)] = top
-    return list(configs.values())
-
-
-@contextlib.contextmanager
-def attention_override(model):
-    """Within the block, `model`'s attention modules call `dispatch` (re-entrant).
-
-    Not thread-safe against other forwards of the same model object from other threads: they
-    would run through `dispatch`, which hands their masks to sdpa.
-    """
-    configs = _attention_configs(model)
-    with _LOCK:
-        for config in configs:
-            current, depth = _ORIGINAL.get(id(config), (config._attn_implementation_internal, 0))
-            _ORIGINAL[id(config)] = (current, depth + 1)
-            config._attn_implementation_internal = NAME
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for config in configs:
-                original, depth = _ORIGINAL[id(config)]
-                if depth == 1:
-                    config._attn_implementation_internal = original
-                    del _ORIGINAL[id(config)]
-                else:
-                    _ORIGINAL[id(config)] = (original, depth - 1)
-
-
-def _decoder(model):
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return None if decoder is model else decoder
-
-
 def layers_read(model, layers: int | None) -> int:
-    """How many decoder layers `read_without_logits(model, layers)` runs: `layers` where the
+    """How many decoder layers `read_without_logits(view, layers)` runs: `layers` where the
     decoder keeps its layers in a `layers` list it loops over, else all of them."""
-    stack = getattr(_decoder(model), "layers", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    stack = getattr(decoder, "layers", None) if decoder is not model else None
     total = model.config.get_text_config().num_hidden_layers
     if layers is None or not isinstance(stack, torch.nn.ModuleList):
         return total
     return min(layers, total)
 
 
-def read_without_logits(model, layers: int | None = None, **kwargs) -> None:
-    """Run `model` for what its attention sees, not for logits: through its decoder (no final
+def read_without_logits(view, layers: int | None = None, **kwargs) -> None:
+    """Run a `ModelView` for what its attention sees, not for logits: through its decoder (no final
     vocabulary projection, ~0.1 s of a 1.5B model's reading on a CPU) where it has one, and only
-    through its first `layers` decoder layers where it can (`layers_read`; None: all; a later
-    layer cannot change what an earlier one attended to).
-
-    Not thread-safe against other forwards of the same model object: the decoder's layer list is
-    shortened for the duration."""
-    decoder = _decoder(model)
-    if decoder is None:
-        model(**kwargs, logits_to_keep=1)
+    through its first `layers` decoder layers where it can (`layers_read`; None: all)."""
+    if view.decoder is None:
+        view.model(**kwargs, logits_to_keep=1)
         return
-    stack, count = decoder.layers if hasattr(decoder, "layers") else None, layers_read(model, layers)
+    count = layers_read(view.original, layers)
+    stack = view.layer_stack()
     if stack is None or count >= len(stack):
-        decoder(**kwargs)
+        view.decoder(**kwargs)
         return
-    decoder.layers = torch.nn.ModuleList(list(stack)[:count])  # the decoder loops over self.layers
-    try:
-        decoder(**kwargs)
-    finally:
-        decoder.layers = stack
+    view.decoder_through(count)(**kwargs)

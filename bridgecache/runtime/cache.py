@@ -25,11 +25,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from bridgecache.kv.files import as_source
+from bridgecache.models.spec import model_spec
 from bridgecache.runtime import native_pass
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.grouped import LayerGroups, groups_apply
 from bridgecache.runtime.plan import plan_native_work
 from bridgecache.runtime.report import HandoffReport
+from bridgecache.runtime.state import EngineState
 from bridgecache.runtime.static import fill_static
 from bridgecache.runtime.translator import Translator
 
@@ -80,7 +82,7 @@ class _LazyLayerMixin:
     def _materialize(self, device=None, dtype=None, batch_size=None) -> None:
         cache = self._cache
         if cache.pending_work is not None:
-            cache.run_pending()  # read before the first forward: the native work comes first
+            cache.run_pending(batch_size)  # read before the first forward: the native work comes first
             if self.is_materialized:
                 return
         index = self.batch_index_for(batch_size)
@@ -202,6 +204,9 @@ class BridgedCache(DynamicCache):
             refresh takes whole words with them unless `RefreshConfig(whole_words=False)`; without
             them it refreshes token by token (the default, whole_words=None) or raises (True).
             `handoff_config` records what was done: whole_words resolved to True or False.
+        engine: the `HandoffEngine` whose plans, views and CUDA graphs this cache uses (and reuses
+            across caches); None: a private set, made for this cache and freed with it. Its models
+            are checked against the bridge when it is built, not here.
     """
 
     def __init__(
@@ -218,6 +223,7 @@ class BridgedCache(DynamicCache):
         source_model=None,
         prompt_ids: torch.Tensor | None = None,
         words=None,
+        engine=None,
     ):
         config = HandoffConfig() if config is None else config
         if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
@@ -227,6 +233,12 @@ class BridgedCache(DynamicCache):
         if not isinstance(config, HandoffConfig):
             raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
         config = config.with_words(words is not None)
+        if engine is not None:
+            state = engine.state
+        else:  # a private state: the target's spec is checked here, as an engine checks it once
+            bridge.target.check(model_spec(target), "target")
+            state = EngineState(bridge, source_model, target, graph_bytes=0)
+        self.state = state
         layers = _bridged_layers(target.config)
         self.translator = Translator(
             bridge,
@@ -237,6 +249,7 @@ class BridgedCache(DynamicCache):
             alignment=alignment,
             config=config,
             windows=[getattr(layer, "sliding_window", None) for layer in layers],
+            state=state,
         )
         super().__init__()
         self.layers = layers
@@ -255,13 +268,11 @@ class BridgedCache(DynamicCache):
         )
         self.pending_work = plan.pending
         self._plan = plan
-        if self.pending_work is not None:
-            native_pass.install(target)
 
     def __deepcopy__(self, memo):
         """A copy whose layers are copied; the read-only parts (the target model, the translator
         with the source KV and the bridge, the plan) are shared, not copied."""
-        for shared in (self._target, self.translator, self._plan, self.pending_work):
+        for shared in (self._target, self.translator, self._plan, self.pending_work, self.state):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new
@@ -269,10 +280,11 @@ class BridgedCache(DynamicCache):
         return new
 
     # ------------------------------------------------------------------ the native work
-    def run_pending(self) -> None:
-        """Run the pending native work now, in a forward of its own (no-op when there is none)."""
+    def run_pending(self, batch: int | None = None) -> None:
+        """Run the pending native work now, in a forward of its own (no-op when there is none), for
+        `batch` rows (None: the context's; generate() may have expanded them for beams)."""
         if self.pending_work is not None:
-            native_pass.run_alone(self, self._target)
+            native_pass.run_alone(self, batch)
 
     def pending_for_batch(self, batch: int):
         """The pending work for a forward of `batch` rows: generate() may have expanded the

@@ -23,18 +23,17 @@ Knows chat templates (through tokenalign), the cache and generate(); nothing abo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
 
-from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
-from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.handoff import generated_ids, pad_token_id, prompt_ids, same_tokenization
+from bridgecache.runtime.engine import engine_for
 from bridgecache.runtime.likelihood import Prefix, score
+from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, same_tokenization
 
 __all__ = ["Conversation", "Turn"]
 
@@ -57,32 +56,19 @@ class Turn:
 
 @dataclass(frozen=True)
 class _Handoff:
-    """What the first question builds a conversation's bridged cache from."""
+    """What the first question builds a conversation's bridged cache from: the engine and the
+    request of the earlier turns (the source's KV already read)."""
 
-    bridge: object
-    source: object
-    source_tokenizer: object
-    source_kv: object
-    target_ids: torch.Tensor
-    alignment: object
+    engine: object
+    request: HandoffRequest
     config: HandoffConfig | None
-    words: object = None  # ContextWords, when the config takes whole words (HandoffConfig.wants_words)
 
-    def cache(self, target, question: str) -> BridgedCache:
+    def cache(self, question: str) -> BridgedCache:
         """The bridged cache of the earlier turns; the source reads `question` to choose the
         refreshed tokens."""
-        prompt = prompt_ids(self.source_tokenizer, question).to(_device(self.source))
-        return BridgedCache(
-            self.bridge,
-            self.source_kv,
-            target,
-            self.target_ids,
-            config=self.config,
-            alignment=self.alignment,
-            source_model=self.source,
-            prompt_ids=prompt,
-            words=self.words,
-        )
+        engine = self.engine
+        prompt = prompt_ids(engine.source_tokenizer, question).to(_device(engine.source))
+        return engine.cache(replace(self.request, source_prompt=prompt), self.config)
 
 
 @dataclass
@@ -98,6 +84,16 @@ class Conversation:
     ids: torch.Tensor
     turns: list[Turn] = field(default_factory=list)
     _handoff: _Handoff | None = None
+    _engine: object = None
+
+    def _check_fits(self, tokens: int) -> None:
+        """Refuse a turn that would take the chat past the target's window (before it runs)."""
+        limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        if limit and tokens > limit:
+            raise ValueError(
+                f"this turn would take the conversation to {tokens} target tokens (the chat so far and "
+                f"the new message); the target model reads at most {limit}"
+            )
 
     @classmethod
     @torch.no_grad()
@@ -111,10 +107,13 @@ class Conversation:
         source_tokenizer,
         target_tokenizer,
         config: HandoffConfig | None = None,
+        engine=None,
     ) -> Conversation:
         """The source reads `messages` (its chat template); the target continues on a bridged
-        cache of them, made with `config` (default `HandoffConfig()`, as `handoff()`)."""
-        check_models(bridge, source, target, source_tokenizer, target_tokenizer)
+        cache of them, made with `config` (default `HandoffConfig()`, as `handoff()`) by `engine`
+        (a `HandoffEngine` of exactly these models; None: the setup's shared one)."""
+        if engine is None:
+            engine = engine_for(bridge, source, target, source_tokenizer, target_tokenizer)
         messages = [dict(m) for m in messages]
         same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
             target_tokenizer, "chat_template", None
@@ -131,10 +130,14 @@ class Conversation:
             )
             source_ids, target_ids = _row(source_ids), _row(target_ids)
         words = _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids)
-        source_kv = capture_kv(source, source_ids.to(_device(source)))
-        target_ids = target_ids.to(_device(target))
-        parts = _Handoff(bridge, source, source_tokenizer, source_kv, target_ids, alignment, config, words)
-        return cls(target, target_tokenizer, messages, None, target_ids, _handoff=parts)
+        request = HandoffRequest(source_ids, None, target_ids, None, alignment, words, None, None)
+        engine.check_fits(request)
+        request.read_source(source)
+        request.target_ids = request.target_ids.to(_device(target))
+        parts = _Handoff(engine, request, config)
+        return cls(
+            target, target_tokenizer, messages, None, request.target_ids, _handoff=parts, _engine=engine
+        )
 
     @classmethod
     def native(cls, target, target_tokenizer, messages) -> Conversation:
@@ -151,14 +154,19 @@ class Conversation:
         generate_kwargs.setdefault("max_new_tokens", 64)
         generate_kwargs.setdefault("do_sample", False)
         generate_kwargs.setdefault("pad_token_id", pad_token_id(self.tokenizer))
-        output = self.target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            **cache_kwargs(self.target, self.cache),
-            **generate_kwargs,
-        )
+        self._check_fits(ids.shape[1])
+        if self._engine is not None:  # its first forward does a bridged cache's native work
+            output = self._engine.generate(self.cache, ids, torch.ones_like(ids), **generate_kwargs)
+        else:
+            output = self.target.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                **cache_kwargs(self.target, self.cache),
+                **generate_kwargs,
+            )
         seconds = time.perf_counter() - start
-        output, _ = generated_ids(output)  # the chat keeps ids; return_dict_in_generate is allowed
+        if not isinstance(output, torch.Tensor):  # the chat keeps ids; return_dict_in_generate is allowed
+            output = output.sequences
         new = output[:, ids.shape[1] :]
         answer = self.tokenizer.decode(new[0], skip_special_tokens=True).strip()
         self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
@@ -190,7 +198,7 @@ class Conversation:
         tokens it shares with what is cached (after a handoff, first built from `content`).
         Returns (ids [1, N], tokens reused)."""
         if self.cache is None:
-            self.cache, self._handoff = self._handoff.cache(self.target, content), None
+            self.cache, self._handoff = self._handoff.cache(content), None
         messages = self.messages + [{"role": "user", "content": content}]
         ids = _render(messages, self.tokenizer, add_generation_prompt=True).to(self.ids.device)
         cached = self.cache.get_seq_length()

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.attention import (
-    KEYWORD,
-    ReadingMask,
-    attention_override,
-    layers_read,
-    read_without_logits,
-)
+from bridgecache.runtime.attention import KEYWORD, NAME, ReadingMask, layers_read, read_without_logits
+from bridgecache.runtime.views import ModelView
 
-__all__ = ["ReadingGraph", "PassGraph", "bucket", "capture"]
+__all__ = ["ReadingGraph", "PassGraph", "as_view", "bucket", "capture", "reading_bytes"]
+
+
+def as_view(model) -> ModelView:
+    """`model`'s ModelView: the view itself, or one made for a model given directly."""
+    return model if isinstance(model, ModelView) else ModelView(model, NAME)
 
 
 def capture(forward):
@@ -62,23 +62,34 @@ def bucket(n: int, smallest: int = 16) -> int:
     return max(smallest, -(-n // step) * step)
 
 
+def reading_bytes(model, batch: int, capacity: int, layers: int | None) -> int:
+    """Bytes of a ReadingGraph's KV buffers (before its capture pool) for `model`."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = model.get_input_embeddings().weight.element_size()
+    return 2 * layers_read(model, layers) * batch * heads * capacity * dim * size
+
+
 class ReadingGraph:
     """One reading at fixed shapes (see the module docstring).
 
-    batch, queries, capacity: the buffers' batch, prompt slots and context columns; reduce, layers:
-    as ReadingMask's (buffers only for the layers read). The model's cache layout (layers, kv
-    heads, head dim) comes from its config.
+    view: the model's `ModelView` (bridgecache.runtime.views; or the model); batch, queries, capacity: the
+    buffers' batch, prompt slots and context columns; reduce, layers: as ReadingMask's (buffers only
+    for the layers read). The model's cache layout (layers, kv heads, head dim) comes from its config.
     """
 
     def __init__(
-        self, model, batch: int, queries: int, capacity: int, reduce: str, captured: bool, layers=None
+        self, view, batch: int, queries: int, capacity: int, reduce: str, captured: bool, layers=None
     ):
+        view = as_view(view)
+        model = view.original
         config = model.config.get_text_config()
         weight = model.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
         heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model, self.queries, self.capacity, self.layers = model, queries, capacity, layers
+        self.view, self.queries, self.capacity, self.layers = view, queries, capacity, layers
         zeros = lambda *shape, kind=torch.long: torch.zeros(*shape, dtype=kind, device=device)  # noqa: E731
         self.ids, self.query_positions = zeros(batch, queries), zeros(batch, queries)
         read = layers_read(model, layers)
@@ -101,15 +112,14 @@ class ReadingGraph:
     @torch.no_grad()
     def _forward(self) -> None:
         self.mask.scores.zero_()
-        with attention_override(self.model):
-            read_without_logits(
-                self.model,
-                self.layers,
-                input_ids=self.ids,
-                position_ids=self.query_positions,
-                use_cache=False,
-                **{KEYWORD: self.mask},
-            )
+        read_without_logits(
+            self.view,
+            self.layers,
+            input_ids=self.ids,
+            position_ids=self.query_positions,
+            use_cache=False,
+            **{KEYWORD: self.mask},
+        )
 
     @torch.no_grad()
     def run(self, keys, values, positions, first_column, query_ids, context_tokens: int) -> torch.Tensor:
@@ -143,12 +153,11 @@ class ReadingGraph:
 
 class PassGraph:
     """A native-work pass (`native_pass.NativePass`, its shapes fixed) captured once, replayed per
-    handoff. `original`: the target's unwrapped forward; the captured forward keeps the last
-    slot's logits only (generate()'s first token)."""
+    handoff; the captured forward keeps the last slot's logits only (generate()'s first token)."""
 
-    def __init__(self, native, original):
+    def __init__(self, native):
         self.native = native
-        self.graph, output = capture(lambda: native.forward(original, 1, {}))
+        self.graph, output = capture(lambda: native.forward(1, {}))
         self.logits = output.logits  # [batch, 1, vocab], rewritten by every replay
         self.output_type = type(output)
 

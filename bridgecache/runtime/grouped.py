@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.memo import MEMO
 from bridgecache.runtime.translate import translate_layers
 
 __all__ = ["LayerGroups", "groups_apply"]
@@ -99,7 +98,7 @@ class LayerGroups:
         device, dtype = tr.home_device, tr.home_dtype
         begin = max(start, tr.begin)
         tr.check_source_rows(range(tr.source.num_layers), begin)
-        plan = MEMO.stacked_plan(tr.bridge, layers, device)
+        plan = tr.state.stacked_plan(layers, device)
         batch, heads, dim = tr.batch_size, tr.bridge.target.num_kv_heads, tr.bridge.target.head_dim
         shape = (len(layers), batch, heads, tr.prefix_length - start, dim)
         keys = torch.empty(shape, dtype=dtype, device=device)

@@ -16,10 +16,13 @@ fresh rows, the prompt sees a repaired cache. After the forward the buffers beco
 layers. Placeholder slots (a shape bucket wider than the work, or a row with nothing pending)
 repeat the row's first pending column or write to the buffers' last row, which no query sees.
 
-How the pass joins a forward: `install(target)` wraps the target's `forward` (once per model, as
-accelerate wraps it) so that a forward over a BridgedCache with pending work runs the pass
-instead; the cache is left untouched if the forward raises. A read of the cache before any
-forward (materialize(), to_static, crop) runs the pass alone, with no new tokens.
+How the pass joins a forward: the engine's `generate()` runs on a view of the target
+(bridgecache.runtime.views.generate_view) whose forward is `forward_with_pass`: a forward over a
+BridgedCache with pending work runs the pass, through the target's `ModelView` (our attention),
+every other forward goes to the user's model as it is. The cache is left untouched if the forward
+raises. A read of the cache before any such forward (the first layer's update in a user's own
+`target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
+with no new tokens.
 
 Knows transformers' forward conventions and the cache's layers; nothing about bridges or
 tokenizers.
@@ -27,29 +30,27 @@ tokenizers.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from bridgecache.compat import cache_keyword
-from bridgecache.runtime.attention import KEYWORD, ColumnMask, attention_override
+from bridgecache.runtime.attention import KEYWORD, ColumnMask
 from bridgecache.runtime.graphs import PassGraph, bucket
-from bridgecache.runtime.memo import MEMO
 
-__all__ = ["NativePass", "install", "run_alone"]
+__all__ = ["NativePass", "forward_with_pass", "pass_bytes", "run_alone"]
 
 
 class NativePass:
     """Inputs and buffers of one native-work forward of `slots` tokens over `capacity` columns."""
 
-    def __init__(self, target, batch: int, slots: int, capacity: int):
+    def __init__(self, view, batch: int, slots: int, capacity: int):
+        target = view.original
         config = target.config.get_text_config()
         weight = target.get_input_embeddings().weight
         device, dtype = weight.device, weight.dtype
         heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers = config.num_hidden_layers
-        self.target, self.slots, self.capacity = target, slots, capacity
+        self.view, self.slots, self.capacity = view, slots, capacity
         self.ids = torch.zeros(batch, slots, dtype=torch.long, device=device)
         self.positions = torch.zeros_like(self.ids)
         # [keys | values, layers, batch, heads, capacity, dim] in one allocation: one copy out
@@ -116,17 +117,16 @@ class NativePass:
             torch._foreach_copy_(targets, sources)
 
     @torch.no_grad()
-    def forward(self, original, keep, extra: dict):
-        """The model's own forward over the slots (`original`: its unwrapped forward)."""
-        with attention_override(self.target):
-            return original(
-                input_ids=self.ids,
-                position_ids=self.positions,
-                use_cache=False,
-                logits_to_keep=keep,
-                **{KEYWORD: self.mask},
-                **extra,
-            )
+    def forward(self, keep, extra: dict):
+        """The model's own forward over the slots, through its view (our attention)."""
+        return self.view.model.forward(
+            input_ids=self.ids,
+            position_ids=self.positions,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{KEYWORD: self.mask},
+            **extra,
+        )
 
     def commit(self, cache, new_tokens: int, copy: bool) -> None:
         """The buffers' columns [0, prefix + new_tokens) become the cache's layers (copied when the
@@ -149,29 +149,44 @@ def _slots(work, new_tokens: int) -> int:
     return work.count + new_tokens
 
 
-def _graphs(cache, target, keep, extra: dict) -> bool:
-    """Whether this pass replays a captured graph: CUDA, the config allows it, and the forward
+def pass_bytes(target, batch: int, capacity: int) -> int:
+    """Bytes of a NativePass's buffers (every layer's keys and values over `capacity` columns)."""
+    config = target.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = target.get_input_embeddings().weight.element_size()
+    return 2 * config.num_hidden_layers * batch * heads * capacity * dim * size
+
+
+def _graphs(cache, keep, extra: dict) -> bool:
+    """Whether this pass may replay a captured graph: CUDA, the config allows it, and the forward
     wants no more than the last token's logits (what the graph keeps)."""
     allowed = cache.handoff_config.cuda_graphs
-    on_cuda = target.get_input_embeddings().weight.is_cuda
+    on_cuda = cache.translator.home_device.type == "cuda"
     plain = all(key == "return_dict" for key in extra)
     return on_cuda and allowed is not False and keep == 1 and plain
 
 
-def run(cache, target, original, new_ids, new_positions, keep, extra: dict):
+def run(cache, new_ids, new_positions, keep, extra: dict):
     """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
     forward's output (logits of the new tokens only, the cache in its cache field)."""
     batch, m = new_ids.shape
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
-    if _graphs(cache, target, keep, extra):
+    state = cache.state
+    view = state.view("target")
+    graph = None
+    if _graphs(cache, keep, extra):
         shape = (batch, bucket(_slots(work, m)), bucket(prefix + m + 1, 256))
-        make = lambda: PassGraph(NativePass(target, *shape), original)  # noqa: E731
-        output = MEMO.pass_graph(target, shape, make).run(cache, work, new_ids, new_positions)
+        make = lambda: PassGraph(NativePass(view, *shape))  # noqa: E731
+        graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]))
+    if graph is not None:
+        with state.replay_lock:
+            output = graph.run(cache, work, new_ids, new_positions)
     else:
-        native = NativePass(target, batch, _slots(work, m), prefix + m + 1)
+        native = NativePass(view, batch, _slots(work, m), prefix + m + 1)
         native.load(cache, work, new_ids, new_positions, lazy=True)
-        output = native.forward(original, keep, extra)
+        output = native.forward(keep, extra)
         native.commit(cache, m, copy=False)
     cache.pending_work = None
     field = "cache" if hasattr(output, "cache") else "past_key_values"
@@ -181,12 +196,13 @@ def run(cache, target, original, new_ids, new_positions, keep, extra: dict):
     return output
 
 
-def _forward(model, original, *args, **kwargs):
-    """The target's forward, wrapped: a forward over a BridgedCache with pending work runs the pass."""
-    keyword = cache_keyword(model)
+def forward_with_pass(target, *args, **kwargs):
+    """A forward of `target` (what `generate_view` calls): over a BridgedCache with pending work it
+    runs the pass with this forward's tokens; any other forward is the user's model's own."""
+    keyword = cache_keyword(target)
     cache = kwargs.get(keyword, kwargs.get("past_key_values"))
     if getattr(cache, "pending_work", None) is None:
-        return original(*args, **kwargs)
+        return target(*args, **kwargs)
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("input_ids", None)
     if input_ids is None and args:
@@ -194,9 +210,7 @@ def _forward(model, original, *args, **kwargs):
     if input_ids is None or args:  # inputs_embeds, or positional extras: the pending work runs first
         cache.run_pending()
         return (
-            original(*args, input_ids=input_ids, **kwargs)
-            if input_ids is not None
-            else original(*args, **kwargs)
+            target(*args, input_ids=input_ids, **kwargs) if input_ids is not None else target(*args, **kwargs)
         )
     for name in (keyword, "past_key_values", "attention_mask", "use_cache", "cache_position"):
         kwargs.pop(name, None)  # the pass masks by columns; its cache is the buffers
@@ -210,21 +224,14 @@ def _forward(model, original, *args, **kwargs):
         keep = keep + _slots(cache.pending_for_batch(input_ids.shape[0]), m) - m
     elif keep is None or keep == 0 or keep > m:
         keep = max(m, 1)  # only the new tokens' logits are anyone's
-    return run(cache, model, original, input_ids, positions, keep, kwargs)
+    return run(cache, input_ids, positions, keep, kwargs)
 
 
-def install(target) -> None:
-    """Wrap `target.forward` (once per model object; deepcopy and pickle carry the wrapper along)."""
-    forward = target.forward
-    if getattr(forward, "bridgecache_native_pass", False):
-        return
-    wrapped = functools.update_wrapper(functools.partial(_forward, target, forward), forward)
-    wrapped.bridgecache_native_pass = True
-    target.forward = wrapped
-
-
-def run_alone(cache, target) -> None:
-    """Run the pending work now, in a forward of its own (no new tokens)."""
+def run_alone(cache, batch: int | None = None) -> None:
+    """Run the pending work now, in a forward of its own (no new tokens), for `batch` rows (what
+    generate() expanded the context's rows to; None: the context's rows)."""
     ids = cache.pending_work.ids[:, :0]
+    if batch is not None and batch != ids.shape[0]:
+        ids = ids.new_zeros(batch, 0)
     with torch.no_grad():
-        target(input_ids=ids, logits_to_keep=1, **{cache_keyword(target): cache})
+        run(cache, ids, ids, 1, {})

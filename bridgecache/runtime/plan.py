@@ -22,11 +22,33 @@ import torch
 from bridgecache.runtime.gate import layer_scores
 from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.pending import PendingPlan, PendingWork, refresh_budget
+from bridgecache.runtime.reading import SourceReader
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.selection import SelectionRequest
 from bridgecache.runtime.words import pool_words, reach_word_ends
 
-__all__ = ["NativePlan", "plan_native_work"]
+__all__ = ["NativePlan", "plan_native_work", "selection_request"]
+
+
+def selection_request(
+    tr, target, target_ids, source_model, prompt_ids, words=None, graphs: bool = False
+) -> SelectionRequest:
+    """The read-only view a selection rule gets of one cache (translator `tr`)."""
+    reader = None if source_model is None else SourceReader(tr.state, source_model, tr.reading_source, graphs)
+    return SelectionRequest(
+        target_ids=target_ids,
+        prefix_length=tr.prefix_length,
+        reading_rows=tr.reading_rows,
+        source_kv=tr.reading_source,
+        prompt_ids=prompt_ids,
+        words=words,
+        source_config=None if source_model is None else source_model.config,
+        target_config=target.config,
+        _reader=reader,
+        _keys=lambda layer, translated: (
+            tr.translate(layer, start=0)[0] if translated else tr.native_kv[layer][0]
+        ),
+    )
 
 
 @dataclass
@@ -98,7 +120,7 @@ def plan_native_work(
         graphs = config.cuda_graphs
         if graphs is None:
             graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
-        request = SelectionRequest(target, tr, target_ids, source_model, tr.source, prompt_ids, graphs, words)
+        request = selection_request(tr, target, target_ids, source_model, prompt_ids, words, graphs)
         chosen_by = selector.scores(request) if any(budgets) else None
         if chosen_by is not None and words is not None:  # whole words on the target's side
             chosen_by = pool_words(chosen_by.float(), words.target[:, :prefix])

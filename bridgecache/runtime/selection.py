@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from bridgecache.runtime.attention import layers_read
-from bridgecache.runtime.reading import attention_scores
 from bridgecache.runtime.report import reading_flops
 from bridgecache.runtime.words import pool_words
 
@@ -32,27 +31,64 @@ __all__ = ["Selector", "SelectionRequest", "SourceAttention", "KeyDeviation", "G
 
 @dataclass(frozen=True)
 class SelectionRequest:
-    """What a selection rule may read for one cache.
+    """What a selection rule may read for one cache: a read-only view, nothing behind it to write.
 
-    target: the target model; translator: the cache's `Translator` (rows, layout, layers);
-    target_ids: [batch, T] the context in the target's tokens.
-    source_model: the source model, if given; source_kv: the source's `SourceKV` of the context.
+    target_ids: [batch, T] the context in the target's tokens; prefix_length: the cached columns
+        a rule scores (its scores are [batch, prefix_length]).
+    reading_rows: [batch, prefix_length] int64 (on the device): the source token each cached
+        column reads in `source_kv` (-1: none).
+    source_kv: the source's `SourceKV` of the context, as captured (never mutated).
     prompt_ids: [batch, q] the prompt in the SOURCE's tokens (None: no prompt known yet).
-    graphs: whether a model's reading may replay a captured CUDA graph (HandoffConfig.cuda_graphs).
     words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`), given
-        only when the refresh takes whole words (`RefreshConfig.whole_words`: True, or None with
-        the words known): a rule that scores source tokens pools them over the source's words
-        before they cross to the target's columns.
+        only when the refresh takes whole words: a rule that scores source tokens pools them over
+        the source's words before they cross to the target's columns.
+    source_config, target_config: the models' configs (source_config None without a source model).
+    `read_source(...)` lets the source read (the engine's view of it: our attention, graphs where
+    allowed); `translated_keys(layer)` / `native_keys(layer)` give one target layer's keys.
     """
 
-    target: object
-    translator: object
     target_ids: torch.Tensor
-    source_model: object | None
+    prefix_length: int
+    reading_rows: torch.Tensor
     source_kv: object
     prompt_ids: torch.Tensor | None
-    graphs: bool = False
-    words: object | None = None
+    words: object | None
+    source_config: object | None
+    target_config: object
+    _reader: Callable | None = field(default=None, repr=False)
+    _keys: Callable | None = field(default=None, repr=False)
+
+    @property
+    def has_source(self) -> bool:
+        """Whether the source model is there to read with."""
+        return self._reader is not None
+
+    def read_source(
+        self, query_ids: torch.Tensor, context_tokens: int, *, reduce: str = "max", layers: int | None = None
+    ) -> torch.Tensor:
+        """[batch, context_tokens] float32: the attention the source's reading of `query_ids` [batch,
+        q], right after its first `context_tokens` cached tokens, gives each of them (reduced over
+        layers, heads and queries by `reduce`; `layers`: read with the first this many only)."""
+        if self._reader is None:
+            raise ValueError(
+                "this rule reads with the source model, which this cache was not given: pass "
+                "source_model= (handoff() does), or choose another rule: RefreshConfig(by='deviation')"
+            )
+        return self._reader(query_ids, context_tokens, reduce, layers)
+
+    def source_layers_read(self, layers: int | None) -> int:
+        """How many source layers a reading with `layers` runs (the whole stack where the model
+        cannot stop early)."""
+        return self._reader.layers_read(layers)
+
+    def translated_keys(self, layer: int) -> torch.Tensor:
+        """[batch, kv_heads, prefix_length, head_dim] target layer `layer`'s translated keys."""
+        return self._keys(layer, True)
+
+    def native_keys(self, layer: int) -> torch.Tensor:
+        """[batch, kv_heads, prefix_length, head_dim] the target's own keys of a layer the rule
+        asked for natively (`Selector.native_layers`)."""
+        return self._keys(layer, False)
 
 
 class Selector(ABC):
@@ -101,15 +137,16 @@ class SourceAttention(Selector):
         if isinstance(layers, int) and layers < 1 or isinstance(layers, float) and not 0 < layers <= 1:
             raise ValueError(f"layers is {layers}; expected {expected}")
 
-    def layer_count(self, model) -> int | None:
-        """How many of `model`'s layers this rule reads with (None: all)."""
+    def layer_count(self, config) -> int | None:
+        """How many layers of the model with `config` (or of the model) this rule reads with (None: all)."""
         if not isinstance(self.layers, float):
             return self.layers
-        return math.ceil(self.layers * model.config.get_text_config().num_hidden_layers)
+        config = getattr(config, "config", config)
+        return math.ceil(self.layers * config.get_text_config().num_hidden_layers)
 
     def scores(self, request: SelectionRequest) -> torch.Tensor:
-        source, kv = request.source_model, request.translator.reading_source
-        if source is None:
+        kv = request.source_kv
+        if not request.has_source:
             raise ValueError(
                 "refresh by the source's attention needs the source model: pass source_model= (handoff() "
                 "does), or choose another rule: HandoffConfig(refresh=RefreshConfig(by='deviation'))"
@@ -121,23 +158,17 @@ class SourceAttention(Selector):
         prompted = request.prompt_ids is not None and request.prompt_ids.shape[1] > 0
         reduce = self.reduce or ("max" if prompted else "sum")
         after = (4 if prompted else 0) if self.after is None else self.after
-        first = (kv.attention_mask == 0).sum(1)  # on the device: no host round trip
         tokens = kv.num_tokens
+        layers = self.layer_count(request.source_config)
         if prompted:
-            scores = attention_scores(
-                source, kv.keys, kv.values, kv.position_ids, first, request.prompt_ids, tokens, reduce=reduce,
-                layers=self.layer_count(source), graphs=request.graphs,
-            )  # fmt: skip
+            scores = request.read_source(request.prompt_ids, tokens, reduce=reduce, layers=layers)
         else:
             ids = _context_ids(kv)
             recent = min(self.recent, tokens - 1 - int(kv.padding.max()))
             if recent <= 0:
-                return torch.zeros(request.translator.rows.shape)
+                return torch.zeros(request.reading_rows.shape)
             queries, context = ids[:, tokens - recent :], tokens - recent
-            scores = attention_scores(
-                source, kv.keys, kv.values, kv.position_ids, first, queries, context, reduce=reduce,
-                layers=self.layer_count(source), graphs=request.graphs,
-            )  # fmt: skip
+            scores = request.read_source(queries, context, reduce=reduce, layers=layers)
             top = scores.amax() + 1.0
             scores = torch.cat([scores, top.expand(scores.shape[0], recent)], dim=1)
         if after > 0:  # a running max over the `after` tokens before each one, on the source's tokens
@@ -145,16 +176,16 @@ class SourceAttention(Selector):
             scores = torch.nn.functional.max_pool1d(padded, after + 1, stride=1)[:, 0]
         if request.words is not None:  # whole words on the source's side, before the crossing
             scores = pool_words(scores, request.words.source)
-        rows = request.translator.reading_rows.to(scores.device)
+        rows = request.reading_rows.to(scores.device)
         return torch.where(rows >= 0, scores.gather(1, rows.clamp(min=0)), 0.0)
 
     def reading_flops(self, request: SelectionRequest) -> float:
         prompt = request.prompt_ids
         queries = prompt.shape[1] if prompt is not None and prompt.shape[1] else self.recent
-        config = request.source_model.config
-        read = layers_read(request.source_model, self.layer_count(request.source_model))
+        config = request.source_config
+        read = request.source_layers_read(self.layer_count(config))
         share = read / config.get_text_config().num_hidden_layers
-        return share * reading_flops(config, queries, request.translator.reading_source.num_tokens)
+        return share * reading_flops(config, queries, request.source_kv.num_tokens)
 
 
 def _context_ids(kv) -> torch.Tensor:
@@ -181,9 +212,8 @@ class KeyDeviation(Selector):
         return tuple(range(self.check_layer + 1))
 
     def scores(self, request: SelectionRequest) -> torch.Tensor:
-        tr = request.translator
-        translated, _ = tr.translate(self.check_layer, start=0)  # [batch, heads, prefix, dim]
-        native = tr.native_kv[self.check_layer][0]
+        translated = request.translated_keys(self.check_layer)  # [batch, heads, prefix, dim]
+        native = request.native_keys(self.check_layer)
         return (translated.float() - native.float()).pow(2).sum(dim=(1, 3))
 
 
@@ -195,7 +225,7 @@ class GivenScores(Selector):
     name = "given scores"
 
     def scores(self, request: SelectionRequest) -> torch.Tensor:
-        prefix = request.translator.prefix_length
+        prefix = request.prefix_length
         scores = torch.as_tensor(self.values)
         if scores.dim() != 2 or scores.shape[0] != request.target_ids.shape[0] or scores.shape[1] < prefix:
             batch = request.target_ids.shape[0]

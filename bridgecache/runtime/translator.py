@@ -28,8 +28,6 @@ import torch
 from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.rows import leading_native, plan_rows, pool_source
 from bridgecache.kv.source import SourceKV, check_mask, position_ids_from_mask
-from bridgecache.models.spec import model_spec
-from bridgecache.runtime.memo import MEMO
 from bridgecache.runtime.translate import SourceRope, source_rows_kept, translate_layer
 
 __all__ = ["Translator", "prefix_layout"]
@@ -50,12 +48,12 @@ class Translator:
     """
 
     def __init__(
-        self, bridge, source: SourceKV, target, target_ids, *, target_mask, alignment, config, windows
+        self, bridge, source: SourceKV, target, target_ids, *, target_mask, alignment, config, windows, state
     ):
         spec = bridge.source
         source.check(spec, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
-        bridge.target.check(model_spec(target), "target")
         self.bridge = bridge
+        self.state = state  # the engine's EngineState: plans, rope tables, key-norm scales
         self.source = source
         self.target_config = target.config
         self.batch_size = source.batch_size
@@ -79,7 +77,7 @@ class Translator:
         if total and int(positions.max()) + 1 > limit:  # the CPU copy: no device sync
             raise ValueError(f"the context has {total} target tokens; the target model allows {limit}")
         policy = bridge.alignment_policy
-        source_tables = MEMO.source_rope(spec)
+        source_tables = state.source_rope
         pooled = policy == "mean" and alignment is not None
         self.reading_source = source
         if pooled:
@@ -110,12 +108,12 @@ class Translator:
             (self.begin, self.home_device): self.rows[:, self.begin :].to(self.home_device)
         }
         self.target_rope = RopeTables.from_model(target)
-        scales = MEMO.key_norm_scales(target) if config.key_norm else None
+        scales = state.key_norm_scales() if config.key_norm else None
         self.key_norm_scales = scales
         self.source_rope = (
             None
             if pooled
-            else SourceRope(MEMO.rope_on(source_tables, self.home_device), source, self.home_device)
+            else SourceRope(state.rope_on(source_tables, self.home_device), source, self.home_device)
         )
 
     def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +174,7 @@ class Translator:
             parts_k.append(torch.zeros(shape, device=device, dtype=dtype))
             parts_v.append(torch.zeros(shape, device=device, dtype=dtype))
         if begin < stop:
-            plan = MEMO.plan(self.bridge, idx, device)
+            plan = self.state.plan(idx, device)
             self.check_source_rows(plan.used, begin)
             cos, sin = self.target_cos_sin(idx, begin, device)
             rows = self.device_rows(begin, device)

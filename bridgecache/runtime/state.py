@@ -1,0 +1,189 @@
+"""What one handoff engine keeps between requests, owned by it and freed by its `close()`.
+
+    state = EngineState(bridge, source, target)
+    state.plan(layer, device)                      a target layer's LayerMap ready for one device
+    state.stacked_plan(layers, device)             several LayerMaps stacked for one grouped launch
+    state.rope_on(tables, device)                  rotary tables moved to a device
+    state.source_rope                              the bridge's source rotary tables (from its spec)
+    state.key_norm_scales()                        the target's key-norm scales (checked per request)
+    state.source_view / state.target_view          ModelViews that run our attention (runtime.views)
+    state.graphs                                   captured CUDA graphs, bounded by bytes (LRU)
+
+Nothing here is process-global and nothing is stored on the caller's objects: an engine's state
+lives and dies with the engine (`close()` drops every tensor, graph and view it made).
+
+Knows the runtime's plans, views and graphs; nothing about requests or tokenizers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from bridgecache.kv.keynorm import key_norm_scales
+from bridgecache.kv.rope import RopeTables
+from bridgecache.runtime.attention import NAME
+from bridgecache.runtime.translate import LayerPlan, StackedPlan
+from bridgecache.runtime.views import ModelView
+
+__all__ = ["EngineState", "GraphStore"]
+
+
+class GraphStore:
+    """Captured CUDA graphs by key, least recently used dropped first, holding at most `budget`
+    bytes of device memory in all (each graph's buffers and its capture pool, as measured when it
+    was captured). A graph larger than the whole budget is not kept: its forward runs eagerly."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._graphs: OrderedDict = OrderedDict()  # key -> (graph, bytes)
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self._graphs.values())
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, key, make, expected_bytes: int):
+        """The graph under `key`, made by `make()` the first time; None when `expected_bytes`
+        (its buffers, before capture) alone exceed the budget."""
+        with self._lock:
+            if key in self._graphs:
+                self._graphs.move_to_end(key)
+                return self._graphs[key][0]
+            if expected_bytes > self.budget:
+                return None
+            self._make_room(expected_bytes)
+        device = torch.cuda.current_device()
+        before = torch.cuda.memory_reserved(device)
+        graph = make()
+        size = max(expected_bytes, torch.cuda.memory_reserved(device) - before)
+        with self._lock:
+            self._make_room(size)
+            self._graphs[key] = (graph, size)
+        return graph
+
+    def _make_room(self, size: int) -> None:
+        while self._graphs and self.nbytes + size > self.budget:
+            self._graphs.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+
+
+class EngineState:
+    """The per-engine memos of the runtime (see the module docstring).
+
+    graph_bytes: the budget of captured CUDA graphs (device memory beyond the models and caches).
+    """
+
+    def __init__(self, bridge, source, target, *, graph_bytes: int):
+        self.bridge = bridge
+        self._source, self._target = source, target
+        self._plans: dict = {}  # (layer, device) -> LayerPlan
+        self._stacked: dict = {}  # (layers, device) -> StackedPlan
+        self._rope: dict = {}  # (id(tables), device) -> RopeTables
+        self._views: dict = {}  # id(model) -> its ModelView
+        self._lock = threading.Lock()
+        self.replay_lock = threading.RLock()  # a captured graph's buffers serve one request at a time
+        self.source_rope = RopeTables.from_spec(bridge.source)
+        self._norms = key_norm_scales(target) if target is not None else None
+        self._norm_modules = [] if target is None else [
+            getattr(m, "k_norm", None) for m in target.modules() if hasattr(m, "layer_idx")
+        ]  # fmt: skip
+        self._norm_versions = _norm_versions(self._norm_modules)
+        self.graphs = GraphStore(graph_bytes)
+
+    # ------------------------------------------------------------------ plans and tables
+    def plan(self, layer: int, device: torch.device) -> LayerPlan:
+        key = (layer, device)
+        if key not in self._plans:
+            plan = LayerPlan.build(self.bridge.layers[layer], self.bridge.source.num_kv_heads, device)
+            with self._lock:
+                self._plans.setdefault(key, plan)
+        return self._plans[key]
+
+    def stacked_plan(self, layers: tuple[int, ...], device: torch.device) -> StackedPlan:
+        key = (layers, device)
+        if key not in self._stacked:
+            plan = StackedPlan.build(self.bridge.layers, layers, self.bridge.source.num_kv_heads, device)
+            with self._lock:
+                self._stacked.setdefault(key, plan)
+        return self._stacked[key]
+
+    def rope_on(self, tables: RopeTables, device: torch.device) -> RopeTables:
+        """`tables` with its rotary modules on `device`, so a context's cos/sin are computed there
+        rather than on the CPU and copied (ms per 10K tokens)."""
+        if next(tables.rotary.buffers(), torch.empty(0, device=device)).device == device:
+            return tables
+        key = (id(tables), device)
+        if key not in self._rope:
+            with self._lock:
+                self._rope.setdefault(key, tables.to(device))
+        return self._rope[key]
+
+    def key_norm_scales(self):
+        """The target's key-norm scales (None: it normalises no keys), computed when the engine was
+        built; refused if a key-norm weight has been replaced or written since (the per-request
+        check: a version counter per norm, no walk of the model)."""
+        if _norm_versions(self._norm_modules) != self._norm_versions:
+            raise RuntimeError(
+                "the target's key-norm weights changed after this handoff engine was built: build a new "
+                "engine (or call bridgecache.clear_engines()) after editing a model's weights"
+            )
+        return self._norms
+
+    # ------------------------------------------------------------------ views
+    def view(self, role: str) -> ModelView:
+        """The ModelView of the source or the target, made on first use."""
+        model = self._source if role == "source" else self._target
+        if model is None:
+            raise ValueError(f"this engine has no {role} model")
+        return self.view_of(model)
+
+    def view_of(self, model) -> ModelView:
+        """The ModelView of `model` (one of this state's models, or another a cache was given),
+        made on first use."""
+        entry = self._views.get(id(model))
+        if entry is None or entry.original is not model:
+            with self._lock:
+                entry = self._views[id(model)] = ModelView(model, NAME)
+        return entry
+
+    # ------------------------------------------------------------------ ownership
+    @property
+    def device_bytes(self) -> int:
+        """Device (CUDA) bytes this state holds: plans, rope copies and graphs."""
+        tensors = [t for plan in (*self._plans.values(), *self._stacked.values()) for t in _tensors(plan)]
+        held = sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+        return held + self.graphs.nbytes
+
+    def clear(self) -> None:
+        """Forget everything made since the engine was built (it is made again on demand)."""
+        with self._lock:
+            self.graphs.clear()
+            self._plans.clear()
+            self._stacked.clear()
+            self._rope.clear()
+            self._views.clear()
+
+
+def _norm_versions(norms) -> tuple:
+    weights = [getattr(n, "weight", None) for n in norms]
+    return tuple(None if w is None else (id(w), w._version, w.data_ptr()) for w in weights)
+
+
+def _tensors(plan) -> list[torch.Tensor]:
+    values = vars(plan).values() if hasattr(plan, "__dict__") else ()
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
