@@ -53,10 +53,32 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, SourceAttention, capture_kv
+from bridgecache import (
+    BridgedCache,
+    GivenScores,
+    HandoffConfig,
+    HandoffEngine,
+    RefreshConfig,
+    SourceAttention,
+    capture_kv,
+)
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.models.spec import model_spec
+from bridgecache.runtime.engine import generate
+from bridgecache.runtime.native_pass import forward_with_pass
+
+_ENGINES: dict = {}  # (bridge, source, target) ids -> HandoffEngine: one per pair for the whole run
+
+
+def engine_of(bridge, source, target) -> HandoffEngine:
+    """The run's engine of this pair: its plans and CUDA graphs are reused across rows, as a
+    deployment reuses them across requests."""
+    key = (id(bridge), id(source), id(target))
+    if key not in _ENGINES:
+        _ENGINES[key] = HandoffEngine(bridge, source, target)
+    return _ENGINES[key]
+
 
 SHAPES = {  # config.json of the published models
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -137,16 +159,31 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
 
     def bridged(config, words=None):
         cache = BridgedCache(
-            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question, words=words
+            bridge,
+            kv,
+            target,
+            context,
+            config=config,
+            source_model=source,
+            prompt_ids=question,
+            words=words,
+            engine=engine_of(bridge, source, target),
         )
-        target.generate(full, **gen, **cache_kwargs(target, cache))
+        generate(target, cache, full, **gen)
 
     def bridged_forward(config):  # the first token's logits without generate()'s own host work
         cache = BridgedCache(
-            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question
+            bridge,
+            kv,
+            target,
+            context,
+            config=config,
+            source_model=source,
+            prompt_ids=question,
+            engine=engine_of(bridge, source, target),
         )
         first = cache.get_seq_length()
-        target(input_ids=full[:, first:], logits_to_keep=1, **cache_kwargs(target, cache))
+        forward_with_pass(target, input_ids=full[:, first:], logits_to_keep=1, **cache_kwargs(target, cache))
 
     rows = {"native": timed(lambda: target.generate(full, **gen), device, repeats)}
     if device.type == "cuda":
@@ -188,9 +225,16 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
     def handoff(with_source_prefill: bool, config=None):
         source_kv = capture_kv(source, context) if with_source_prefill else kv
         cache = BridgedCache(
-            bridge, source_kv, target, context, config=config, source_model=source, prompt_ids=question
+            bridge,
+            source_kv,
+            target,
+            context,
+            config=config,
+            source_model=source,
+            prompt_ids=question,
+            engine=engine_of(bridge, source, target),
         )
-        target.generate(full, **gen, **cache_kwargs(target, cache))
+        generate(target, cache, full, **gen)
 
     seconds = {
         "native": timed(lambda: target.generate(full, **gen), device, 2),
@@ -211,9 +255,16 @@ def profile(source, target, bridge, n: int, device) -> None:
 
     def handoff(config=None):
         cache = BridgedCache(
-            bridge, kv, target, context, config=config, source_model=source, prompt_ids=question
+            bridge,
+            kv,
+            target,
+            context,
+            config=config,
+            source_model=source,
+            prompt_ids=question,
+            engine=engine_of(bridge, source, target),
         )
-        target.generate(full, **gen, **cache_kwargs(target, cache))
+        generate(target, cache, full, **gen)
 
     def native():
         target.generate(full, **gen)
@@ -224,10 +275,18 @@ def profile(source, target, bridge, n: int, device) -> None:
     def stages() -> tuple[float, float]:
         sync(device)
         start = time.perf_counter()
-        cache = BridgedCache(bridge, kv, target, context, source_model=source, prompt_ids=question)
+        cache = BridgedCache(
+            bridge,
+            kv,
+            target,
+            context,
+            source_model=source,
+            prompt_ids=question,
+            engine=engine_of(bridge, source, target),
+        )
         sync(device)
         built = time.perf_counter()
-        target.generate(full, **gen, **cache_kwargs(target, cache))
+        generate(target, cache, full, **gen)
         sync(device)
         return built - start, time.perf_counter() - built
 
@@ -269,8 +328,16 @@ def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> N
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def handoff():
-        cache = BridgedCache(bridge, kv, target, context, source_model=source, prompt_ids=question)
-        target.generate(full, **gen, **cache_kwargs(target, cache))
+        cache = BridgedCache(
+            bridge,
+            kv,
+            target,
+            context,
+            source_model=source,
+            prompt_ids=question,
+            engine=engine_of(bridge, source, target),
+        )
+        generate(target, cache, full, **gen)
         sync(device)
 
     handoff()

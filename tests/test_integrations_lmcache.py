@@ -132,8 +132,9 @@ def _read_in_fresh_process(tmp_path, config, cache, ids, salt, world_size):
         "out": str(tmp_path / "retrieved"),
     }  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-c", READER, json.dumps(args)], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", READER, json.dumps(args)], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,  # not the checkout: its top-level kernels/ would shadow Hugging Face's `kernels`
+    )  # fmt: skip
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT ") :])

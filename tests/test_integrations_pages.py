@@ -297,7 +297,9 @@ for i in range(150):
 def test_concurrent_writers_in_real_processes_leave_one_whole_file_and_no_temp_files(tmp_path):
     target = tmp_path / "page.json"
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, name, str(target)], stderr=subprocess.PIPE)
+        subprocess.Popen(  # not from the checkout: its kernels/ would shadow Hugging Face's `kernels`
+            [sys.executable, "-c", WRITER, name, str(target)], stderr=subprocess.PIPE, cwd=tmp_path
+        )
         for name in ("a", "b", "c")
     ]
     for proc in procs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import pytest
@@ -50,7 +51,9 @@ def test_in_fresh_process():
         pytest.skip("this process interprets Triton: the tests run here")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # from a neutral directory: the checkout's top-level kernels/ would shadow Hugging Face's
+    # `kernels`, which transformers imports (bridgecache ships ours as bridgecache.kernels)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     assert done.returncode == 0, done.stdout[-4000:]
 
 

@@ -536,7 +536,7 @@ def test_whole_words_cross_an_alignment_through_handoff(tok, monkeypatch):
     digit = text.index("6")
     picked = torch.zeros(1, len(text))
     picked[0, digit] = 1.0
-    monkeypatch.setattr(selection, "attention_scores", lambda *args, **kwargs: picked.clone())
+    monkeypatch.setattr(selection.SelectionRequest, "read_source", lambda *args, **kwargs: picked.clone())
     bridge = _random_bridge(model, seed=2)
 
     def run(whole_words: bool | None):

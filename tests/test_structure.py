@@ -148,3 +148,59 @@ def test_packages_import_only_lower_floors():
 def test_no_library_module_grows_past_450_lines():
     long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert not {n: c for n, c in long.items() if c > 450}, sorted(long.items(), key=lambda x: -x[1])[:5]
+
+
+# Module-level mutable state allowed in runtime/, each with its reason (issue: an engine owns state).
+RUNTIME_MODULE_STATE = {
+    "bridgecache.runtime.engine._ENGINES": "module-level handoff()'s engines (2 kept; clear_engines())",
+    "bridgecache.runtime.engine._ENGINES_LOCK": "guards _ENGINES",
+    "bridgecache.runtime.words._WORD_BYTES": "a constant lookup table (which bytes are word characters)",
+    "bridgecache.runtime.selection._NAMED": "a constant table: rule names -> classes",
+    "bridgecache.runtime.cache._BRIDGED_LAYER_TYPES": "a constant table: transformers' layer classes -> ours",
+}
+_MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary", "Lock",
+                  "RLock", "defaultdict", "zeros", "deque"}  # fmt: skip
+
+
+def _module_state(path: Path) -> set[str]:
+    """Names a module binds at its top level to a mutable container (or decorates with a cache)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            if any("cache" in d for d in decorators):
+                found.add(node.name)
+            continue
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        if isinstance(value, ast.Call):
+            name = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+            mutable = name in _MUTABLE_CALLS
+        if mutable:
+            found |= {t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__"}
+    return found
+
+
+def test_runtime_keeps_no_module_level_state_beyond_the_allow_list():
+    modules = _modules()
+    found = {
+        f"{name}.{var}"
+        for name, path in modules.items()
+        if name.startswith("bridgecache.runtime")
+        for var in _module_state(path)
+    }
+    assert found == set(RUNTIME_MODULE_STATE), (
+        f"module-level state in runtime/ not allow-listed: {sorted(found - set(RUNTIME_MODULE_STATE))}; "
+        f"allow-listed but gone: {sorted(set(RUNTIME_MODULE_STATE) - found)}"
+    )
+
+
+def test_the_state_scan_sees_what_it_must(tmp_path):
+    source = "A = {}\nB: dict = dict()\nC = threading.Lock()\nD = (1, 2)\n@lru_cache\ndef f(): pass\n"
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert _module_state(path) == {"A", "B", "C", "f"}

@@ -63,7 +63,7 @@ __all__ = [
     "generate",
 ]
 
-DEFAULT_GRAPH_BYTES = 2 << 30  # CUDA graphs an engine keeps: 2 GiB of buffers and capture pools
+DEFAULT_GRAPH_BYTES = 3 << 29  # CUDA graphs an engine keeps: 1.5 GiB of buffers and capture pools
 
 
 @dataclass
