@@ -147,7 +147,7 @@ def main() -> None:
     for name in ("1.5b", "7b"):
         config = config_of(name, smoke=small)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         models.append(model.eval())
     source, target = models
     bridge = random_fullhead_bridge(source.config, target.config)
