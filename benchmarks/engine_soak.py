@@ -96,6 +96,14 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device) -> dic
         if (i + 1) % len(sizes) == 0:
             gc.collect()
             marks.append(rss())
+            gib = 2**30
+            extra = (
+                f", engine {engine.device_bytes / gib:.2f} GiB, beyond a cache {max(peaks) / gib:.2f}"
+                if cuda
+                else ""
+            )
+            took = f"{i + 1} handoffs, {sum(seconds):.0f} s"
+            print(f"  round {len(marks)}: {took}, RSS {marks[-1] / 2**20:.0f} MiB{extra}", flush=True)
     report = {
         "handoffs": handoffs,
         "lengths": sizes,

@@ -7,13 +7,16 @@ capture itself runs on CUDA machines only.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from tiny_models import tiny_model
 
 from bridgecache.kv.capture import capture_kv
-from bridgecache.runtime.graphs import ReadingGraph, bucket
+from bridgecache.runtime.graphs import ReadingGraph, as_view, bucket
 from bridgecache.runtime.reading import attention_scores
+from bridgecache.runtime.state import GraphStore
 
 
 def test_buckets_waste_at_most_an_eighth_past_256():
@@ -52,13 +55,24 @@ def test_a_captured_reading_replays_the_eager_scores_on_cuda():
     ids = torch.randint(3, 300, (1, 40), device="cuda")
     kv = capture_kv(model, ids)
     first = torch.zeros(1, dtype=torch.long, device="cuda")
-    for layers in (None, 1, 1, 2):  # the same captured graph, new prompts; one per layer count
+    store, lock, view = GraphStore(1 << 30), threading.RLock(), as_view(model)
+    for layers in (None, None, 1, 1, 1, 2, 2):  # captured on a shape's second request, then replayed
         prompt = torch.randint(3, 300, (1, 5), device="cuda")
-        eager = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers)
+        eager = attention_scores(view, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers)
         replayed = attention_scores(
-            model, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers, graphs=True
+            view,
+            kv.keys,
+            kv.values,
+            kv.position_ids,
+            first,
+            prompt,
+            40,
+            layers=layers,
+            graphs=store,
+            replay_lock=lock,
         )
         assert torch.allclose(eager, replayed, atol=1e-5)
+    assert len(store) == 3  # one graph per layer count
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
@@ -122,6 +136,6 @@ def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
             )
             outputs.append(generate(model, cache, ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
         assert torch.equal(outputs[0], outputs[1])
-    assert len(engine.state.graphs) == 1  # one pass graph, replayed for every context
+    assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed
     engine.close()
     assert len(engine.state.graphs) == 0

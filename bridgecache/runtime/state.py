@@ -34,11 +34,16 @@ __all__ = ["EngineState", "GraphStore"]
 class GraphStore:
     """Captured CUDA graphs by key, least recently used dropped first, holding at most `budget`
     bytes of device memory in all (each graph's buffers and its capture pool, as measured when it
-    was captured). A graph larger than the whole budget is not kept: its forward runs eagerly."""
+    was captured). A shape is captured on its second request (a capture costs about three eager
+    forwards: a shape seen once runs eagerly), and only when its buffers take at most a quarter of
+    the budget (long contexts, where launches matter least, run eagerly rather than evict)."""
+
+    SEEN = 1024  # shapes remembered as requested once
 
     def __init__(self, budget: int):
         self.budget = budget
         self._graphs: OrderedDict = OrderedDict()  # key -> (graph, bytes)
+        self._seen: OrderedDict = OrderedDict()  # keys requested once, not captured
         self._lock = threading.Lock()
 
     @property
@@ -55,8 +60,14 @@ class GraphStore:
             if key in self._graphs:
                 self._graphs.move_to_end(key)
                 return self._graphs[key][0]
-            if expected_bytes > self.budget:
+            if expected_bytes * 4 > self.budget:
                 return None
+            if key not in self._seen:
+                self._seen[key] = None
+                while len(self._seen) > self.SEEN:
+                    self._seen.popitem(last=False)
+                return None
+            del self._seen[key]
             self._make_room(expected_bytes)
         device = torch.cuda.current_device()
         before = torch.cuda.memory_reserved(device)
@@ -74,6 +85,7 @@ class GraphStore:
     def clear(self) -> None:
         with self._lock:
             self._graphs.clear()
+            self._seen.clear()
 
 
 class EngineState:
