@@ -59,8 +59,8 @@ class RefreshConfig:
         amount = self.amount
         if isinstance(amount, bool) or not isinstance(amount, (int, float)):
             raise FieldTypeError(
-                f"RefreshConfig.amount={amount!r} ({type(amount).__name__}); expected a fraction in (0, 1] "
-                "or a token count"
+                f"RefreshConfig.amount={amount!r}; expected a fraction in (0, 1] or a token count, "
+                f"not a {type(amount).__name__}"
             )
         if isinstance(amount, float) and not 0.0 < amount <= 1.0:  # NaN too
             raise ValueError(
@@ -71,8 +71,8 @@ class RefreshConfig:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
         if not isinstance(self.by, (str, Selector)):
             raise FieldTypeError(
-                f"RefreshConfig.by={self.by!r} ({type(self.by).__name__}); expected a rule's name or a "
-                "bridgecache Selector"
+                f"RefreshConfig.by={self.by!r}; expected a rule's name or a bridgecache Selector, "
+                f"not a {type(self.by).__name__}"
             )
         selector_named(self.by)  # raises for an unknown rule
         flag(self.word_ends, "RefreshConfig.word_ends")
@@ -137,13 +137,13 @@ class HandoffConfig:
         flag(self.key_norm, "HandoffConfig.key_norm")
         if self.refresh is not None and not isinstance(self.refresh, RefreshConfig):
             raise FieldTypeError(
-                f"HandoffConfig.refresh={self.refresh!r} ({type(self.refresh).__name__}); expected a "
-                "RefreshConfig or None (a dict is not one: RefreshConfig(**options))"
+                f"HandoffConfig.refresh={self.refresh!r}; expected a RefreshConfig or None, not a "
+                f"{type(self.refresh).__name__} (from a dict: RefreshConfig(**options))"
             )
         if not isinstance(self.quality, QualityPolicy):
             raise FieldTypeError(
-                f"HandoffConfig.quality={self.quality!r} ({type(self.quality).__name__}); expected a "
-                "QualityPolicy"
+                f"HandoffConfig.quality={self.quality!r}; expected a QualityPolicy, not a "
+                f"{type(self.quality).__name__}"
             )
         for name in ("one_launch", "cuda_graphs"):
             flag(getattr(self, name), f"HandoffConfig.{name}", optional=True)

@@ -35,7 +35,9 @@ def check_config(config) -> HandoffConfig:
     elif type(config).__name__ in ("RefreshConfig", "QualityPolicy"):
         field = "refresh" if type(config).__name__ == "RefreshConfig" else "quality"
         hint = f" (wrap it: HandoffConfig({field}=...))"
-    raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache HandoffConfig or None{hint}")
+    raise TypeError(
+        f"config is a {type(config).__name__}; expected a bridgecache HandoffConfig or None{hint}"
+    )
 
 
 def check_text(text, name: str, *, allow_empty: bool = False) -> str:
