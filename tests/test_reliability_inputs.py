@@ -157,7 +157,7 @@ def test_check_messages():
 def test_check_fits_names_both_numbers():
     assert check_fits(512, 512, "the context") == 512
     assert check_fits(10**7, None, "the context") == 10**7  # no window stated
-    with pytest.raises(ValueError, match="the context is 513 tokens; the target reads at most 512"):
+    with pytest.raises(ValueError, match="the context is 513 tokens; the model reads at most 512"):
         check_fits(513, 512, "the context")
     with pytest.raises(TypeError, match="expected an int >= 0"):
         check_fits(-1, 512, "the context")

@@ -93,12 +93,13 @@ def check_messages(messages, name: str = "messages") -> list[dict]:
 
 def check_fits(tokens: int, limit: int | None, what: str) -> int:
     """`tokens` if a model whose window is `limit` tokens can read that many; else ValueError with
-    both numbers. limit None: the model states no window (nothing to check)."""
+    both numbers (`bridge.target.max_position_embeddings` is the target's window, known before
+    any model runs). limit None: no window stated (nothing to check)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise TypeError(f"token count for {what} is {tokens!r}; expected an int >= 0")
     if limit is not None and tokens > limit:
         raise ValueError(
-            f"{what} is {tokens} tokens; the target reads at most {limit} (its max_position_embeddings): "
+            f"{what} is {tokens} tokens; the model reads at most {limit} (its max_position_embeddings): "
             "shorten it or split it"
         )
     return tokens
