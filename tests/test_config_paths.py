@@ -144,8 +144,8 @@ def test_whole_words_reach_every_path_and_name_the_recipe(models, tmp_path, monk
     assert words.kv_recipe != tokens.kv_recipe
     assert bridge_salt(bridge, config=words) != bridge_salt(bridge, config=tokens)
     pooled = []
-    pool = plan.pool_words
-    monkeypatch.setattr(plan, "pool_words", lambda s, g: pooled.append(g.clone()) or pool(s, g))
+    rank = plan.word_ranking
+    monkeypatch.setattr(plan, "word_ranking", lambda s, g, **kw: pooled.append(g.clone()) or rank(s, g, **kw))
     caches, published = _every_path(models, words, tmp_path)
     assert json.loads(published.manifest_path.read_text())["recipe"] == words.kv_recipe
     assert len(pooled) == len(caches) + 1  # each path's plan pooled over its words, publishing's too

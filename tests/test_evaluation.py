@@ -332,8 +332,9 @@ def test_control_scores_are_remembered_per_target_and_ids(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
-    path.write_text("{not json")
-    assert ControlScores(path).get(key) is None  # a damaged file costs a recomputation, not an error
+    path.write_text("{not json")  # not ours (a user's file?): refused, never read or overwritten
+    with pytest.raises(ValueError, match="is not a bridgecache controls file"):
+        ControlScores(path)
 
 
 def test_a_second_run_reads_the_controls_and_scores_the_same(llama, tok, tmp_path):

@@ -59,3 +59,29 @@ def byte_tokenizer(extra: str | None = None) -> PreTrainedTokenizerFast:
     if extra:
         out.add_tokens([extra])
     return out
+
+
+def random_bridge(model, inputs_per_head: int = 2, seed: int = 0):
+    """A random (not identity) bridge of `model` onto itself: each target head reads
+    `inputs_per_head` random source heads of random layers (a refresh has work to do)."""
+    from bridgecache.bridge import Bridge
+    from bridgecache.bridge.maps import LayerMap
+    from bridgecache.models.spec import model_spec
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = model_spec(model)
+    heads, dim, n = spec.num_kv_heads, spec.head_dim, inputs_per_head
+    layers = []
+    for _ in range(spec.num_layers):
+        inputs = torch.stack(
+            [
+                torch.randint(0, spec.num_layers, (heads, n), generator=gen),
+                torch.randint(0, heads, (heads, n), generator=gen),
+            ],
+            dim=-1,
+        )
+        w = lambda: torch.randn(heads, n * dim, dim, generator=gen) / (n * dim) ** 0.5  # noqa: E731
+        b = lambda: torch.randn(heads, dim, generator=gen)  # noqa: E731
+        used = sorted({int(x) for x in inputs[..., 0].unique()})
+        layers.append(LayerMap(used, inputs, w(), b(), w(), b()))
+    return Bridge(spec, spec, "cachebridge", "identity", layers)

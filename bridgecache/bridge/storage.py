@@ -4,7 +4,9 @@ Files: `bridge.json` (metadata, per-tensor shape/dtype/sha256, and `tensors_file
 the tensors file) + `bridge-<16 hex>.safetensors` (the tensors; `bridge.safetensors` in bridges
 written before format 2) + `README.md` (the card). A save writes a new tensors file beside the old
 one and then replaces `bridge.json` in one rename: the pointer moves last, so a reader, a crash or
-a second writer leaves the old bridge or the new one, never half. Loading validates everything
+a second writer leaves the old bridge or the new one, never half. A bridge saved into a folder
+that does not exist yet is built in a hidden staging folder beside it and renamed into place:
+a kill leaves no folder at all, never tensors without bridge.json. Loading validates everything
 against the metadata and names the field that is wrong. No pickle.
 
 Knows the file layout; the `Bridge` it writes and reads is bridgecache.bridge.maps's.
@@ -13,9 +15,11 @@ Knows the file layout; the `Bridge` it writes and reads is bridgecache.bridge.ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -92,30 +96,23 @@ def write(bridge, directory: str | Path, overwrite: bool = True) -> Path:
     }
     if bridge.fingerprints:
         meta["fingerprints"] = dict(bridge.fingerprints)
-    created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
+    files = (tensors, render_card(bridge), meta)
+    if not directory.exists() and _write_new_folder(directory, tensors_file, files, overwrite):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)  # a bridge into a folder that exists
     clean_leftovers(directory)
-    try:
-        with staging_folder(directory) as staging:
-            tensors_tmp, card_tmp, json_tmp = staging / tensors_file, staging / _CARD, staging / _JSON
-            save_file(tensors, str(tensors_tmp))
-            card_tmp.write_text(render_card(bridge))
-            json_tmp.write_text(json.dumps(meta, indent=1))
-            with directory_lock(directory):  # the commit: short, one writer at a time
-                if not overwrite and (directory / _JSON).exists():
-                    raise FileExistsError(
-                        f"{directory} already holds a bridge (another writer saved one meanwhile); "
-                        "refusing to overwrite it"
-                    )
-                publish(tensors_tmp, directory / tensors_file)
-                publish(card_tmp, directory / _CARD)
-                publish(json_tmp, directory / _JSON, exclusive=not overwrite)  # the pointer moves last
-                _remove_unreferenced(directory, keep=tensors_file)
-    except BaseException:
-        if created:  # a folder this call made and nothing landed in: not left behind
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+    with staging_folder(directory) as staging:
+        tensors_tmp, card_tmp, json_tmp = _stage(staging, tensors_file, files)
+        with directory_lock(directory):  # the commit: short, one writer at a time
+            if not overwrite and (directory / _JSON).exists():
+                raise FileExistsError(
+                    f"{directory} already holds a bridge (another writer saved one meanwhile); "
+                    "refusing to overwrite it"
+                )
+            publish(tensors_tmp, directory / tensors_file)
+            publish(card_tmp, directory / _CARD)
+            publish(json_tmp, directory / _JSON, exclusive=not overwrite)  # the pointer moves last
+            _remove_unreferenced(directory, keep=tensors_file)
     return directory
 
 
@@ -269,6 +266,57 @@ def read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     _tidy(directory, meta)
     _check_tensors(meta, tensors, directory)
     return meta, tensors
+
+
+def _stage(staging: Path, tensors_file: str, files) -> tuple[Path, Path, Path]:
+    """Write the tensors, the card and bridge.json into `staging`; returns their paths."""
+    tensors, card, meta = files
+    tensors_tmp, card_tmp, json_tmp = staging / tensors_file, staging / _CARD, staging / _JSON
+    save_file(tensors, str(tensors_tmp))
+    card_tmp.write_text(card)
+    json_tmp.write_text(json.dumps(meta, indent=1))
+    return tensors_tmp, card_tmp, json_tmp
+
+
+def _write_new_folder(directory: Path, tensors_file: str, files, overwrite: bool) -> bool:
+    """A bridge into a folder that does not exist yet: the whole folder is built in a staging
+    folder beside it and renamed into place in one step, so a kill at any moment leaves no
+    `directory` at all (never one holding tensors without bridge.json); what a killed writer
+    leaves in the parent is a hidden staging folder, removed by the next save there. False when
+    another writer created `directory` meanwhile (then the caller writes into it)."""
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(parent)
+    with staging_folder(parent) as staging:
+        folder = staging / "bridge"
+        folder.mkdir()  # mode 0777 minus the umask, as the folder would have had
+        for tmp in _stage(staging, tensors_file, files):
+            publish(tmp, folder / tmp.name)
+        with directory_lock(parent):  # the commit: one rename
+            if directory.exists():
+                if not overwrite and (directory / _JSON).exists():
+                    raise FileExistsError(
+                        f"{directory} already holds a bridge (another writer saved one meanwhile); "
+                        "refusing to overwrite it"
+                    )
+                return False
+            try:
+                os.rename(folder, directory)
+            except OSError as err:  # created meanwhile by a writer that does not take this lock
+                if err.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+                    return False
+                raise
+    _fsync_folder(parent)
+    return True
+
+
+def _fsync_folder(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def layer_fields(meta: dict, tensors: dict, directory: Path, device) -> list[dict]:

@@ -12,8 +12,9 @@ from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-
 local directory) unless --source/--target say otherwise. Generation tasks are answered after
 native prefill, no context, another item's context and the bridged cache. Prints the table of
 `report.format_table`; --json writes `report.summarise`'s object. Every option, the bridge, the
-data, the model names and both output paths (--json, --controls) are checked before a model
-loads; errors exit with status 2 and one line naming the file, line and field.
+data, the model names, the controls file and both output paths (--json, --controls: never an
+input, a folder of one, or a file that holds something else) are checked before a model loads;
+errors exit with status 2 and one line naming the file, line and field.
 """
 
 from __future__ import annotations
@@ -94,13 +95,60 @@ def check_model_names(names) -> str | None:
 
 
 def _check_outputs(args) -> str | None:
+    """Why --json or --controls cannot be written (None: both can): not creatable, the same file
+    as an input or as each other, inside the bridge's or a model's folder, or (--json) an existing
+    file that is not an earlier result (a data file, a bridge.json) would be overwritten."""
     from bridgecache.files import writable_file
 
-    for flag, path in (("--json", args.json), ("--controls", args.controls)):
-        problem = writable_file(path) if path is not None else None
+    inputs = [
+        ("--data", args.data),
+        ("--bridge", args.bridge),
+        ("--source", args.source),
+        ("--target", args.target),
+    ]
+    inputs = [
+        (flag, Path(value)) for flag, value in inputs if value and not str(value).startswith("builtin:")
+    ]
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--controls", args.controls)) if path]
+    for flag, path in outputs:
+        problem = writable_file(path)
         if problem:
             return f"{flag}: {problem}"
+        for other, source in inputs:
+            if _same_or_inside(path, source):
+                return f"{flag} {path} is {other} {source} or lies inside it; write the output elsewhere"
+    if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
+        return f"--json and --controls are the same file ({args.json}); give each its own"
+    if args.json is not None and args.json.is_file() and not _is_result(args.json):
+        return (
+            f"--json {args.json} holds something else than an eval result; it is left as it is: "
+            "write elsewhere"
+        )
     return None
+
+
+def _same_or_inside(path: Path, other: Path) -> bool:
+    """Whether `path` is the file `other` or lies under the folder `other` (links resolved)."""
+    try:
+        path, other = path.resolve(), other.resolve()
+    except (OSError, RuntimeError):
+        return False
+    if not other.exists():
+        return False
+    return path == other or (other.is_dir() and other in path.parents)
+
+
+def _is_result(path: Path) -> bool:
+    """Whether `path` holds what an earlier `eval --json` wrote (so overwriting it is expected)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1)
+        if head != b"{":
+            return False
+        result = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(result, dict) and {"task", "n", "variant", "method"} <= set(result)
 
 
 def run_eval(args) -> int:
@@ -127,6 +175,7 @@ def run_eval(args) -> int:
         bridge = Bridge.from_pretrained(args.bridge)
         task = data_task(args.data, args.task)
         items = None if builtin else load_items(args.data, task, limit=args.limit)[1]
+        controls = ControlScores(args.controls)  # a damaged file is refused now, not mid-run
     except (BridgeFormatError, EvaluationError, OSError, ValueError) as err:
         return fail(err)
     source_name = args.source or bridge.source.name
@@ -151,7 +200,7 @@ def run_eval(args) -> int:
             items = load_items(args.data, task, target_tok, args.limit)[1]
         evaluation = evaluate(
             source, source_tok, target, target_tok, items, task, [variant],
-            chat=args.chat, progress=not args.no_progress, controls=ControlScores(args.controls),
+            chat=args.chat, progress=not args.no_progress, controls=controls,
         )  # fmt: skip
     except EvaluationError as err:
         return fail(err)

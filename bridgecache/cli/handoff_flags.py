@@ -108,6 +108,11 @@ def handoff_config(args) -> HandoffConfig:
     refresh = (
         None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words, args.word_ends)
     )
+    quality = args.min_quality
+    if quality is not None and not (math.isfinite(quality) and quality <= 1):
+        raise ValueError(
+            f"--min-quality is {quality}; expected a finite number (a held-out score, at most 1)"
+        )
     return HandoffConfig(
         native_head=args.native_head,
         native_tail=args.native_tail,
@@ -131,7 +136,4 @@ def config_problem(config: HandoffConfig, bridge) -> str | None:
         resolve_native_layers(config.native_layers, bridge.target.num_layers)
     except ValueError as err:
         return f"--native-layers: {err}"
-    quality = config.quality.min_quality
-    if quality is not None and not math.isfinite(quality):
-        return f"--min-quality is {quality}; expected a finite number (a held-out score, at most 1)"
     return None

@@ -5,7 +5,9 @@ geometry (`HostPages`) and hands them to each storage the way SGLang's cache con
 write back its own pages (managers/cache_controller.py, 0.5.23): `batch_set_v1(keys,
 host_indices)` for the backends the controller drives zero-copy (3FS, Mooncake, NIXL, SeaweedFS,
 ..., or a `dynamic` backend with `"interface_v1": 1`), `batch_set(keys, flat pages)` for the
-others (the file backend among them). Keys, namespace, layout and tensor-parallel split are the
+others (the file backend among them). What a storage says it stored is then checked before
+success is reported: read back through its own `batch_get` and compared byte for byte (flat
+pages), or found by its `batch_exists` (zero-copy). Keys, namespace, layout and tensor-parallel split are the
 ones an engine looks up, so a fleet's store serves bridged prefixes to every node.
 
 Build each storage as the engine does, from SGLang's `HiCacheStorageConfig` with the engine's
@@ -194,13 +196,38 @@ def write_hicache(pages, storages, *, layout: str) -> list[HiCacheStorage]:
         storage.register_mem_pool_host(pool)
         if _zero_copy(storage):
             ok = _per_page(storage.batch_set_v1(keys, torch.arange(pool.size)), len(keys))
+            stored = storage.batch_exists(keys) if all(ok) else 0  # what it claims: exists, at least
+            ok = [good and i < stored for i, good in enumerate(ok)]
         else:
             flat = [pool.get_data_page(i * pages.page_size) for i in range(pages.num_pages)]
             ok = [bool(storage.batch_set(keys, flat))] * len(keys)
+            if all(ok):
+                ok = _read_back(storage, keys, flat)
         failed = [key for key, good in zip(keys, ok) if not good]
         if failed:
             raise RuntimeError(
                 f"{type(storage).__name__} (rank {rank} of {len(storages)}) did not store "
-                f"{len(failed)} of {len(keys)} pages (first: {failed[:1]})"
+                f"{len(failed)} of {len(keys)} pages whole (first: {failed[:1]}): a full disk, a short "
+                "write or an older copy under the same key"
             )
     return storages
+
+
+def _read_back(storage: HiCacheStorage, keys: list[str], flat: list[torch.Tensor]) -> list[bool]:
+    """One flag per page: whether the storage's own batch_get returns the bytes just written.
+    SGLang's HiCacheFile reports success for a short write (a full disk) and skips a key whose
+    file exists (an earlier truncated copy): only reading it back tells."""
+    into = [torch.empty_like(page) for page in flat]
+    try:
+        got = storage.batch_get(keys, into)
+    except Exception:  # e.g. HiCacheFile's IOError("Short read"): nothing whole was stored
+        return [False] * len(keys)
+    got = list(got) if got is not None else [None] * len(keys)
+    if len(got) != len(keys):
+        return [False] * len(keys)
+    return [
+        isinstance(page, torch.Tensor)
+        and page.numel() == want.numel()
+        and torch.equal(page.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        for page, want in zip(got, flat)
+    ]

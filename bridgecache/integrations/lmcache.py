@@ -98,7 +98,11 @@ def close_engine(instance_id: str) -> None:
 def _wait_for_puts(engine, keys: list, timeout: float) -> None:
     """Block until every backend but the CPU buffer holds `keys` (LMCache writes asynchronously;
     closing an engine with writes in flight frees their buffers under the writer)."""
-    backends = [b for name, b in engine.storage_manager.storage_backends.items() if name != "LocalCPUBackend"]
+    every = engine.storage_manager.storage_backends
+    # the CPU buffer is LMCache's staging, not storage, unless it is all there is
+    backends = [b for name, b in every.items() if name != "LocalCPUBackend"] or list(every.values())
+    if not backends:
+        raise RuntimeError("the LMCache engine has no storage backend: nothing would hold the chunks")
     deadline = time.monotonic() + timeout
     for backend in backends:
         for key in keys:
@@ -120,6 +124,19 @@ class LMCachePublisher:
     raises TimeoutError after `timeout` seconds). Use as a context manager, or call `close()`."""
 
     def __init__(self, config, *, world_size: int = 1, timeout: float = 60.0):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"world_size is {world_size!r}; expected vLLM's tensor-parallel size, an int >= 1"
+            )
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(f"timeout is {timeout!r}; expected seconds, a finite number > 0")
+        chunk = getattr(config, "chunk_size", None)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"config.chunk_size is {chunk!r}; expected LMCache's chunk size, an int >= 1")
         if config.save_unfull_chunk:
             config.save_unfull_chunk = False  # a partial chunk can never answer a longer prompt
         self.config, self.world_size, self.timeout = config, world_size, timeout
@@ -157,6 +174,11 @@ class LMCachePublisher:
             stored = [
                 key for _, _, key in engine.token_database.process_tokens(tokens, request_configs=configs)
             ]
+            if len(stored) != len(pages.token_ids) // self.config.chunk_size:
+                raise RuntimeError(
+                    f"LMCache chunked {len(pages.token_ids)} tokens into {len(stored)} chunks of "
+                    f"{self.config.chunk_size}; expected {len(pages.token_ids) // self.config.chunk_size}"
+                )
             _wait_for_puts(engine, stored, self.timeout)
             ids.append(instance)
         return ids

@@ -42,6 +42,7 @@ __all__ = [
     "bridge_fingerprint",  # lives in keys; importable from here as before
     "check_engine",
     "read_context",
+    "read_manifest",
     "write_new_file",
 ]
 
@@ -93,7 +94,8 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _read_manifest(path: Path) -> Manifest:
+def read_manifest(path: Path) -> Manifest:
+    """The manifest at `path`, checked (PageFormatError when it is not one of ours or garbled)."""
     try:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -170,7 +172,7 @@ class PageStore:
             if path in self._manifests or path in self._bad or path.name.startswith("."):
                 continue
             try:
-                manifest = _read_manifest(path)
+                manifest = read_manifest(path)
             except PageFormatError as err:
                 if strict:
                     raise

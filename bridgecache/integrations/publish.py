@@ -33,7 +33,16 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from bridgecache.integrations.keys import bridge_fingerprint, bridge_salt, namespace_seed, page_keys
-from bridgecache.integrations.pages import FORMAT, VERSION, Manifest, dtype_name, read_context, write_new_file
+from bridgecache.integrations.pages import (
+    FORMAT,
+    VERSION,
+    Manifest,
+    PageFormatError,
+    dtype_name,
+    read_context,
+    read_manifest,
+    write_new_file,
+)
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import engine_for
@@ -99,6 +108,25 @@ class Published:
         return self.location
 
 
+def check_publish_arguments(*, page_size, model_name=None, salt="", dtype=None, accept=None) -> None:
+    """Refuse a bad publishing argument before anything is translated or written."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size is {page_size!r}; expected an integer >= 1 (the engine's page size)")
+    if not isinstance(salt, str):
+        raise TypeError(f"salt is {salt!r}; expected a str (the empty string for no user salt)")
+    if model_name is not None and (not isinstance(model_name, str) or not model_name):
+        raise ValueError(
+            f"model_name is {model_name!r}; expected the name the engine serves the target under "
+            "(or None: the target model's own name)"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(
+            f"dtype is {dtype!r}; expected a floating torch.dtype (the engine's KV dtype) or None"
+        )
+    if accept is not None and not callable(accept):
+        raise TypeError(f"accept is a {type(accept).__name__}; expected a callable (cache) -> bool, or None")
+
+
 def bridged_pages(
     cache,
     target_ids: torch.Tensor,
@@ -116,10 +144,11 @@ def bridged_pages(
     `--model-path`); default: the target model's own name (`config._name_or_path`); an error
     when neither exists, since the engine's served-model check needs it. Returns None when
     `accept(cache)` says no (then nothing is published)."""
+    check_publish_arguments(page_size=page_size, model_name=model_name, salt=salt, dtype=dtype, accept=accept)
+    if not isinstance(target_ids, torch.Tensor):
+        raise TypeError(f"target_ids is a {type(target_ids).__name__}; expected a tensor [1, tokens]")
     translator = cache.translator
     bridge = translator.bridge
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size is {page_size!r}; expected an integer >= 1 (the engine's page size)")
     if target_ids.dim() != 2 or target_ids.shape[0] != 1:
         raise ValueError(
             f"target_ids has shape {tuple(target_ids.shape)}; publish takes one context [1, tokens]"
@@ -200,11 +229,38 @@ def write_page_store(pages: BridgedPages, directory: str | os.PathLike) -> Path:
         **pages.meta,
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
-    directory = Path(directory)
+    directory = check_output_directory(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    stem = directory / pages.page_keys[-1]  # a hex digest (page_keys), never a path
+    stem = directory / publication_name(pages)
     write_new_file(stem.with_suffix(".safetensors"), raw)
-    return write_new_file(stem.with_suffix(".json"), json.dumps(manifest, indent=1).encode())  # commits
+    path = write_new_file(stem.with_suffix(".json"), json.dumps(manifest, indent=1).encode())  # commits
+    _read_back(path, manifest)
+    return path
+
+
+def publication_name(pages: BridgedPages) -> str:
+    """The file stem of one publication in a page store: the last page key (it chains the
+    namespace, which names the bridge, the recipe and the user salt, and every token and the
+    page size), then what the key does not carry: the KV dtype and the served model name. Two
+    publications of one context for other engines never share files."""
+    served = hashlib.sha256(pages.model_name.encode("utf-8")).hexdigest()[:12]
+    return f"{pages.page_keys[-1]}-{dtype_name(pages.keys.dtype)}-{served}"  # hex and a dtype: never a path
+
+
+def _read_back(path: Path, manifest: dict) -> None:
+    """Read what was just published as an engine will (manifest, then tensors, verified) and
+    check it is what was written: another writer of the same name, a short write or a full disk
+    is an error here, never a success reported over pages nothing can read."""
+    try:
+        stored = read_manifest(path)
+        read_context(stored)
+    except PageFormatError as err:
+        raise OSError(f"the page store did not keep what was published: {err}") from err
+    if stored.sha256 != manifest["sha256"]:
+        raise OSError(
+            f"{path} was replaced by another publisher while it was written (sha256 {stored.sha256[:16]}..., "
+            f"this publish wrote {manifest['sha256'][:16]}...); publish again"
+        )
 
 
 def publish(
@@ -238,31 +294,46 @@ def publish(
     Returns:
         `Published`, or None when `accept` said no.
     """
+    write = _writer(destination, layout)  # a bad destination is refused before the translation
     pages = bridged_pages(
         cache, target_ids, page_size=page_size, model_name=model_name, salt=salt, dtype=dtype, accept=accept
     )
     if pages is None:
         return None
+    location = write(pages)
+    return Published(pages.cache_salt, pages.page_keys, pages.page_size, pages.num_tokens, location)
+
+
+def _writer(destination, layout):
+    """The function that writes pages to `destination` and verifies them (see `publish`)."""
     if isinstance(destination, (str, os.PathLike)):
         if layout is not None:
             raise ValueError("layout= is for a HiCacheStorage destination; a page store keeps every layout")
-        location = write_page_store(pages, destination)
-    elif hasattr(destination, "write_pages"):
-        location = destination.write_pages(pages)
-    else:
-        from bridgecache.integrations.hicache import is_hicache_storage, write_hicache  # imports sglang
+        check_output_directory(destination)
+        return lambda pages: write_page_store(pages, destination)
+    if hasattr(destination, "write_pages"):
+        return destination.write_pages
+    from bridgecache.integrations.hicache import LAYOUTS, is_hicache_storage, write_hicache  # imports sglang
 
-        if not is_hicache_storage(destination):
-            raise TypeError(
-                f"destination is a {type(destination).__name__}; expected a page store directory, a SGLang "
-                "HiCacheStorage (or a list, one per TP rank) or an object with write_pages(pages)"
-            )
-        if layout is None:
-            raise ValueError(
-                "publishing to a HiCacheStorage needs layout= (the engine's --hicache-mem-layout)"
-            )
-        location = write_hicache(pages, destination, layout=layout)
-    return Published(pages.cache_salt, pages.page_keys, pages.page_size, pages.num_tokens, location)
+    if not is_hicache_storage(destination):
+        raise TypeError(
+            f"destination is a {type(destination).__name__}; expected a page store directory, a SGLang "
+            "HiCacheStorage (or a list, one per TP rank) or an object with write_pages(pages)"
+        )
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"layout is {layout!r}; publishing to a HiCacheStorage needs layout= (the engine's "
+            f"--hicache-mem-layout: one of {LAYOUTS})"
+        )
+    return lambda pages: write_hicache(pages, destination, layout=layout)
+
+
+def check_output_directory(directory) -> Path:
+    """A page store directory: absent (it is made) or a directory; a file there is refused."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"page store {directory} is a file, not a directory")
+    return directory
 
 
 def translate_context(

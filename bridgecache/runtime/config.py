@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from bridgecache.runtime.fields import FieldTypeError, count, flag
 from bridgecache.runtime.gate import QualityPolicy
 from bridgecache.runtime.selection import Selector, selector_named
 
 __all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
 
 DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (benchmarks/reports/quality.md)
+_TOKENS = "a count of context tokens"
 
 
 @dataclass(frozen=True)
@@ -56,24 +58,25 @@ class RefreshConfig:
     def __post_init__(self):
         amount = self.amount
         if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise ValueError(
-                f"RefreshConfig.amount={amount!r}; expected a fraction in (0, 1] or a token count"
+            raise FieldTypeError(
+                f"RefreshConfig.amount={amount!r}; expected a fraction in (0, 1] or a token count, "
+                f"not a {type(amount).__name__}"
             )
-        if isinstance(amount, float) and not 0.0 < amount <= 1.0:
+        if isinstance(amount, float) and not 0.0 < amount <= 1.0:  # NaN too
             raise ValueError(
                 f"RefreshConfig.amount={amount}; a fraction must lie in (0, 1] (an int is a token count; "
                 "no refresh: HandoffConfig(refresh=None))"
             )
         if isinstance(amount, int) and amount < 1:
             raise ValueError(f"RefreshConfig.amount={amount}; expected a token count >= 1")
-        selector_named(self.by)  # raises for an unknown rule
-        if self.word_ends not in (True, False):
-            raise ValueError(f"RefreshConfig.word_ends={self.word_ends!r}; expected True or False")
-        if self.whole_words not in (None, True, False):
-            raise ValueError(
-                f"RefreshConfig.whole_words={self.whole_words!r}; expected None (where the words are "
-                "known), True or False"
+        if not isinstance(self.by, (str, Selector)):
+            raise FieldTypeError(
+                f"RefreshConfig.by={self.by!r}; expected a rule's name or a bridgecache Selector, "
+                f"not a {type(self.by).__name__}"
             )
+        selector_named(self.by)  # raises for an unknown rule
+        flag(self.word_ends, "RefreshConfig.word_ends")
+        flag(self.whole_words, "RefreshConfig.whole_words (None: where the words are known)", optional=True)
 
     @property
     def selector(self) -> Selector:
@@ -123,30 +126,27 @@ class HandoffConfig:
     cuda_graphs: bool | None = None
 
     def __post_init__(self):
-        for name in ("native_head", "native_tail"):
-            value = getattr(self, name)
-            if value is None and name == "native_head":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"HandoffConfig.{name}={value!r}; expected a count of context tokens >= 0")
-        layers = self.native_layers
-        if isinstance(layers, list):
-            object.__setattr__(self, "native_layers", tuple(layers))
-        elif not (layers is None or layers == "all" or isinstance(layers, (int, tuple))) or isinstance(
-            layers, bool
-        ):
-            raise ValueError(
-                f"HandoffConfig.native_layers={layers!r}; expected an int, a tuple of layer indices or 'all'"
+        if self.native_head is not None:
+            object.__setattr__(
+                self, "native_head", count(self.native_head, "HandoffConfig.native_head", what=_TOKENS)
             )
+        object.__setattr__(
+            self, "native_tail", count(self.native_tail, "HandoffConfig.native_tail", what=_TOKENS)
+        )
+        object.__setattr__(self, "native_layers", _native_layers(self.native_layers))
+        flag(self.key_norm, "HandoffConfig.key_norm")
         if self.refresh is not None and not isinstance(self.refresh, RefreshConfig):
-            raise ValueError(f"HandoffConfig.refresh={self.refresh!r}; expected a RefreshConfig or None")
+            raise FieldTypeError(
+                f"HandoffConfig.refresh={self.refresh!r}; expected a RefreshConfig or None, not a "
+                f"{type(self.refresh).__name__} (from a dict: RefreshConfig(**options))"
+            )
         if not isinstance(self.quality, QualityPolicy):
-            raise ValueError(f"HandoffConfig.quality={self.quality!r}; expected a QualityPolicy")
+            raise FieldTypeError(
+                f"HandoffConfig.quality={self.quality!r}; expected a QualityPolicy, not a "
+                f"{type(self.quality).__name__}"
+            )
         for name in ("one_launch", "cuda_graphs"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(
-                    f"HandoffConfig.{name}={getattr(self, name)!r}; expected None, True or False"
-                )
+            flag(getattr(self, name), f"HandoffConfig.{name}", optional=True)
 
     def replace(self, **changes) -> HandoffConfig:
         """A copy with `changes` (validated again)."""
@@ -198,3 +198,22 @@ class HandoffConfig:
             f"native_layers={self.native_layers} key_norm={self.key_norm} refresh={refresh} "
             f"quality={self.quality}"
         )
+
+
+def _native_layers(layers):
+    """HandoffConfig.native_layers checked: None, "all", an int >= 0, or layer indices (a list
+    becomes a tuple of ints >= 0); bounds against the model: native.resolve_native_layers."""
+    name = "HandoffConfig.native_layers"
+    if layers is None or layers == "all":
+        return layers
+    if isinstance(layers, (list, tuple)):
+        return tuple(count(i, f"{name}[{k}]", what="a layer index") for k, i in enumerate(layers))
+    if isinstance(layers, str):
+        raise ValueError(f"{name}={layers!r}; expected an int, a tuple of layer indices or 'all'")
+    try:
+        return count(layers, name, what="a number of first layers")
+    except FieldTypeError:
+        raise FieldTypeError(
+            f"{name}={layers!r}; expected an int, a tuple of layer indices or 'all', "
+            f"not a {type(layers).__name__}"
+        ) from None

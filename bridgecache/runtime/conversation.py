@@ -32,6 +32,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import engine_for
+from bridgecache.runtime.inputs import check_messages
 from bridgecache.runtime.likelihood import Prefix, score
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, same_tokenization
 
@@ -112,9 +113,9 @@ class Conversation:
         """The source reads `messages` (its chat template); the target continues on a bridged
         cache of them, made with `config` (default `HandoffConfig()`, as `handoff()`) by `engine`
         (a `HandoffEngine` of exactly these models; None: the setup's shared one)."""
+        messages = [dict(m) for m in check_messages(messages)]
         if engine is None:
             engine = engine_for(bridge, source, target, source_tokenizer, target_tokenizer)
-        messages = [dict(m) for m in messages]
         same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
             target_tokenizer, "chat_template", None
         )

@@ -48,6 +48,7 @@ from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.inputs import check_config, check_contexts, check_fits, check_text
 from bridgecache.runtime.native_pass import forward_with_pass
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.state import EngineState
@@ -181,11 +182,8 @@ class HandoffEngine:
             ("source", request.source_ids.shape[1], self.bridge.source.max_position_embeddings),
         )
         for role, tokens, limit in sides:
-            if limit and tokens > limit:
-                raise ValueError(
-                    f"the context{' and prompt' if role == 'target' and prompt else ''} take {tokens} "
-                    f"{role} tokens; the {role} model reads at most {limit} (its max_position_embeddings)"
-                )
+            what = f"the context{' and prompt' if role == 'target' and prompt else ''} in the {role}'s tokens"
+            check_fits(tokens, limit, what)
 
     def cache(self, request: HandoffRequest, config: HandoffConfig | None = None) -> BridgedCache:
         """The BridgedCache of a request (over this engine's state), nothing translated yet."""
@@ -227,10 +225,8 @@ class HandoffEngine:
     ) -> HandoffResult:  # fmt: skip
         """Let the target continue `context + prompt` from the source's KV of `context`
         (`bridgecache.handoff`'s arguments; `source_kv`: the source's KV if already computed)."""
-        if not isinstance(context, str) or not isinstance(prompt, str):
-            raise TypeError(
-                f"context and prompt are {type(context).__name__} and {type(prompt).__name__}; expected str"
-            )
+        check_text(context, "context", allow_empty=True)
+        check_text(prompt, "prompt", allow_empty=True)
         request = self.request([context], prompt, config=config, source_kv=source_kv)
         if request.target_ids.shape[1] + request.target_prompt.shape[1] == 0:
             raise ValueError("context and prompt are both empty (0 target tokens): nothing to continue from")
@@ -243,15 +239,9 @@ class HandoffEngine:
         self, contexts: list[str], prompt: str = "", *, config: HandoffConfig | None = None, **generate_kwargs
     ) -> BatchHandoffResult:
         """Every `context + prompt` continued in one batch (`bridgecache.handoff_batch`)."""
-        if isinstance(contexts, str) or not isinstance(contexts, (list, tuple)):
-            raise TypeError(
-                f"contexts is a {type(contexts).__name__}; expected a list of str (one text per row)"
-            )
-        if not contexts:
-            raise ValueError("contexts is empty: pass at least one text")
-        if not all(isinstance(t, str) for t in contexts) or not isinstance(prompt, str):
-            raise TypeError("contexts must be a list of str and prompt a str")
-        request = self.request(list(contexts), prompt, config=config)
+        contexts = check_contexts(contexts)
+        check_text(prompt, "prompt", allow_empty=True)
+        request = self.request(contexts, prompt, config=config)
         new_tokens, generation, seconds, cache = self._run(request, config, generate_kwargs)
         texts = self.target_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         return BatchHandoffResult(texts, new_tokens, cache, request.source_prefill_s, seconds, generation)
@@ -261,8 +251,7 @@ class HandoffEngine:
     ) -> tuple[BridgedCache, torch.Tensor]:
         """(BridgedCache, target_ids [1, T]) of `context` with no prompt known yet (publishing:
         the refresh is chosen by the source's reading of the context's last tokens)."""
-        if not isinstance(context, str):
-            raise TypeError(f"context is a {type(context).__name__}; expected str")
+        check_text(context, "context")
         request = self.request([context], None, config=config, source_kv=source_kv)
         return self.cache(request, config), request.target_ids
 
@@ -317,11 +306,7 @@ def _weights_identity(*models) -> tuple:
 
 
 def _checked_config(config) -> HandoffConfig:
-    if config is None:
-        return HandoffConfig()
-    if not isinstance(config, HandoffConfig):
-        raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
-    return config
+    return check_config(config)
 
 
 # ---------------------------------------------------------------------- the module-level engines

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bridgecache.runtime.fields import real
+
 __all__ = ["QualityPolicy", "GateDecision", "layer_scores", "layer_score_metric"]
 
 
@@ -63,6 +65,12 @@ class QualityPolicy:
     min_quality: float | None = None
     max_native_fraction: float = 0.5
     min_coverage: float = 0.9
+
+    def __post_init__(self):
+        if self.min_quality is not None:  # scores are cosines or R^2: at most 1 (R^2 has no floor)
+            real(self.min_quality, "QualityPolicy.min_quality (None: no gate)", high=1.0)
+        real(self.max_native_fraction, "QualityPolicy.max_native_fraction", 0.0, 1.0)
+        real(self.min_coverage, "QualityPolicy.min_coverage", 0.0, 1.0)
 
     def decide(self, layer_scores: list[float] | None, coverage: float) -> GateDecision:
         if self.min_quality is None:

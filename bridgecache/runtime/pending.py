@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PendingPlan", "PendingWork", "pending_columns", "refresh_budget"]
+__all__ = ["PendingPlan", "PendingWork", "pending_columns", "ranked", "refresh_budget"]
 
 
 def refresh_budget(amount, eligible: int) -> int:
@@ -97,11 +97,7 @@ class PendingPlan:
         width = max(c + b for c, b in zip(counts, budgets))
         parts = [self.order]
         if max(budgets):
-            masked = torch.where(self.eligible, scores.to(self.eligible.device).float(), float("-inf"))
-            # a stable sort, not topk: equal scores (a reach spreads one score over several tokens)
-            # go to the earliest column, so a row picks what it picks alone, padded or not
-            best = masked.sort(dim=1, descending=True, stable=True).indices
-            parts.append(best[:, : max(budgets)])
+            parts.append(ranked(scores.to(self.eligible.device), self.eligible)[:, : max(budgets)])
         columns = torch.cat(parts, dim=1)
         valid = self.known
         # Unused slots repeat the row's last valid column, so after sorting the surplus sits at the
@@ -113,6 +109,21 @@ class PendingPlan:
             return columns, None
         row_valid = torch.tensor([not e for e in empty])[:, None].to(columns.device)
         return columns, row_valid.expand(-1, columns.shape[1]).contiguous()
+
+
+def ranked(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """[batch, prefix] column indices: the eligible columns first, best score first, then the
+    others. scores [batch, prefix] (NaN ranks as -inf: last), eligible [batch, prefix] bool.
+    Eligibility is its own key, not a score of -inf: an eligible column scored -inf still comes
+    before every ineligible one, so a budget (at most the eligible count) never reaches a column
+    that is already native or padding. Stable sorts, not topk: equal scores (a reach spreads one
+    score over several tokens) go to the earliest column, so a row picks what it picks alone,
+    padded or not."""
+    scores = scores.float()
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    order = scores.sort(dim=1, descending=True, stable=True).indices
+    outside = (~eligible).gather(1, order).to(torch.uint8)
+    return order.gather(1, outside.argsort(dim=1, stable=True))
 
 
 def pending_columns(always: torch.Tensor, scores: torch.Tensor | None, eligible: torch.Tensor, budgets: list):

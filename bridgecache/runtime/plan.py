@@ -24,8 +24,8 @@ from bridgecache.runtime.native import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.reading import SourceReader
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
-from bridgecache.runtime.selection import SelectionRequest
-from bridgecache.runtime.words import pool_words, reach_word_ends
+from bridgecache.runtime.selection import SelectionRequest, checked_scores
+from bridgecache.runtime.words import word_ranking
 
 __all__ = ["NativePlan", "plan_native_work", "selection_request"]
 
@@ -121,14 +121,14 @@ def plan_native_work(
         if graphs is None:
             graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
         request = selection_request(tr, target, target_ids, source_model, prompt_ids, words, graphs)
-        chosen_by = selector.scores(request) if any(budgets) else None
+        chosen_by = (
+            checked_scores(selector.scores(request), len(budgets), prefix, selector) if any(budgets) else None
+        )
         if chosen_by is not None and words is not None:  # whole words on the target's side
-            chosen_by = pool_words(chosen_by.float(), words.target[:, :prefix])
-            if refresh.word_ends:  # padding lends nothing: a padded row picks what it picks alone
-                real = torch.arange(prefix, device=device)[None] >= first_column[:, None]
-                chosen_by = reach_word_ends(
-                    chosen_by.masked_fill(~real, float("-inf")), words.target[:, :prefix]
-                )
+            # padding lends nothing: a padded row picks what it picks alone
+            chosen_by = word_ranking(
+                chosen_by, words.target[:, :prefix], ends=refresh.word_ends, first_column=first_column
+            )
         cols, valid = plan.select(chosen_by)
         pending = PendingWork(
             columns=cols,

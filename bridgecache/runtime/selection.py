@@ -23,10 +23,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bridgecache.runtime.fields import FieldTypeError, count
 from bridgecache.runtime.report import reading_flops
 from bridgecache.runtime.words import pool_words
 
-__all__ = ["Selector", "SelectionRequest", "SourceAttention", "KeyDeviation", "GivenScores", "selector_named"]
+__all__ = [
+    "Selector",
+    "SelectionRequest",
+    "SourceAttention",
+    "KeyDeviation",
+    "GivenScores",
+    "checked_scores",
+    "selector_named",
+]
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,11 @@ class SourceAttention(Selector):
     name = "source attention"
 
     def __post_init__(self):
+        if self.reduce not in (None, "max", "sum"):
+            raise ValueError(f"SourceAttention.reduce={self.reduce!r}; expected None, 'max' or 'sum'")
+        if self.after is not None:
+            count(self.after, "SourceAttention.after", what="a reach in tokens")
+        count(self.recent, "SourceAttention.recent", low=1, what="a number of recent tokens")
         layers, expected = self.layers, "an integer >= 1, a share in (0, 1], or None (all)"
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, (int, float))):
             raise TypeError(f"layers is {layers!r}; expected {expected}")
@@ -206,6 +220,9 @@ class KeyDeviation(Selector):
     check_layer: int = 1
     name = "key deviation"
 
+    def __post_init__(self):
+        count(self.check_layer, "KeyDeviation.check_layer", what="a layer index")
+
     def native_layers(self, num_layers: int) -> tuple[int, ...]:
         if not 0 <= self.check_layer < num_layers:
             raise ValueError(f"check_layer={self.check_layer}; expected 0..{num_layers - 1}")
@@ -224,16 +241,66 @@ class GivenScores(Selector):
     values: torch.Tensor
     name = "given scores"
 
+    def __post_init__(self):  # checked once here: the plan then trusts them
+        try:
+            values = torch.as_tensor(self.values)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise FieldTypeError(
+                f"GivenScores.values is a {type(self.values).__name__} ({err}); "
+                "expected a tensor [batch, tokens]"
+            ) from None
+        if values.dim() != 2 or values.dtype == torch.bool or values.is_complex():
+            raise ValueError(
+                f"GivenScores.values has shape {tuple(values.shape)} and dtype {values.dtype}; "
+                "expected [batch, tokens] of real numbers"
+            )
+        _refuse_non_finite(values.float(), self)
+        object.__setattr__(self, "values", values)
+
     def scores(self, request: SelectionRequest) -> torch.Tensor:
         prefix = request.prefix_length
-        scores = torch.as_tensor(self.values)
-        if scores.dim() != 2 or scores.shape[0] != request.target_ids.shape[0] or scores.shape[1] < prefix:
+        scores = self.values
+        if scores.shape[0] != request.target_ids.shape[0] or scores.shape[1] < prefix:
             batch = request.target_ids.shape[0]
             raise ValueError(
                 f"given scores have shape {tuple(scores.shape)}; "
                 f"expected [batch={batch}, target tokens >= {prefix}]"
             )
         return scores[:, :prefix].float()
+
+
+_BUILT_IN = (SourceAttention, KeyDeviation, GivenScores)
+
+
+def checked_scores(scores, batch: int, prefix: int, selector: Selector) -> torch.Tensor:
+    """The scores `selector.scores` returned, checked before anything ranks them: a floating
+    tensor of shape [batch, prefix] (one per cached column), returned as float32. A wrong shape
+    is never broadcast over the columns; NaN or +inf is refused (NaN would sort first), -inf is
+    allowed (a column ranked last). A built-in rule's scores stay on the device, unread (the
+    device never waits on the host here), a NaN among them ranked last as -inf; any other rule's
+    scores are read once to check them."""
+    name = f"{type(selector).__name__} ({selector.name!r})"
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"selector {name} returned a {type(scores).__name__}; expected a torch.Tensor")
+    if tuple(scores.shape) != (batch, prefix) or not scores.is_floating_point():
+        raise ValueError(
+            f"selector {name} returned scores of shape {tuple(scores.shape)} and dtype {scores.dtype}; "
+            f"expected [batch={batch}, prefix={prefix}] of floats (one score per cached column)"
+        )
+    scores = scores.float()
+    if isinstance(selector, _BUILT_IN):
+        return scores.masked_fill(scores.isnan(), float("-inf"))
+    _refuse_non_finite(scores, selector)
+    return scores
+
+
+def _refuse_non_finite(scores: torch.Tensor, selector: Selector) -> None:
+    bad = torch.isnan(scores) | torch.isposinf(scores)
+    if bool(bad.any()):
+        raise ValueError(
+            f"selector {type(selector).__name__} ({selector.name!r}) gave {int(bad.sum())} of "
+            f"{scores.numel()} scores NaN or +inf; expected finite scores, or -inf for a column ranked last"
+        )
 
 
 _NAMED = {"source": SourceAttention, "deviation": KeyDeviation}

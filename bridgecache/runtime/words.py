@@ -6,11 +6,13 @@ target then reads the last digit from a translated row. With whole words (`Refre
 whole_words: None, the default, wherever the context's words are known; True always) a token's
 score becomes the best score of the word it belongs to, on BOTH sides of an alignment: over the
 source's words before the scores cross to the target's columns (`SourceAttention`), then over the
-target's words (the plan); the stable sort of the selection then takes each word whole (equal
-scores: the earliest column first), except at most the last one the budget reaches. With word
-ends (`RefreshConfig.word_ends`, the default) the token after each word then takes the word's
-score too, so a refreshed number ends where the context ends it; a word that token opens comes
-whole, so an end never splits a word either.
+target's words (the plan: `word_ranking`); the selection then takes each word whole, except at
+most the last one the budget reaches, and that one by its best tokens. With word ends
+(`RefreshConfig.word_ends`, the default) the token after each word then takes the word's score
+too, so a refreshed number ends where the context ends it; a word that token opens comes whole,
+so an end never splits a word either. Pooling never overrides the selector's ranking: a word
+keeps at most MAX_WORD_TOKENS tokens together (a CJK run without spaces or a base64 blob
+splits), equal word scores are ordered by word, then by each token's own score.
 
     word_groups(text, tokenizer, ids)         int64 [tokens] the word each token belongs to
     word_groups(text, spans=spans)            the same from byte spans already made (no tokenizer call)
@@ -21,11 +23,13 @@ whole, so an end never splits a word either.
     pool_words(scores, groups)                [batch, tokens] each token scored as its word's best
     reach_word_ends(scores, groups)           [batch, tokens] the token after each word (and the word
                                               it opens) scored as the word
+    word_ranking(scores, groups, ends=True)   [batch, tokens] ranking keys the selection sorts by
 
 A word is a maximal run of letters, digits and underscores (any non-ASCII byte counts as a
-letter); two neighbouring tokens share a word when they touch and the characters on both sides of
-the boundary are word characters. Byte spans come from tokenalign (offsets of fast tokenizers,
-else the tokenizer's own reconstruction), so chat-template ids with specials work too.
+letter), cut after MAX_WORD_TOKENS tokens; two neighbouring tokens share a word when they touch
+and the characters on both sides of the boundary are word characters. Byte spans come from
+tokenalign (offsets of fast tokenizers, else the tokenizer's own reconstruction), so
+chat-template ids with specials work too.
 
 Knows tokenizers (through tokenalign) and score tensors; nothing about bridges, caches or models.
 """
@@ -37,19 +41,36 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ContextWords", "word_groups", "context_words", "pool_words", "reach_word_ends"]
+__all__ = [
+    "MAX_WORD_TOKENS",
+    "ContextWords",
+    "word_groups",
+    "context_words",
+    "pool_words",
+    "reach_word_ends",
+    "word_ranking",
+]
 
 _WORD_BYTES = np.zeros(256, dtype=bool)
 for _byte in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
     _WORD_BYTES[_byte] = True
 _WORD_BYTES[0x80:] = True  # UTF-8 bytes of non-ASCII characters: letters of other scripts
+# The most tokens one word keeps together. Without a bound a run of CJK text without spaces,
+# or a base64 blob, is one "word" longer than the budget, and whole-word refresh then takes its
+# earliest columns instead of the one the selector ranked first. 16 keeps every number a
+# tokenizer writes digit by digit up to 16 digits whole (word ends join a longer one's rest).
+MAX_WORD_TOKENS = 16
 
 
-def word_groups(text: str, tokenizer=None, ids=None, *, spans=None) -> np.ndarray:
+def word_groups(
+    text: str, tokenizer=None, ids=None, *, spans=None, max_tokens: int | None = MAX_WORD_TOKENS
+) -> np.ndarray:
     """int64 [tokens]: a group id per token of `ids` (a tokenization of `text`, specials allowed),
     non-decreasing from 0, shared by the tokens of one word; a token without text is its own group.
     spans: the tokens' byte spans in `text` (`tokenalign.TokenSpans`) when the caller has them
-    (tokenizer and ids are then not needed); else tokenalign computes them (a tokenizer call)."""
+    (tokenizer and ids are then not needed); else tokenalign computes them (a tokenizer call).
+    max_tokens: a word of more tokens splits into runs of that many (None: never); see
+    MAX_WORD_TOKENS."""
     if spans is None:
         from tokenalign import token_spans
 
@@ -64,8 +85,14 @@ def word_groups(text: str, tokenizer=None, ids=None, *, spans=None) -> np.ndarra
     # A token continues the previous one's word when it touches it and both sides are word bytes.
     # Tokens without text span (0, 0) (TokenSpans) and nothing precedes byte 0, so a token without
     # text neither continues a word nor is continued.
-    inside = (first <= spans.end[:-1]) & before & at
-    return np.concatenate([[0], np.cumsum(~inside, dtype=np.int64)])
+    opens = np.concatenate([[True], ~((first <= spans.end[:-1]) & before & at)])
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}; expected an int >= 1 or None")
+        index = np.arange(len(opens))
+        offset = index - np.maximum.accumulate(np.where(opens, index, 0))  # position within the word
+        opens |= offset % max_tokens == 0
+    return np.cumsum(opens, dtype=np.int64) - 1
 
 
 @dataclass(frozen=True)
@@ -166,3 +193,37 @@ def reach_word_ends(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     starts = groups[:, 1:] != groups[:, :-1]  # token t + 1 opens a new group
     lent = torch.where(starts, torch.maximum(scores[:, 1:], scores[:, :-1]), scores[:, 1:])
     return pool_words(torch.cat([scores[:, :1], lent], dim=1), groups)
+
+
+def word_ranking(
+    scores: torch.Tensor, groups: torch.Tensor, *, ends: bool, first_column=None
+) -> torch.Tensor:
+    """scores [batch, tokens] float (a selector's, checked: -inf ranks last), groups [batch,
+    tokens] int64 -> [batch, tokens] float32 ranking keys, higher taken first, that take words
+    whole without overriding the selector's ranking:
+        1. a word's best score (`pool_words`; with `ends`, also lent to the token after it and
+           the word that token opens: `reach_word_ends`), higher first;
+        2. equal best scores: the earlier word first (a word, then the word its end enters);
+        3. within a word: the token's own score, higher first (a budget that stops inside a
+           word keeps the word's best tokens, not its earliest ones);
+        4. then the earlier column.
+    A column scored -inf keeps -inf (a word never lifts it); so do the columns before each row's
+    `first_column` ([batch] int64: left padding), which also lend nothing."""
+    scores = scores.float()
+    if first_column is not None:
+        columns = torch.arange(scores.shape[1], device=scores.device)[None]
+        scores = scores.masked_fill(columns < first_column.to(scores.device)[:, None], float("-inf"))
+    pooled = pool_words(scores, groups)
+    if ends:
+        pooled = reach_word_ends(pooled, groups)
+    pooled = pooled.masked_fill(scores == float("-inf"), float("-inf"))
+    groups = groups.to(scores.device)
+    # A lexicographic order by stable sorts, the least significant key first (column order is
+    # where each stable sort starts).
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    order = order.gather(1, groups.gather(1, order).argsort(dim=1, stable=True))
+    order = order.gather(1, pooled.gather(1, order).argsort(dim=1, descending=True, stable=True))
+    tokens = scores.shape[1]
+    places = torch.arange(tokens, 0, -1, device=scores.device, dtype=torch.float32).expand_as(scores)
+    rank = torch.empty_like(scores).scatter_(1, order, places)
+    return rank.masked_fill(pooled == float("-inf"), float("-inf"))
