@@ -26,6 +26,7 @@ import math
 import torch
 
 from bridgecache.kv.rope import rotate
+from bridgecache.models.layout import layer_window
 
 __all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
 
@@ -39,10 +40,22 @@ def boundary_rows(tokens: int, count: int = 32, first: int = 1) -> torch.Tensor:
 
 def attention_modules(model) -> list[torch.nn.Module]:
     """The self-attention modules of a transformers decoder, ordered by layer index."""
-    found = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    found = [m for m in model.modules() if _projects_queries(m) and hasattr(m, "layer_idx")]
     if not found:
-        raise ValueError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx")
+        raise ValueError(f"{type(model).__name__} has no attention modules with q_proj (or qkv_proj) and layer_idx")
     return sorted(found, key=lambda m: m.layer_idx)
+
+
+def _projects_queries(module) -> bool:
+    return hasattr(module, "q_proj") or hasattr(module, "qkv_proj")
+
+
+def _project_queries(module, hidden: torch.Tensor) -> torch.Tensor:
+    """[batch, rows, q_heads * head_dim]: the queries of `hidden` (Phi-3 fuses q, k, v in `qkv_proj`,
+    queries first)."""
+    if hasattr(module, "q_proj"):
+        return module.q_proj(hidden)
+    return module.qkv_proj(hidden)[..., : module.config.num_attention_heads * module.head_dim]
 
 
 class QueryRecorder:
@@ -79,7 +92,7 @@ class QueryRecorder:
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
-        q = module.q_proj(h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
+        q = _project_queries(module, h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
         if getattr(module, "q_norm", None) is not None:
             q = module.q_norm(q)
         q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
@@ -139,7 +152,7 @@ def layer_weights(
             values[layer],
             recorder.rows,
             scaling=module.scaling,
-            sliding_window=getattr(module, "sliding_window", None),
+            sliding_window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
         )
         r_keys.append(r_k)

@@ -12,6 +12,7 @@ import json
 import weakref
 from dataclasses import asdict, dataclass
 
+from bridgecache.models.layout import check_supported, layer_windows
 from bridgecache.untrusted import shown
 
 __all__ = [
@@ -103,12 +104,17 @@ class ModelSpec:
 
 
 def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> ModelSpec:
-    """Spec of a transformers model (or config) and, optionally, its tokenizer."""
+    """Spec of a transformers model (or config) and, optionally, its tokenizer.
+
+    Raises UnsupportedArchitectureError (layer, feature, what is supported) for a model a bridge
+    cannot translate exactly (`bridgecache.models.layout.check_supported`)."""
+    check_supported(model_or_config)
     config = getattr(model_or_config, "config", model_or_config)
     config = config.get_text_config()
     n = config.num_hidden_layers
     heads = config.num_attention_heads
-    layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    windows = layer_windows(config)  # the layout the target's own cache keeps
+    layer_types = tuple("full_attention" if w is None else "sliding_attention" for w in windows)
     rope = getattr(config, "rope_parameters", None)  # 5.x: no rope_theta; a dict per layer type (Gemma 3)
     bos = getattr(config, "bos_token_id", None)
     if isinstance(bos, list):
@@ -122,9 +128,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         hidden_size=config.hidden_size,
         layer_types=layer_types,
-        sliding_window=getattr(config, "sliding_window", None)
-        if "sliding_attention" in layer_types
-        else None,
+        sliding_window=next((w for w in windows if w is not None), None),
         rope=json.dumps(rope, sort_keys=True, default=str),
         max_position_embeddings=config.max_position_embeddings,
         tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",

@@ -33,6 +33,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
+from bridgecache.models.layout import layer_window
 
 __all__ = [
     "ColumnMask", "ReadingMask", "attention_override", "layers_read", "read_without_logits",
@@ -86,7 +87,7 @@ class ColumnMask:
             self.key_columns,
             self.first_column,
             scale=scaling,
-            window=getattr(module, "sliding_window", None),
+            window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
         )
 
@@ -159,7 +160,7 @@ class ReadingMask:
         if self.context_end is not None:
             visible = visible & (columns[None] < self.context_end[:, None])
         visible = visible[:, None, None]
-        window = getattr(module, "sliding_window", None)
+        window = layer_window(module)
         if window:
             near = self.query_positions[:, :, None] - self.context_positions[:, None, :] < window
             visible = visible & near.repeat(1, group, 1)[:, None]
