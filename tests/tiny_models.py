@@ -89,19 +89,34 @@ ARCHITECTURES = {
     "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),
     # refused by name
     "phi4-mini (partial rotary)": (
-        "Phi3Config", dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
+        "Phi3Config",
+        dict(
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+        ),
     ),  # fmt: skip
     "gpt_neox": ("GPTNeoXConfig", dict()),
     "cohere": ("CohereConfig", dict()),
     "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=_ALTERNATING)),
     "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[1, 1, 1, 0], pad_token_id=0)),
     "gpt_oss (sinks)": (
-        "GptOssConfig", dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),
+        "GptOssConfig",
+        dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),
     ),  # fmt: skip
     "deepseek_v3 (MLA)": (
         "DeepseekV3Config",
-        dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=4, head_dim=8, num_key_value_heads=4),
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=4,
+            head_dim=8,
+            num_key_value_heads=4,
+        ),
     ),  # fmt: skip
     "llama4_text (chunked)": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2)),
     "qwen3_next (hybrid)": ("Qwen3NextConfig", dict(num_experts=4, num_experts_per_tok=2)),

@@ -42,7 +42,9 @@ def attention_modules(model) -> list[torch.nn.Module]:
     """The self-attention modules of a transformers decoder, ordered by layer index."""
     found = [m for m in model.modules() if _projects_queries(m) and hasattr(m, "layer_idx")]
     if not found:
-        raise ValueError(f"{type(model).__name__} has no attention modules with q_proj (or qkv_proj) and layer_idx")
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with q_proj (or qkv_proj) and layer_idx"
+        )
     return sorted(found, key=lambda m: m.layer_idx)
 
 
@@ -92,9 +94,13 @@ class QueryRecorder:
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
-        q = _project_queries(module, h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
-        if getattr(module, "q_norm", None) is not None:
-            q = module.q_norm(q)
+        q, norm = _project_queries(module, h), getattr(module, "q_norm", None)
+        whole = norm is not None and norm.weight.shape[-1] != module.head_dim  # OLMo 2: all heads at once
+        if whole:
+            q = norm(q)
+        q = q.view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
+        if norm is not None and not whole:
+            q = norm(q)
         q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
         self.queries[module.layer_idx] = q
 

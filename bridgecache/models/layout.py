@@ -68,7 +68,9 @@ def layer_windows(config) -> tuple[int | None, ...]:
     types, kwargs = get_layer_types_and_kwargs(config)
     for i, kind in enumerate(types):
         if kind not in SUPPORTED_LAYER_TYPES:
-            raise UnsupportedArchitectureError(config.model_type, i, f"{kind!r} layers", _KIND_WHY.get(kind, ""))
+            raise UnsupportedArchitectureError(
+                config.model_type, i, f"{kind!r} layers", _KIND_WHY.get(kind, "")
+            )
     windows = tuple(k.get("sliding_window") for k in kwargs)
     if len(_WINDOWS) > 256:  # configs come and go (tests, zoo loads): drop the dead ones
         for key in [key for key, entry in _WINDOWS.items() if entry[0]() is None]:
@@ -127,7 +129,9 @@ def check_supported(model_or_config) -> None:
         )
     windows = {w for w in layer_windows(config) if w is not None}  # raises for other layer kinds
     if len(windows) > 1:
-        raise UnsupportedArchitectureError(kind, None, "sliding windows of several sizes", str(sorted(windows)))
+        raise UnsupportedArchitectureError(
+            kind, None, "sliding windows of several sizes", str(sorted(windows))
+        )
     no_rope = [i for i, rotary in enumerate(rope_layers(config)) if not rotary]
     if no_rope:
         raise UnsupportedArchitectureError(kind, no_rope[0], "no rotary embeddings", f"layers {no_rope}")
