@@ -3,7 +3,8 @@ each is exact through a bridge, or refused by name before any model runs.
 
 Exact: the identity bridge and a full refresh of a deliberately wrong bridge reproduce the target's
 own generate (tokens, and logits within 1e-4 in float32) over a context longer than the window
-(8), and a fit and a handoff run both ways with a tiny Qwen2. Refused: `model_spec`, `capture_kv`,
+(8), un-rotated keys are position-free (also on SmolLM3's layer without RoPE), and a fit and a
+handoff run both ways with a tiny Qwen2. Refused: `model_spec`, `capture_kv`,
 `Bridge.identity`, `BridgedCache` and `fit_bridge` (either side) raise an
 UnsupportedArchitectureError naming the feature, and no forward of the model has run.
 """
@@ -31,7 +32,6 @@ REFUSED = {
     "gpt_neox": "partial rotary",
     "cohere": "interleaved rotary",
     "cohere2": "interleaved rotary",
-    "smollm3 (no-RoPE layers)": "no rotary embeddings",
     "gpt_oss (sinks)": "attention sinks",
     "deepseek_v3 (MLA)": "latent attention",
     "llama4_text (chunked)": "chunked_attention",
@@ -71,6 +71,10 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     # the spec's layout is the one the target's own cache keeps
     kept = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=model.config).layers]
     assert [spec.sliding_window if t == "sliding_attention" else None for t in spec.layer_types] == kept
+    # layer 0's keys depend on the token alone: un-rotated, a token's keys are the same anywhere
+    half = torch.randint(3, 300, (1, 15), generator=torch.Generator().manual_seed(2))
+    keys = capture_kv(model, torch.cat([half, half], 1)).unrotated_keys(0).float()
+    assert (keys[:, :, :15] - keys[:, :, 15:]).abs().max() < 1e-5 * keys.abs().max()
     ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))  # > window 8
     native_seq, native_logits = _generate(model, ids)
     seq, logits = _generate(

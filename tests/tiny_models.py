@@ -98,7 +98,7 @@ ARCHITECTURES = {
     "gpt_neox": ("GPTNeoXConfig", dict()),
     "cohere": ("CohereConfig", dict()),
     "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=_ALTERNATING)),
-    "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[1, 1, 1, 0], pad_token_id=0)),
+    "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 1, 1], pad_token_id=0)),
     "gpt_oss (sinks)": (
         "GptOssConfig",
         dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),

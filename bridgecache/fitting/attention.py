@@ -26,7 +26,7 @@ import math
 import torch
 
 from bridgecache.kv.rope import rotate
-from bridgecache.models.layout import layer_window
+from bridgecache.models.layout import layer_window, rope_layers
 
 __all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
 
@@ -101,7 +101,10 @@ class QueryRecorder:
         q = q.view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
         if norm is not None and not whole:
             q = norm(q)
-        q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+        if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
+            q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+        else:
+            q = q.float()
         self.queries[module.layer_idx] = q
 
 

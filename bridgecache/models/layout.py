@@ -132,9 +132,6 @@ def check_supported(model_or_config) -> None:
         raise UnsupportedArchitectureError(
             kind, None, "sliding windows of several sizes", str(sorted(windows))
         )
-    no_rope = [i for i, rotary in enumerate(rope_layers(config)) if not rotary]
-    if no_rope:
-        raise UnsupportedArchitectureError(kind, no_rope[0], "no rotary embeddings", f"layers {no_rope}")
     factor = _partial_rotary(config)
     if factor != 1.0:
         raise UnsupportedArchitectureError(kind, None, "partial rotary embeddings", f"factor {factor}")
