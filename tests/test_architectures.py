@@ -22,8 +22,9 @@ from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.rope import RopeTables
 from bridgecache.models.layout import UnsupportedArchitectureError
-from bridgecache.models.spec import ModelSpec, model_spec
+from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.handoff import handoff
 
@@ -142,6 +143,21 @@ def test_refused_by_name_at_every_entry_before_any_model_runs(name):
     assert ran == []
 
 
-def test_old_spec_dicts_still_load():
-    spec = model_spec(tiny_model("qwen2"))
-    assert ModelSpec.from_dict(spec.to_dict()) == spec
+def test_the_layers_without_rope_round_trip_through_a_bridge_file_and_old_files_still_load(tmp_path):
+    model = tiny_architecture("smollm3 (no-RoPE layers)")
+    spec = model_spec(model)
+    assert spec.no_rope_layers == (0,)
+    loaded = Bridge.from_pretrained(Bridge.identity(model).save_pretrained(tmp_path / "bridge"))
+    assert loaded.target == spec
+    # the source's tables re-derived from the spec alone (as a bridge does) leave layer 0 as it is
+    tables = RopeTables.from_spec(loaded.source)
+    cos, sin = tables.cos_sin(0, torch.arange(6))
+    assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
+    assert not torch.equal(tables.cos_sin(1, torch.arange(6))[1], sin)
+    old = model_spec(tiny_model("qwen2")).to_dict()
+    del old["no_rope_layers"]  # a file written before the field
+    assert ModelSpec.from_dict(old).no_rope_layers == ()
+    assert spec_from_untrusted(old).no_rope_layers == ()
+    for bad in ([5], [1, 0], "0", [True]):
+        with pytest.raises(ValueError, match="no_rope_layers"):
+            spec_from_untrusted(old | {"no_rope_layers": bad})

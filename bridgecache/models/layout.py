@@ -47,7 +47,7 @@ class UnsupportedArchitectureError(ValueError):
 
     def __init__(self, model_type: str, layer: int | None, feature: str, detail: str = ""):
         where = "every layer" if layer is None else f"layer {layer}"
-        self.model_type, self.layer, self.feature = model_type, layer, feature
+        self.model_type, self.layer, self.feature, self.detail = model_type, layer, feature, detail
         super().__init__(
             f"{model_type!r} models are not supported: {where} has {feature}"
             + (f" ({detail})" if detail else "")
