@@ -133,6 +133,9 @@ def test_refused_by_name_at_every_entry_before_any_model_runs(name):
         "BridgedCache": lambda: BridgedCache(Bridge.identity(qwen), capture_kv(qwen, ids), model, ids),
         "fit_bridge (source)": lambda: fit_bridge(model, qwen, tok, tok, FIT, progress=False),
         "fit_bridge (target)": lambda: fit_bridge(qwen, model, tok, tok, FIT, progress=False),
+        "handoff (target)": lambda: handoff(
+            Bridge.identity(qwen), qwen, model, CONTEXT, source_tokenizer=tok, target_tokenizer=tok
+        ),
     }
     for entry, call in entries.items():
         with pytest.raises(UnsupportedArchitectureError, match=REFUSED[name]) as caught:

@@ -10,13 +10,15 @@ summed over the query heads that share KV head h. ||d o_u / d k_i||_F^2 = a_ui^2
 never the [tokens, tokens] attention matrix.
 
 Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
-rows from the module's own q_proj, q_norm (where present) and the rotary tables the model passes
-in (`position_embeddings`); keys and values are the captured cache. Causal masking, sliding
-windows and logit soft-capping follow the module's attributes.
+rows from the module's own q_proj (or Phi-3's fused qkv_proj), q_norm (where present, per head or
+over the whole projection) and the rotary tables the model passes in (`position_embeddings`; none
+on a layer without RoPE); keys and values are the captured cache. Causal masking and logit
+soft-capping follow the module's attributes; the sliding window is the cache layout's
+(`bridgecache.models.layout.layer_window`).
 
-Knows the attention layout of transformers' Llama-style modules (q_proj, optional q_norm,
-position_embeddings, scaling, sliding_window, num_key_value_groups); nothing about bridges or
-tokenizers. Attention sinks (learned extra logits) are not modelled.
+Knows the attention layout of transformers' Llama-style modules (q_proj or qkv_proj, optional
+q_norm, position_embeddings, scaling, num_key_value_groups); nothing about bridges or tokenizers.
+Attention sinks (learned extra logits) are not modelled: `model_spec` refuses such models.
 """
 
 from __future__ import annotations

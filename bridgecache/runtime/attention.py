@@ -19,8 +19,9 @@ points the model's attention modules at `dispatch` for the duration; transformer
 mask at all (it builds none for an attention implementation without a mask function). Calls
 without one go to the model's own implementation.
 
-Knows transformers' attention-module conventions (scaling, sliding_window, softcapping); nothing
-about bridges or tokenizers.
+Knows transformers' attention-module conventions (scaling, softcapping); a layer's window is the
+cache layout's (`bridgecache.models.layout.layer_window`: Mistral, Phi-3 and StarCoder2 keep no
+attribute for it). Nothing about bridges or tokenizers.
 """
 
 from __future__ import annotations
