@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, byte_tokenizer, tiny_architecture, tiny_model
-from transformers import DynamicCache
+from tiny_models import ARCHITECTURES, byte_tokenizer, tiny_architecture, tiny_architecture_config, tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
 from bridgecache.bridge.maps import Bridge
@@ -45,10 +45,12 @@ FIT = FitConfig(
 CONTEXT = "The key to the red door is under the third stone of the garden path."
 
 
-def _generate(model, ids, cache=None):
+def _generate(model, ids, cache=None, mask=None):
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True)
     if cache is not None:
         kwargs |= cache_kwargs(model, cache)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
     out = model.generate(ids, return_dict_in_generate=True, **kwargs)
     return out.sequences, torch.stack(out.logits)
 
@@ -93,6 +95,28 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     assert cache.report().tokens_refreshed == 28  # all but the native sink and the held-back token
     assert torch.equal(seq, native_seq)
     assert (logits - native_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["mistral (sliding window)", "phi3 (sliding window)", "starcoder2"])
+def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
+    # these families hand their window to the attention function as a keyword only
+    config = tiny_architecture_config(name)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 300, (2, 26), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :7], ids[0, :7] = 0, 0  # row 0: 19 real tokens, both rows longer than the window
+    masks = dict(target_attention_mask=mask, source_attention_mask=mask)
+    native_seq, native_logits = _generate(model, ids, mask=mask)
+    refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"))
+    for bridge, config in ((Bridge.identity(model), HandoffConfig()), (_noisy_bridge(model), refresh)):
+        source = capture_kv(model, ids, attention_mask=mask)
+        seq, logits = _generate(
+            model, ids, BridgedCache(bridge, source, model, ids, **masks, config=config), mask
+        )
+        assert torch.equal(seq, native_seq)
+        assert (logits - native_logits).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("name", EXACT)
