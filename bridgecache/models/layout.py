@@ -107,8 +107,8 @@ def layer_window(module) -> int | None:
 
 
 def rope_layers(config) -> tuple[bool, ...]:
-    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE;
-    Cohere 2's full layers have none)."""
+    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE).
+    (Cohere 2's full layers have none too, but its interleaved rotary is refused anyway.)"""
     config = config.get_text_config()
     n = config.num_hidden_layers
     flags = getattr(config, "no_rope_layers", None)  # despite the name, 1 marks a RoPE layer
@@ -138,13 +138,23 @@ def check_supported(model_or_config) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     if kind in _INTERLEAVED_ROPE or getattr(config, "rope_interleave", False):
         raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
-    if isinstance(rope, dict) and rope.get("rope_type") == "llama4" or kind.startswith("llama4"):
+    if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
         raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
-    sinks = kind in _SINKS
-    if model is not None:
-        sinks = sinks or any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-    if sinks:
+    if kind in _SINKS or (model is not None and _has_sinks(model)):
         raise UnsupportedArchitectureError(kind, None, "attention sinks", "a learned logit per head")
+
+
+# model -> whether an attention module holds sinks: model_spec runs on every handoff, and a walk
+# over a large model's modules costs about a millisecond.
+_SINK_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _has_sinks(model: torch.nn.Module) -> bool:
+    known = _SINK_MODELS.get(model)
+    if known is None:
+        known = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+        _SINK_MODELS[model] = known
+    return known
 
 
 def _partial_rotary(config) -> float:
