@@ -69,7 +69,7 @@ def layer_windows(config) -> tuple[int | None, ...]:
     for i, kind in enumerate(types):
         if kind not in SUPPORTED_LAYER_TYPES:
             raise UnsupportedArchitectureError(
-                config.model_type, i, f"{kind!r} layers", _KIND_WHY.get(kind, "")
+                config.model_type, i, f"layer type {kind!r}", _KIND_WHY.get(kind, "")
             )
     windows = tuple(k.get("sliding_window") for k in kwargs)
     if len(_WINDOWS) > 256:  # configs come and go (tests, zoo loads): drop the dead ones
