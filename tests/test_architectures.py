@@ -22,6 +22,7 @@ from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
+from bridgecache.kv.files import load_kv, save_kv
 from bridgecache.kv.rope import RopeTables
 from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
@@ -181,6 +182,9 @@ def test_the_layers_without_rope_round_trip_through_a_bridge_file_and_old_files_
     cos, sin = tables.cos_sin(0, torch.arange(6))
     assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
     assert not torch.equal(tables.cos_sin(1, torch.arange(6))[1], sin)
+    ids = torch.randint(3, 300, (1, 10))
+    save_kv(tmp_path / "context.kv", capture_kv(model, ids))
+    assert load_kv(tmp_path / "context.kv", model=model, input_ids=ids).model == spec  # a KV file too
     old = model_spec(tiny_model("qwen2")).to_dict()
     del old["no_rope_layers"]  # a file written before the field
     assert ModelSpec.from_dict(old).no_rope_layers == ()

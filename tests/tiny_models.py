@@ -1,5 +1,6 @@
-"""Tiny random-weight models of the three families we support and a byte tokenizer, built in-process
-(no download)."""
+"""Tiny random-weight models and a byte tokenizer, built in-process (no download): the three zoo
+families (`tiny_model`), and one config of each architecture users serve (`ARCHITECTURES`,
+`tiny_architecture`: tests/test_architectures.py, benchmarks/architectures.py)."""
 
 from __future__ import annotations
 
