@@ -23,6 +23,7 @@ from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import load_kv, save_kv
+from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
 from bridgecache.kv.rope import RopeTables
 from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
@@ -192,3 +193,20 @@ def test_the_layers_without_rope_round_trip_through_a_bridge_file_and_old_files_
     for bad in ([5], [1, 0], "0", [True]):
         with pytest.raises(ValueError, match="no_rope_layers"):
             spec_from_untrusted(old | {"no_rope_layers": bad})
+
+
+def test_a_key_norm_over_the_whole_projection_is_restored_jointly_over_the_heads():
+    # OLMo 2 normalises k_proj's output over all its heads at once: one RMS per token
+    model = tiny_architecture("olmo2")
+    scales = key_norm_scales(model)
+    assert all(s.shape == (2 * 16,) for s in scales)
+    keys = capture_kv(model, torch.randint(3, 300, (1, 12))).unrotated_keys(1).float()  # [1, 2, 12, 16]
+    projected = project_to_key_norm(keys, scales[1])
+    assert torch.allclose(projected, keys, atol=1e-3 * keys.abs().max())  # its own keys stay put
+    shrunk = keys * torch.tensor([0.5, 2.0])[None, :, None, None]  # one head shrunk, one grown
+    restored = project_to_key_norm(shrunk, scales[1])
+    joint = keys.norm(dim=(1, 3), keepdim=True) / shrunk.norm(dim=(1, 3), keepdim=True)  # [1, 1, 12, 1]
+    assert torch.allclose(restored, shrunk * joint, rtol=1e-4)
+    assert not torch.allclose(restored, keys, atol=1e-2)  # per token, not per head: the ratio stays
+    with pytest.raises(ValueError, match="fits neither a head"):
+        project_to_key_norm(keys, torch.ones(24))
