@@ -64,7 +64,7 @@ def test_a_target_layer_type_the_cache_cannot_bridge_is_refused_by_name():
     captured = capture_kv(model, ids)
     model.config.layer_types = ["full_attention", "linear_attention", "full_attention"]
     with pytest.raises(
-        ValueError, match="target layer 1 is a LinearAttentionLayer cache layer; BridgedCache supports"
+        ValueError, match="layer 1 has layer type 'linear_attention' .*; bridgecache supports"
     ):
         BridgedCache(Bridge.identity(model), captured, model, ids)
 

@@ -1,5 +1,6 @@
-"""Tiny random-weight models of the three families we support and a byte tokenizer, built in-process
-(no download)."""
+"""Tiny random-weight models and a byte tokenizer, built in-process (no download): the three zoo
+families (`tiny_model`), and one config of each architecture users serve (`ARCHITECTURES`,
+`tiny_architecture`: tests/test_architectures.py, benchmarks/architectures.py)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,78 @@ def random_bridge(model, inputs_per_head: int = 2, seed: int = 0):
         used = sorted({int(x) for x in inputs[..., 0].unique()})
         layers.append(LayerMap(used, inputs, w(), b(), w(), b()))
     return Bridge(spec, spec, "cachebridge", "identity", layers)
+
+
+# Architectures users serve, one tiny config each (4 layers, window 8 where the family has one,
+# contexts in the tests are longer): name -> (config class name, its overrides).
+_TINY = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=4, max_position_embeddings=512, attn_implementation="eager",
+)  # fmt: skip
+_ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+ARCHITECTURES = {
+    "llama (llama3 rope)": ("LlamaConfig", dict(rope_parameters=_LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral (sliding window)": ("MistralConfig", dict(sliding_window=8)),
+    "ministral": ("MinistralConfig", dict(sliding_window=8, layer_types=_ALTERNATING)),
+    "ministral3": ("Ministral3Config", dict()),
+    "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict()),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "gemma2 (soft-capping)": ("Gemma2Config", dict(sliding_window=8, layer_types=_ALTERNATING)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=8)),
+    "granite": ("GraniteConfig", dict()),
+    "phi3 (sliding window)": ("Phi3Config", dict(sliding_window=8, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", dict(initializer_range=0.5)),  # no norm before attention: keys far above eps
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),
+    # refused by name
+    "phi4-mini (partial rotary)": (
+        "Phi3Config",
+        dict(
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+        ),
+    ),  # fmt: skip
+    "gpt_neox": ("GPTNeoXConfig", dict()),
+    "cohere": ("CohereConfig", dict()),
+    "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=_ALTERNATING)),
+    "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 1, 1], pad_token_id=0)),
+    "gpt_oss (sinks)": (
+        "GptOssConfig",
+        dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),
+    ),  # fmt: skip
+    "deepseek_v3 (MLA)": (
+        "DeepseekV3Config",
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=4,
+            head_dim=8,
+            num_key_value_heads=4,
+        ),
+    ),  # fmt: skip
+    "llama4_text (chunked)": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2)),
+    "qwen3_next (hybrid)": ("Qwen3NextConfig", dict(num_experts=4, num_experts_per_tok=2)),
+}
+
+
+def tiny_architecture_config(name: str):
+    """The tiny config of ARCHITECTURES[name]."""
+    import transformers
+
+    class_name, overrides = ARCHITECTURES[name]
+    return getattr(transformers, class_name)(**(_TINY | overrides))
+
+
+def tiny_architecture(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()

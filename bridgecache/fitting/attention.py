@@ -10,13 +10,15 @@ summed over the query heads that share KV head h. ||d o_u / d k_i||_F^2 = a_ui^2
 never the [tokens, tokens] attention matrix.
 
 Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
-rows from the module's own q_proj, q_norm (where present) and the rotary tables the model passes
-in (`position_embeddings`); keys and values are the captured cache. Causal masking, sliding
-windows and logit soft-capping follow the module's attributes.
+rows from the module's own q_proj (or Phi-3's fused qkv_proj), q_norm (where present, per head or
+over the whole projection) and the rotary tables the model passes in (`position_embeddings`; none
+on a layer without RoPE); keys and values are the captured cache. Causal masking and logit
+soft-capping follow the module's attributes; the sliding window is the cache layout's
+(`bridgecache.models.layout.layer_window`).
 
-Knows the attention layout of transformers' Llama-style modules (q_proj, optional q_norm,
-position_embeddings, scaling, sliding_window, num_key_value_groups); nothing about bridges or
-tokenizers. Attention sinks (learned extra logits) are not modelled.
+Knows the attention layout of transformers' Llama-style modules (q_proj or qkv_proj, optional
+q_norm, position_embeddings, scaling, num_key_value_groups); nothing about bridges or tokenizers.
+Attention sinks (learned extra logits) are not modelled: `model_spec` refuses such models.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import torch
 
 from bridgecache.kv.rope import rotate
+from bridgecache.models.layout import layer_window, rope_layers
 
 __all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
 
@@ -39,10 +42,24 @@ def boundary_rows(tokens: int, count: int = 32, first: int = 1) -> torch.Tensor:
 
 def attention_modules(model) -> list[torch.nn.Module]:
     """The self-attention modules of a transformers decoder, ordered by layer index."""
-    found = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    found = [m for m in model.modules() if _projects_queries(m) and hasattr(m, "layer_idx")]
     if not found:
-        raise ValueError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx")
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with q_proj (or qkv_proj) and layer_idx"
+        )
     return sorted(found, key=lambda m: m.layer_idx)
+
+
+def _projects_queries(module) -> bool:
+    return hasattr(module, "q_proj") or hasattr(module, "qkv_proj")
+
+
+def _project_queries(module, hidden: torch.Tensor) -> torch.Tensor:
+    """[batch, rows, q_heads * head_dim]: the queries of `hidden` (Phi-3 fuses q, k, v in `qkv_proj`,
+    queries first)."""
+    if hasattr(module, "q_proj"):
+        return module.q_proj(hidden)
+    return module.qkv_proj(hidden)[..., : module.config.num_attention_heads * module.head_dim]
 
 
 class QueryRecorder:
@@ -79,10 +96,17 @@ class QueryRecorder:
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
-        q = module.q_proj(h).view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
-        if getattr(module, "q_norm", None) is not None:
-            q = module.q_norm(q)
-        q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+        q, norm = _project_queries(module, h), getattr(module, "q_norm", None)
+        whole = norm is not None and norm.weight.shape[-1] != module.head_dim  # OLMo 2: all heads at once
+        if whole:
+            q = norm(q)
+        q = q.view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
+        if norm is not None and not whole:
+            q = norm(q)
+        if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
+            q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+        else:
+            q = q.float()
         self.queries[module.layer_idx] = q
 
 
@@ -139,7 +163,7 @@ def layer_weights(
             values[layer],
             recorder.rows,
             scaling=module.scaling,
-            sliding_window=getattr(module, "sliding_window", None),
+            sliding_window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
         )
         r_keys.append(r_k)

@@ -20,6 +20,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
 from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kv.capture import capture_kv
+from bridgecache.models.layout import layer_window
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 
@@ -37,7 +38,7 @@ def _outputs(queries, keys, values, rows, columns, module) -> torch.Tensor:
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     allowed = columns[None, :] <= rows[:, None]
-    window = getattr(module, "sliding_window", None)
+    window = layer_window(module)
     if window:
         allowed &= rows[:, None] - columns[None, :] < window
     return (logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ v)[0]

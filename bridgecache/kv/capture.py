@@ -34,6 +34,7 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     With left padding, pass `attention_mask` [batch, tokens] (0 on the padding): it travels with
     the KV, and positions follow generate()'s. An empty context (0 tokens) gives 0-row KV.
     """
+    spec = model_spec(model)  # before any work: refuses an architecture a bridge cannot translate
     device = model.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)
     if attention_mask is None:
@@ -61,7 +62,7 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         first_token=(0,) * len(keys),
         rope=RopeTables.from_model(model),
         input_ids=input_ids.detach().cpu(),
-        model=model_spec(model),
+        model=spec,
         fingerprint=weight_fingerprint(model),
     )
 

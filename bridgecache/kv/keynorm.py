@@ -24,8 +24,9 @@ _DEAD_CHANNEL = 1e-2
 
 
 def key_norm_scales(model) -> list[torch.Tensor | None] | None:
-    """Per decoder layer, the per-channel scale s [head_dim] float32 of its key norm, on the
-    norm's device (None for a layer without one); None when the model normalises no keys."""
+    """Per decoder layer, the per-channel scale s float32 of its key norm ([head_dim] per head, or
+    [kv_heads * head_dim] over the whole projection), on the norm's device (None for a layer
+    without one); None when the model normalises no keys."""
     attention, modules, seen = [], [model], set()
     while modules:  # a plain walk: model.modules() builds names for every module (per handoff)
         module = modules.pop()
@@ -51,9 +52,21 @@ def key_norm_scales(model) -> list[torch.Tensor | None] | None:
 
 def project_to_key_norm(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """keys [batch, heads, tokens, head_dim] (pre-RoPE, float32) rescaled per head and token so
-    that rms(keys / scale) = 1 over the live channels; all-zero rows stay zero."""
+    that rms(keys / scale) = 1 over the live channels; all-zero rows stay zero.
+
+    scale: [head_dim] for a norm per head (Qwen3, Gemma 3), or [heads * head_dim] for a norm over
+    the whole projection (OLMo 2: one RMS over every head of a token, so rescaled jointly)."""
+    heads, dim = keys.shape[1], keys.shape[-1]
+    reduced: tuple[int, ...] = (-1,)
+    if scale.shape[-1] != dim:
+        if scale.numel() != heads * dim:
+            raise ValueError(
+                f"key-norm scale of {scale.numel()} channels fits neither a head ({dim}) nor the "
+                f"projection ({heads} heads x {dim})"
+            )
+        scale, reduced = scale.view(heads, 1, dim), (1, 3)
     live = scale.abs() > _DEAD_CHANNEL
     # Masked by multiplication, not by boolean indexing: no device sync on the translation path.
     inverse = torch.where(live, 1.0 / torch.where(live, scale, 1.0), 0.0)
-    mean_square = (keys * inverse).pow(2).sum(-1, keepdim=True) / live.sum()
+    mean_square = (keys * inverse).pow(2).sum(reduced, keepdim=True) / live.sum()
     return keys * torch.where(mean_square > 0, mean_square.clamp_min(1e-30).rsqrt(), 0.0)

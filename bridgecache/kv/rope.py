@@ -9,7 +9,10 @@ model has several (Gemma 3: "sliding_attention" base 1e4, "full_attention" base 
 Convention (transformers' `rotate_half`): x_rot = x * cos + rotate_half(x) * sin, with
 cos/sin of shape [..., tokens, head_dim] holding each frequency twice (halves, not interleaved).
 Some rope types scale cos and sin by an attention factor f; un-rotation divides by
-cos^2 + sin^2 (= f^2 per channel), so it is exact for every type.
+cos^2 + sin^2 (= f^2 per channel), so it is exact for every type. A layer without RoPE (SmolLM3's
+`no_rope_layers`) gets cos = 1, sin = 0: rotating and un-rotating its keys leave them as they are.
+Architectures whose rotary is partial or interleaved are refused before any table is built
+(`bridgecache.models.layout.check_supported`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import json
 
 import torch
 
-__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half"]
+from bridgecache.models.layout import rope_layers
+
+__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "NO_ROPE"]
+
+NO_ROPE = "no_rope"  # RopeTables.layer_types entry of a layer without rotary embeddings
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +55,9 @@ class RopeTables:
     Built from the model's own rotary module(s) (`RopeTables.from_model`), or from a config alone
     (`from_config`, `from_spec`: the rotary class of that model type, so a bridge can re-derive a
     source's tables without the source model). Computes in float32 on the module's device.
+
+    layer_types: per layer, which tables it reads (layers with equal entries share them): its
+    layer type, or NO_ROPE for a layer whose keys carry no RoPE.
     """
 
     def __init__(self, config, rotary: torch.nn.Module, rotary_local: torch.nn.Module | None = None):
@@ -56,7 +66,9 @@ class RopeTables:
         self.rotary_local = rotary_local  # older Gemma 3 layouts keep a second module
         self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
         n = config.num_hidden_layers
-        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+        self._rotary_types = types  # what the rotary module is asked for
+        self.layer_types = [t if rotary else NO_ROPE for t, rotary in zip(types, rope_layers(config))]
 
     @classmethod
     def from_model(cls, model) -> RopeTables:
@@ -95,6 +107,7 @@ class RopeTables:
             layer_types=list(spec.layer_types),
             max_position_embeddings=spec.max_position_embeddings,
             rope_parameters=json.loads(spec.rope),
+            **_no_rope_flags(spec),
         )
         return cls.from_config(config)
 
@@ -111,7 +124,7 @@ class RopeTables:
         """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        layer_type = self.layer_types[layer]
+        layer_type = self._rotary_types[layer]
         rotary = self.rotary
         if layer_type == "sliding_attention" and self.rotary_local is not None:
             rotary = self.rotary_local
@@ -123,7 +136,17 @@ class RopeTables:
                 cos, sin = rotary(probe, positions, layer_type=layer_type)
             else:
                 cos, sin = rotary(probe, positions)
+        if self.layer_types[layer] == NO_ROPE:  # the identity rotation, in the tables' shape
+            return torch.ones_like(cos, dtype=torch.float32), torch.zeros_like(sin, dtype=torch.float32)
         return cos.float(), sin.float()
+
+
+def _no_rope_flags(spec) -> dict:
+    """The config field that marks layers without RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE)."""
+    no_rope = getattr(spec, "no_rope_layers", ())
+    if not no_rope:
+        return {}
+    return {"no_rope_layers": [0 if i in no_rope else 1 for i in range(spec.num_layers)]}
 
 
 def _module_name(model_type: str) -> str:

@@ -12,6 +12,7 @@ import json
 import weakref
 from dataclasses import asdict, dataclass
 
+from bridgecache.models.layout import check_supported, layer_windows, rope_layers
 from bridgecache.untrusted import shown
 
 __all__ = [
@@ -66,16 +67,19 @@ class ModelSpec:
     max_position_embeddings: int
     tokenizer: str = ""  # fingerprint of the vocabulary; "" when unknown
     bos_token_id: int | None = None
+    no_rope_layers: tuple[int, ...] = ()  # layers whose keys carry no RoPE (SmolLM3); older files: none
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
+        d["no_rope_layers"] = list(self.no_rope_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpec:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         known["layer_types"] = tuple(known["layer_types"])
+        known["no_rope_layers"] = tuple(known.get("no_rope_layers", ()))
         return cls(**known)
 
     def mismatches(self, other: ModelSpec) -> list[str]:
@@ -103,12 +107,17 @@ class ModelSpec:
 
 
 def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> ModelSpec:
-    """Spec of a transformers model (or config) and, optionally, its tokenizer."""
+    """Spec of a transformers model (or config) and, optionally, its tokenizer.
+
+    Raises UnsupportedArchitectureError (layer, feature, what is supported) for a model a bridge
+    cannot translate exactly (`bridgecache.models.layout.check_supported`)."""
+    check_supported(model_or_config)
     config = getattr(model_or_config, "config", model_or_config)
     config = config.get_text_config()
     n = config.num_hidden_layers
     heads = config.num_attention_heads
-    layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    windows = layer_windows(config)  # the layout the target's own cache keeps
+    layer_types = tuple("full_attention" if w is None else "sliding_attention" for w in windows)
     rope = getattr(config, "rope_parameters", None)  # 5.x: no rope_theta; a dict per layer type (Gemma 3)
     bos = getattr(config, "bos_token_id", None)
     if isinstance(bos, list):
@@ -122,13 +131,12 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         hidden_size=config.hidden_size,
         layer_types=layer_types,
-        sliding_window=getattr(config, "sliding_window", None)
-        if "sliding_attention" in layer_types
-        else None,
+        sliding_window=next((w for w in windows if w is not None), None),
         rope=json.dumps(rope, sort_keys=True, default=str),
         max_position_embeddings=config.max_position_embeddings,
         tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",
         bos_token_id=bos,
+        no_rope_layers=tuple(i for i, rotary in enumerate(rope_layers(config)) if not rotary),
     )
 
 
@@ -203,6 +211,19 @@ def check_spec_dict(spec, role: str, fail) -> None:
         )
     if spec.get("bos_token_id") is not None:
         _int(fail, f"{role}.bos_token_id", spec["bos_token_id"], 0, SPEC_LIMITS["bos_token_id"], "null or ")
+    no_rope = spec.get("no_rope_layers", [])  # absent from files written before the field
+    if (
+        not isinstance(no_rope, list)
+        or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec["num_layers"] for i in no_rope
+        )
+        or no_rope != sorted(set(no_rope))
+    ):
+        fail(
+            f"{role}.no_rope_layers",
+            no_rope,
+            f"an ascending list of distinct layer indices in [0, {spec['num_layers']})",
+        )
 
 
 def spec_from_untrusted(d) -> ModelSpec:

@@ -19,8 +19,9 @@ forward's extra keywords down to every attention call) through a `ModelView` of 
 then builds no mask at all (it builds none for an attention implementation without a mask
 function). The user's own model and config are never switched over.
 
-Knows transformers' attention-module conventions (scaling, sliding_window, softcapping); nothing
-about bridges or tokenizers.
+Knows transformers' attention-module conventions (scaling, softcapping); a layer's window is the
+cache layout's (`bridgecache.models.layout.layer_window`: Mistral, Phi-3 and StarCoder2 keep no
+attribute for it). Nothing about bridges or tokenizers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
+from bridgecache.models.layout import layer_window
 from bridgecache.runtime.views import FALLBACK
 
 __all__ = ["ColumnMask", "ReadingMask", "layers_read", "read_without_logits", "KEYWORD", "NAME"]
@@ -82,7 +84,7 @@ class ColumnMask:
             self.key_columns,
             self.first_column,
             scale=scaling,
-            window=getattr(module, "sliding_window", None),
+            window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
         )
 
@@ -155,7 +157,7 @@ class ReadingMask:
         if self.context_end is not None:
             visible = visible & (columns[None] < self.context_end[:, None])
         visible = visible[:, None, None]
-        window = getattr(module, "sliding_window", None)
+        window = layer_window(module)
         if window:
             near = self.query_positions[:, :, None] - self.context_positions[:, None, :] < window
             visible = visible & near.repeat(1, group, 1)[:, None]

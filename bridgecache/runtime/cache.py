@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from bridgecache.kv.files import as_source
+from bridgecache.models.layout import check_supported
 from bridgecache.models.spec import model_spec
 from bridgecache.runtime import native_pass
 from bridgecache.runtime.config import HandoffConfig
@@ -344,6 +345,7 @@ class BridgedCache(DynamicCache):
 def _bridged_layers(config) -> list[_LazyLayerMixin]:
     """One bridged layer per target layer, of the type transformers' `DynamicCache(config=...)`
     dispatches for `config` (full or sliding window); any other layer type raises ValueError."""
+    check_supported(config)  # an architecture no bridge translates exactly: refused by name
     layers = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         bridged = _BRIDGED_LAYER_TYPES.get(type(layer))

@@ -1,0 +1,169 @@
+"""What each decoder layer of a model caches and attends over, read from its config (and modules).
+
+    layer_windows(config)        per layer, the sliding window its cache keeps (None: every token)
+    layer_window(module)         the same for one attention module (its config and `layer_idx`)
+    check_supported(model)       raise UnsupportedArchitectureError for what a bridge cannot do exactly
+
+The window comes from transformers' own `get_layer_types_and_kwargs`, the reading
+`DynamicCache(config=...)` builds its layers from, so the spec, the native pass, the reading and
+the fit's attention weights attend over exactly what the target's cache keeps (Mistral, Phi-3 and
+StarCoder2 pass their window as a keyword and keep no attribute for it).
+
+Supported: per-head K/V on every layer ("full_attention" or "sliding_attention"), RoPE over the
+whole head in the half-split layout of `rotate_half` (any rope type and scaling), or no RoPE on a
+layer. Everything else is refused by name before any model runs: a bridge would be silently wrong.
+Knows transformers configs; nothing about bridges, KV or caches.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = [
+    "UnsupportedArchitectureError",
+    "SUPPORTED_LAYER_TYPES",
+    "layer_windows",
+    "layer_window",
+    "check_supported",
+    "rope_layers",
+]
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_SUPPORTED = (
+    "per-head keys and values on every layer (full or sliding-window attention), RoPE over the "
+    "whole head in the half-split layout (any rope type and scaling) or none"
+)
+# Families whose rotary pairs channels (2j, 2j + 1) instead of (j, j + D/2); their modules name
+# neither, so the families are listed (transformers' `rotate_half` of these models interleaves).
+_INTERLEAVED_ROPE = {"cohere", "cohere2", "glm", "glm4", "glm4_moe"}
+# Families whose attention adds a learned sink logit per head (not a config field).
+_SINKS = {"gpt_oss"}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """A model whose KV layout a bridge cannot translate exactly (named feature, layer)."""
+
+    def __init__(self, model_type: str, layer: int | None, feature: str, detail: str = ""):
+        where = "every layer" if layer is None else f"layer {layer}"
+        self.model_type, self.layer, self.feature, self.detail = model_type, layer, feature, detail
+        super().__init__(
+            f"{model_type!r} models are not supported: {where} has {feature}"
+            + (f" ({detail})" if detail else "")
+            + f"; bridgecache supports {_SUPPORTED}"
+        )
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Per decoder layer, the window its cache keeps (None: every token), as transformers'
+    `DynamicCache(config=config)` lays the cache out; other layer kinds raise."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = config.get_text_config()
+    known = _WINDOWS.get(id(config))
+    signature = _signature(config)
+    if known is not None and known[0]() is config and known[1] == signature:
+        return known[2]
+    types, kwargs = get_layer_types_and_kwargs(config)
+    for i, kind in enumerate(types):
+        if kind not in SUPPORTED_LAYER_TYPES:
+            raise UnsupportedArchitectureError(
+                config.model_type, i, f"layer type {kind!r}", _KIND_WHY.get(kind, "")
+            )
+    windows = tuple(k.get("sliding_window") for k in kwargs)
+    if len(_WINDOWS) > 256:  # configs come and go (tests, zoo loads): drop the dead ones
+        for key in [key for key, entry in _WINDOWS.items() if entry[0]() is None]:
+            del _WINDOWS[key]
+    _WINDOWS[id(config)] = (weakref.ref(config), signature, windows)
+    return windows
+
+
+_KIND_WHY = {
+    "chunked_attention": "attention within fixed chunks, as Llama 4's",
+    "linear_attention": "a recurrent state instead of per-token keys and values (a hybrid model)",
+    "conv": "a convolution state instead of per-token keys and values (a hybrid model)",
+    "mamba": "a recurrent state instead of per-token keys and values (a hybrid model)",
+    "dummy": "no cache of its own (shared or attention-free)",
+}
+# id(config) -> (weak reference, signature, windows): the attention of every layer of every forward
+# reads its window, and transformers' reading costs ~0.4 ms (configs are unhashable).
+_WINDOWS: dict[int, tuple] = {}
+
+
+def _signature(config) -> tuple:
+    types = getattr(config, "layer_types", None)
+    return (
+        config.num_hidden_layers,
+        None if types is None else tuple(types),
+        getattr(config, "sliding_window", None),
+        getattr(config, "attention_chunk_size", None),
+    )
+
+
+def layer_window(module) -> int | None:
+    """The window of an attention module's layer (its `config` and `layer_idx`)."""
+    return layer_windows(module.config)[module.layer_idx]
+
+
+def rope_layers(config) -> tuple[bool, ...]:
+    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE).
+    (Cohere 2's full layers have none too, but its interleaved rotary is refused anyway.)"""
+    config = config.get_text_config()
+    n = config.num_hidden_layers
+    flags = getattr(config, "no_rope_layers", None)  # despite the name, 1 marks a RoPE layer
+    if flags is not None:
+        return tuple(bool(f) for f in flags)
+    return (True,) * n
+
+
+def check_supported(model_or_config) -> None:
+    """Raise UnsupportedArchitectureError (layer, feature, what is supported) for a model whose
+    cache a bridge cannot translate exactly; reads the config, and the modules of a model."""
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = getattr(model_or_config, "config", model_or_config).get_text_config()
+    kind = config.model_type
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedArchitectureError(
+            kind, None, "multi-head latent attention (MLA)", f"one latent of {config.kv_lora_rank} per token"
+        )
+    windows = {w for w in layer_windows(config) if w is not None}  # raises for other layer kinds
+    if len(windows) > 1:
+        raise UnsupportedArchitectureError(
+            kind, None, "sliding windows of several sizes", str(sorted(windows))
+        )
+    factor = _partial_rotary(config)
+    if factor != 1.0:
+        raise UnsupportedArchitectureError(kind, None, "partial rotary embeddings", f"factor {factor}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if kind in _INTERLEAVED_ROPE or getattr(config, "rope_interleave", False):
+        raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
+    if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
+        raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
+    if kind in _SINKS or (model is not None and _has_sinks(model)):
+        raise UnsupportedArchitectureError(kind, None, "attention sinks", "a learned logit per head")
+
+
+# model -> whether an attention module holds sinks: model_spec runs on every handoff, and a walk
+# over a large model's modules costs about a millisecond.
+_SINK_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _has_sinks(model: torch.nn.Module) -> bool:
+    known = _SINK_MODELS.get(model)
+    if known is None:
+        known = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+        _SINK_MODELS[model] = known
+    return known
+
+
+def _partial_rotary(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    values = [rope] if "rope_type" in rope or not rope else list(rope.values())
+    for params in values:
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None and getattr(config, "rotary_pct", None) is not None:
+        factor = config.rotary_pct
+    return 1.0 if factor is None else float(factor)
