@@ -50,6 +50,8 @@ def _kind(name: str, hint) -> dict:
     """argparse's type, choices or action for the field `name` of type `hint`."""
     if name == "probe_subset":
         return {"type": _count_or_all}
+    if name == "text":  # files (or the digest a recipe names them by)
+        return {"nargs": "+"}
     if name in CHOICES:
         return {"choices": CHOICES[name]}
     base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
@@ -86,8 +88,14 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
 
 
 def _given(args) -> dict:
-    """The FitConfig fields given on the command line, by name."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig) if hasattr(args, f.name)}
+    """The FitConfig fields given on the command line, by name (--text: file paths, or a digest)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig) if hasattr(args, f.name)}
+    if isinstance(given.get("text"), list):
+        text = given["text"]
+        given["text"] = (
+            text[0] if len(text) == 1 and text[0].startswith("sha256:") else [Path(t) for t in text]
+        )
+    return given
 
 
 def fit_config(args, base: FitConfig | None = None) -> FitConfig:
