@@ -159,10 +159,11 @@ def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress)
             seq = _on(seq, device)
             shift = shift or Shift.of(seq)
             add_probe(heldout if seq.heldout else train, shift.apply(seq))
-            need = (train.n + heldout.n) * per_row + ProbeRows.moment_bytes(*shape)
+            rows = train.n + heldout.n
+            need = rows * per_row + ProbeRows.moment_bytes(*shape, rows)
             if budget is not None and need > budget:
                 raise MemoryError(
-                    f"layer probes: {train.n + heldout.n} rows so far need {need / _GiB:.1f} GiB, over the "
+                    f"layer probes: {rows} rows so far need {need / _GiB:.1f} GiB, over the "
                     f"memory budget of {budget / _GiB:.1f} GiB; lower probe_subset or raise memory_budget_gb"
                 )
     if heldout.n == 0 or train.n == 0:

@@ -61,10 +61,10 @@ class ProbeRows:
         return 2 * (ls * hs * ds + lt * ht * dt) * itemsize
 
     @staticmethod
-    def moment_bytes(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int) -> int:
+    def moment_bytes(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, rows: int) -> int:
         """Peak bytes of scoring: two splits' float64 moments of one source layer, one row block."""
         ps, qt = hs * ds, lt * ht * dt
-        return 2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * _BLOCK_ROWS * (ps + qt)
+        return 2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * min(rows, _BLOCK_ROWS) * (ps + qt)
 
     def update(self, src_k, src_v, tgt_k, tgt_v) -> None:
         n = src_k[0].shape[0]
