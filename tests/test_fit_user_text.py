@@ -101,7 +101,7 @@ def test_text_across_tokenizers(pair):
     "text,column,message",
     [
         (["only a little text"], "text", r"holds only 0 windows of 24 tokens, asked for 3"),
-        (DuckDataset([{"body": "x"}]), "text", r"text_column 'text' is not a column .*\(columns: \['body'\]\)"),
+        (DuckDataset([{"body": "x"}]), "text", r"'text' is not a column .*\(columns: \['body'\]\)"),
         ([{"text": "x"}], "text", r"text holds dict .*expected only strings or only paths"),
         ("/no/such/file.txt", "text", r"text file /no/such/file.txt does not exist"),
     ],
