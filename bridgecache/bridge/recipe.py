@@ -92,8 +92,8 @@ class FitConfig:
         (bridgecache.fitting.heldout; what the quality gate reads). Changes no map, so the recipe
         leaves it out.
     memory_budget_gb: GiB the fit's own buffers (layer-probe rows, statistics) may take on the
-        fitting device (None: on CUDA three quarters of what is free when the fit starts; on CPU
-        no limit). Statistics beyond it take more passes over the text; probes beyond it are
+        fitting device (None: on CUDA 90% of what is free when the fit starts, less 4 GiB for the
+        forwards; on CPU no limit). Statistics beyond it take more passes over the text; probes beyond it are
         refused before any forward. Changes no map, so the recipe leaves it out.
     """
 

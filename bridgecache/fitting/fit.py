@@ -176,8 +176,9 @@ def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress)
 
 
 def memory_budget(config: FitConfig, device) -> int | None:
-    """Bytes the fit's own buffers may take: config.memory_budget_gb, else on CUDA three quarters
-    of what is free (PyTorch's cached blocks counted free), else None (no limit)."""
+    """Bytes the fit's own buffers may take: config.memory_budget_gb, else on CUDA 90% of what is
+    free (PyTorch's cached blocks counted free) less 4 GiB for one sequence's forwards and KV, at
+    least half of what is free; else None (no limit)."""
     if config.memory_budget_gb is not None:
         return int(config.memory_budget_gb * _GiB)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -185,7 +186,7 @@ def memory_budget(config: FitConfig, device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(0.75 * free)
+    return max(int(0.9 * free) - 4 * _GiB, free // 2)
 
 
 def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int | None) -> list[list[int]]:
@@ -283,10 +284,11 @@ def fit_bridge(
     clock = clock or PhaseClock(device)
     user_text = isinstance(c.text, UserText)
     digest = Digest()
-    seqs, policy = calibration_sequences(
-        source_tokenizer, target_tokenizer, c.num_sequences, c.seq_len, c.domain, c.alignment_policy,
-        c.native_head, c.heldout_every, c.seed, text=c.text if user_text else None, digest=digest,
-    )  # fmt: skip
+    with clock.phase("text"):  # reading and tokenizing the calibration text (CPU)
+        seqs, policy = calibration_sequences(
+            source_tokenizer, target_tokenizer, c.num_sequences, c.seq_len, c.domain, c.alignment_policy,
+            c.native_head, c.heldout_every, c.seed, text=c.text if user_text else None, digest=digest,
+        )  # fmt: skip
     _check_lengths(seqs, source_spec, target_spec)
 
     def sequences(with_weights: bool):

@@ -1,6 +1,7 @@
 """Where a fit's time goes: seconds and tokens per phase, and the progress bars that show them.
 
-Phases: "forwards" (both models over the calibration text, KV capture, attention weights),
+Phases: "text" (reading and tokenizing the calibration text), "forwards" (both models over it,
+KV capture, attention weights),
 "probes" (layer-probe rows and their scores), "statistics" (the maps' moments), "solve", and
 "scoring" (the held-out attention cosine). On CUDA each phase's end synchronises the device, so
 a phase is charged for its own kernels only.
