@@ -6,7 +6,7 @@ the other), keys un-rotated and values, averaged over K, V and target heads; eac
 takes its top-k source layers. The scores come from `ProbeRows`: the probe sequences' rows are
 kept (in the models' precision) and each source layer's float64 moments against every target
 layer ([Hs*Ds, Lt*Ht*Dt]) are formed from them in turn, so memory is the rows plus one source
-layer's moments, not the [Ls, Hs*Ds, Lt*Ht*Dt] of all layer pairs (20 GiB at Qwen3-14B -> 32B).
+layer's moments, not the [Ls, Hs*Ds, Lt*Ht*Dt] of all layer pairs at once.
 Layer support ("depth"): the k source layers nearest in relative depth; no statistics needed.
 
 Head matching (CacheBridge): by index when the head counts match; otherwise each target head
