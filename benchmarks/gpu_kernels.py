@@ -20,7 +20,9 @@ flushed between runs):
     fullhead  map_fullhead per target layer, k = 4 source layers, keys + values;
     prefill   the target model's own prefill of the same context (random weights, real config,
               sdpa), i.e. what translation replaces.
-- accuracy: one layer of each pair, fused vs torch vs a float64 reference.
+- accuracy: one layer of each pair, fused vs torch vs a float64 reference. Every row checks its
+  result before it is timed (apply: layer 0's keys vs float64; stats: layer 0's moments vs
+  float64, within each precision's bound): a wrong result is an error row, never a time.
 - stats: ridge statistics for 500 x 1024 tokens at Qwen3-14B -> Qwen3-32B shapes (all 64 target
   layers, keys and values): SufficientStats.update fused (Triton, each precision mode; the
   64-wide Gram tile and a sweep of token-split policies through the launcher
@@ -99,6 +101,11 @@ QWEN3_14B = Side("Qwen3-14B", 40, 8, 128)
 QWEN3_32B = Side("Qwen3-32B", 64, 8, 128)
 # The apply kernels compared side by side (kernels/affine.py's tiled one, kernels/persistent.py).
 KERNELS = ("tiled", "persistent")
+# Relative error of the fused statistics vs float64 above which a row reports an error, not a
+# time: 3xTF32 is about float32; TF32 and bf16 operands are 10- and 8-bit mantissas.
+STATS_ERROR_BOUND = {"tf32x3": 1e-4, "tf32": 5e-3, "bf16": 3e-2}
+# Relative error of an apply kernel's bf16 keys vs float64 above which its row is an error.
+APPLY_ERROR_BOUND = 2e-2
 PAIRS = [
     (QWEN25_7B, QWEN25_15B, (1024, 4096, 16384, 32768)),
     (QWEN25_15B, GEMMA2_2B, (1024, 4096, 16384, 32768)),
@@ -388,13 +395,15 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
 
     tables = kernels.affine.source_tables(cos, sin, seqs, 1, src.kv_heads, tokens, src.head_dim)
 
+    def buffers(stats):  # the stats' own tensors (dataclasses.astuple would hand the kernel copies)
+        return [getattr(stats, f.name) for f in dataclasses.fields(stats)]
+
     def launch(precision, tile=None, splits=None):  # run("triton", ...) through the launcher itself
         for l in range(tgt.layers):
             src_l = [keys[layer_of[l]]]
             for kind, (c, s) in (("k", tables), ("v", (None, None))):
-                moments = dataclasses.astuple(bufs[kind][l])
-                kernels.stats.launch_stats(src_l, rows, heads, ys, None, c, s, moments, splits=splits,
-                                           precision=precision, tile=tile)  # fmt: skip
+                kernels.stats.launch_stats(src_l, rows, heads, ys, None, c, s, buffers(bufs[kind][l]),
+                                           splits=splits, precision=precision, tile=tile)  # fmt: skip
 
     # float64 moments of layer 0's keys (X gathered and un-rotated in float64): the accuracy yardstick
     x = keys[0].double()[:, heads[:, 0]]  # [B, Ht, T, Ds] (rows are 0..T-1 with two -1 up front)
@@ -408,33 +417,40 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
     yg = ys.double()[:, :, keep].permute(1, 0, 2, 3).reshape(tgt.kv_heads, -1, tgt.head_dim)
     exact_xtx, exact_xty = xg.transpose(1, 2) @ xg, xg.transpose(1, 2) @ yg
 
-    def errors(backend, precision="tf32x3", tile=None):
+    def errors(backend, precision="tf32x3", tile=None, splits=None):
+        """Layer 0's key moments vs float64; raises (the row is then an error, not a time) when
+        they are off by more than the precision's bound."""
         st = kernels.SufficientStats.zeros(tgt.kv_heads, src.head_dim, tgt.head_dim, device=device)
-        if tile is None:
+        if tile is None and splits is None:
             st.update(keys[0], rows, heads, ys, None, cos, sin, backend=backend, precision=precision)
         else:
-            kernels.stats.launch_stats([keys[0]], rows, heads, ys, None, *tables, dataclasses.astuple(st),
-                                       precision=precision, tile=tile)  # fmt: skip
-        return {
+            kernels.stats.launch_stats([keys[0]], rows, heads, ys, None, *tables, buffers(st),
+                                       precision=precision, tile=tile, splits=splits)  # fmt: skip
+        out = {
             "xtx_err": float((st.xtx - exact_xtx).norm() / exact_xtx.norm()),
             "xty_err": float((st.xty - exact_xty).norm() / exact_xty.norm()),
         }
+        bound = STATS_ERROR_BOUND[precision if backend == "triton" else "tf32x3"]
+        if not max(out.values()) <= bound:  # NaN fails too
+            raise AssertionError(f"wrong moments: {out} (bound {bound:g} for {precision})")
+        return out
 
     out = []
     default_tile = 128  # the launcher's Gram tile edge on CUDA (whole heads up to 128 dims)
     for tile in (64, 128):  # 64: per rope half, through the launcher; 128: SufficientStats.update
-        launched = tile != default_tile and device.type == "cuda"  # the interpreter tiles at 32 either way
+        launched = tile != default_tile  # through the launcher with tile= (also in the interpreter)
 
         def fused(p, tile=tile, launched=launched):
             return launch(p, tile=tile) if launched else run("triton", p)
 
         for precision in kernels.stats.PRECISIONS:
             try:
+                checked = errors("triton", precision, tile if launched else None)  # before any time
                 ms = timer(lambda p=precision: fused(p), repeats=3)
                 row = {"path": "fused", "precision": precision, "tile": tile, "ms_per_batch": ms}
                 if device.type == "cuda":  # the same 128 updates replayed from a CUDA graph: GPU time
                     row["graph_ms"] = timer(graphed(lambda p=precision: fused(p)), repeats=3)
-                row.update(errors("triton", precision, tile if launched else None))
+                row.update(checked)
             except Exception as e:
                 row = {"error": f"fused {precision} tile {tile}: {type(e).__name__}: {e}"[:300]}
             out.append(row)
@@ -443,15 +459,20 @@ def stats_rows(kernels, timer: Timer, device, seqs: int, total_seqs: int, smoke:
     for splits in SPLIT_SWEEP if device.type == "cuda" else ():
         for precision in ("tf32x3", "bf16"):
             try:
+                checked = errors("triton", precision, splits=splits)
                 ms = timer(graphed(lambda p=precision, sp=splits: launch(p, splits=sp)), repeats=3)
                 row = {"path": f"fused, splits {splits}", "precision": precision, "tile": default_tile,
-                       "ms_per_batch": ms, "graph_ms": ms}  # fmt: skip
+                       "ms_per_batch": ms, "graph_ms": ms, **checked}  # fmt: skip
             except Exception as e:
                 row = {"error": f"fused {precision} splits {splits}: {type(e).__name__}: {e}"[:300]}
             out.append(row)
             print(json.dumps(row), flush=True)
-    ms = timer(lambda: run("torch"), repeats=3)
-    out.append({"path": "materialised", "ms_per_batch": ms, **errors("torch")})
+    try:
+        checked = errors("torch")
+        ms = timer(lambda: run("torch"), repeats=3)
+        out.append({"path": "materialised", "ms_per_batch": ms, **checked})
+    except Exception as e:
+        out.append({"error": f"materialised: {type(e).__name__}: {e}"[:300]})
     flops = (
         2 * tgt.layers * tgt.kv_heads * seqs * tokens * (src.head_dim**2 + src.head_dim * tgt.head_dim) * 2
     )
@@ -591,6 +612,9 @@ def main() -> None:
                 row["MB"] = case.bytes_moved() / 1e6
                 row["copy_ms"] = copy_time(timer, case.bytes_moved(), device)
                 for kernel in KERNELS:  # old (tiled) and new (persistent) apply kernels, same inputs
+                    acc = accuracy(kernels, case, kernel)  # checked before any time is taken
+                    if not acc["fused_err"] <= APPLY_ERROR_BOUND:  # NaN fails too
+                        raise AssertionError(f"{kernel}: wrong keys, {acc} (bound {APPLY_ERROR_BOUND:g})")
                     launch = case.launcher(kernels, kernel)
                     row[f"{kernel}_ms"] = timer(launch)
                     if device.type == "cuda":
@@ -599,7 +623,6 @@ def main() -> None:
                     row[f"{kernel}_frac_of_copy"] = row["copy_ms"] / kernel_ms
                     row[f"{kernel}_GBps"] = case.bytes_moved() / (kernel_ms * 1e-3) / 1e9
                     if t == (args.tokens or token_counts)[0]:
-                        acc = accuracy(kernels, case, kernel)
                         acc_rows.append({"pair": row["pair"], "kernel": kernel, **acc})
                     del launch
                 row["fused_ms"] = timer(lambda c=case: c.fused(kernels))

@@ -12,21 +12,41 @@ a document belongs to "eval" when the first byte of sha256(its name) is < 77 (ab
 "calib" otherwise. Names are the topic key ("prose") or the path relative to the stdlib
 directory ("code"), so the split is the same on every machine with the same Python.
 
+The user's own calibration text (`UserText`, made by `user_text`): text files, a list of
+strings, or a Hugging Face `datasets` Dataset / IterableDataset read by column (duck-typed: rows
+are mappings; `datasets` is never imported here). Its documents are read in order, never stored;
+`Digest` hashes the documents a fit actually read, which is what a bridge records of them.
+
 This module knows nothing about models; token helpers only call `tokenizer(text)`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["DOMAINS", "SPLITS", "documents", "split_of", "text_chunks", "token_sequences"]
+__all__ = [
+    "DOMAINS",
+    "SPLITS",
+    "Digest",
+    "UserText",
+    "documents",
+    "split_of",
+    "text_chunks",
+    "token_sequences",
+    "user_text",
+    "window_ids",
+    "builtin_windows",
+    "chunks_of",
+]
 
 DOMAINS = ("prose", "code")
 EVAL_ONLY_DOMAINS = ("manual",)
@@ -124,23 +144,142 @@ def token_sequences(
     and cut into consecutive windows, so every window is real text of the requested length.
     """
     rows: list[list[int]] = []
-    for ids in _token_windows(tokenizer, seq_len, domain, split, seed):
+    for ids in builtin_windows(tokenizer, seq_len, domain, split, seed):
         rows.append(ids)
         if len(rows) == n:
             break
     if len(rows) < n:
         raise ValueError(
             f"the {domain}/{split} text holds only {len(rows)} windows of {seq_len} tokens, asked for {n}"
+            + (
+                "; the 'code' (or 'mixed') text holds more, or fit on your own text (FitConfig(text=...))"
+                if split == "calib"
+                else ""
+            )
         )
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _token_windows(tokenizer, seq_len: int, domain: str, split: str, seed: int) -> Iterator[list[int]]:
+def builtin_windows(tokenizer, seq_len: int, domain: str, split: str, seed: int) -> Iterator[list[int]]:
+    """The windows `token_sequences` takes from: the split's documents shuffled with `seed`."""
     docs = [t for _, t in documents(domain, split)]
     random.Random(f"{domain}/{split}/{seed}").shuffle(docs)
+    return window_ids(docs, tokenizer, seq_len)
+
+
+def window_ids(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
+    """Consecutive windows of `seq_len` token ids over `docs` joined by blank lines (no specials)."""
     buffer: list[int] = []
     for text in docs:
         buffer.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
         while len(buffer) >= seq_len:
             yield buffer[:seq_len]
             buffer = buffer[seq_len:]
+
+
+def chunks_of(docs: Iterable[str], chars: int) -> Iterator[str]:
+    """Consecutive chunks of about `chars` characters over `docs` joined by blank lines, cut at
+    whitespace where one is in the second half of a chunk."""
+    buffer = ""
+    for text in docs:
+        buffer += text + "\n\n"
+        while len(buffer) >= chars:
+            end = buffer.rfind(" ", chars // 2, chars)
+            end = end if end > 0 else chars
+            chunk, buffer = buffer[:end].strip(), buffer[end:]
+            if chunk:
+                yield chunk
+
+
+# ----------------------------------------------------------------------------------------------
+# The user's own text
+
+
+@dataclass(frozen=True, eq=False)
+class UserText:
+    """The user's calibration documents. read(): a fresh iterator over them, in order;
+    description: what they are, in words (for messages; never the text itself)."""
+
+    read: Callable[[], Iterator[str]]
+    description: str
+
+    def __repr__(self) -> str:
+        return f"UserText({self.description})"
+
+
+class Digest:
+    """sha256 of the documents drawn through `wrap` (each as its length and UTF-8 bytes)."""
+
+    def __init__(self):
+        self._hash, self.documents = hashlib.sha256(), 0
+
+    def wrap(self, docs: Iterable[str]) -> Iterator[str]:
+        for doc in docs:
+            data = doc.encode("utf-8")
+            self._hash.update(len(data).to_bytes(8, "little") + data)
+            self.documents += 1
+            yield doc
+
+    @property
+    def value(self) -> str:
+        return "sha256:" + self._hash.hexdigest()
+
+
+def user_text(value, column: str = "text") -> UserText:
+    """`value` as UserText: a file or folder (its *.txt and *.md files, sorted) path, a list of
+    strings (the documents) or of paths, or a dataset: an iterable of mappings with a `column`
+    of strings (a Hugging Face Dataset / IterableDataset). ValueError/TypeError saying what is
+    wrong and what was expected, before anything is read but the paths' existence."""
+    if isinstance(value, UserText):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return _files([Path(value)])
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("text is an empty list; expected strings (documents) or file paths")
+        if all(isinstance(v, os.PathLike) for v in value):
+            return _files([Path(v) for v in value])
+        bad = next((v for v in value if not isinstance(v, str)), None)
+        if bad is not None:
+            raise TypeError(
+                f"text holds {type(bad).__name__} {bad!r:.60}; expected only strings or only paths"
+            )
+        docs = tuple(value)
+        return UserText(lambda: iter(docs), f"{len(docs)} strings")
+    names = getattr(value, "column_names", None)
+    if names is not None or (hasattr(value, "__iter__") and not isinstance(value, Mapping)):
+        if names is not None and column not in names:
+            raise ValueError(
+                f"text_column {column!r} is not a column of the dataset (columns: {list(names)})"
+            )
+        return UserText(lambda: _column(value, column), f"dataset column {column!r}")
+    raise TypeError(
+        f"text is {type(value).__name__}; expected a file or folder path, a list of strings or paths, "
+        "or a dataset with a text column"
+    )
+
+
+def _files(paths: list[Path]) -> UserText:
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())
+            if not found:
+                raise ValueError(f"text folder {path} holds no .txt or .md files")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"text file {path} does not exist (for text itself, pass a list of strings)")
+    names = files[0].name if len(files) == 1 else f"{len(files)} files"
+    return UserText(lambda: (f.read_text(encoding="utf-8", errors="replace") for f in files), names)
+
+
+def _column(dataset, column: str) -> Iterator[str]:
+    for i, row in enumerate(dataset):
+        if not isinstance(row, Mapping) or column not in row:
+            raise ValueError(f"dataset row {i} has no column {column!r} (text_column names the text column)")
+        text = row[column]
+        if not isinstance(text, str):
+            raise TypeError(f"dataset row {i}: column {column!r} is {type(text).__name__}; expected a string")
+        yield text

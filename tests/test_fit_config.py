@@ -43,6 +43,15 @@ BAD = [  # (field, value, what the message expects)
     ("stats_precision", "fp8", r"one of \('tf32x3', 'tf32', 'bf16'\)"),
     ("identity_if_same", "yes", r"True or False"),
     ("score_heldout", 1, r"True or False"),
+    ("text", 42, r"a file or folder path, strings, or a dataset"),
+    ("text", [], r"a file or folder path, strings, or a dataset \(text is an empty list"),
+    ("text_column", "", r"a column name"),
+    ("memory_budget_gb", 0, r"None or a finite number of GiB > 0"),
+    ("memory_budget_gb", float("inf"), r"None or a finite number of GiB > 0"),
+    # The bridge file reader's upper bounds (bridgecache.bridge.format): a config that fits loads.
+    ("seed", 2**63, r"an integer of at most 9,223,372,036,854,775,807"),
+    ("num_sequences", 2**31 + 1, r"an integer of at most 2,147,483,648"),
+    ("layers_k", 1025, r"an integer of at most 1,024"),
 ]
 
 

@@ -25,6 +25,8 @@ import shlex
 from dataclasses import dataclass
 
 from bridgecache.kernels.stats import PRECISIONS as STATS_PRECISIONS
+from bridgecache.models.spec import SPEC_LIMITS
+from bridgecache.text import UserText, user_text
 from tokenalign import POLICIES
 
 __all__ = [
@@ -54,11 +56,17 @@ class FitConfig:
         each target head; the default, better on every measured pair,
         benchmarks/reports/quality.md) or "cachebridge" (the matched source head of each of the
         top-k layers).
-    num_sequences: calibration sequences of bridgecache.text's "calib" split (at least 2: every
-        `heldout_every`-th one is held out to score the maps).
-    seq_len: target tokens per calibration sequence.
-    domain: calibration text: "prose", "code" or "mixed" (the two alternating).
-    seed: which calibration windows are read.
+    num_sequences: calibration sequences (at least 2: every `heldout_every`-th one is held out
+        to score the maps).
+    seq_len: target tokens per calibration sequence (at most the models' context window).
+    domain: built-in calibration text (bridgecache.text's "calib" split): "prose", "code" or
+        "mixed" (the two alternating, then code once the prose runs out).
+    text: the user's own calibration text instead (None: the built-in): a text file or folder
+        path, a list of strings or of paths, or a Hugging Face datasets Dataset/IterableDataset
+        (its `text_column`); read in order and windowed like the built-in text. A bridge records
+        it by the sha256 of the documents read ("sha256:..."), never the text.
+    text_column: the dataset column that holds the text.
+    seed: which windows of the built-in text are read (the user's text is read in order).
     heldout_every: every this-many-th sequence is held out (scores the maps, is not fitted).
     layers_k: source layers per target layer (None: the method's, DEFAULT_K: 4 or 2).
     layer_support: how those layers are chosen: "probe" (held-out R^2 of single-layer probes) or
@@ -83,12 +91,18 @@ class FitConfig:
     score_heldout: measure each target layer's attention-output cosine on the held-out sequences
         (bridgecache.fitting.heldout; what the quality gate reads). Changes no map, so the recipe
         leaves it out.
+    memory_budget_gb: GiB the fit's own buffers (layer-probe rows, statistics) may take on the
+        fitting device (None: on CUDA 90% of what is free when the fit starts, less 4 GiB for the
+        forwards; on CPU no limit). Statistics beyond it take more passes over the text; probes beyond it are
+        refused before any forward. Changes no map, so the recipe leaves it out.
     """
 
     method: str = "fullhead"
     num_sequences: int = 32
     seq_len: int = 256
     domain: str = "prose"
+    text: object = None
+    text_column: str = "text"
     seed: int = 0
     heldout_every: int = 8
     layers_k: int | None = None
@@ -103,6 +117,7 @@ class FitConfig:
     stats_precision: str = "tf32x3"
     identity_if_same: bool = True
     score_heldout: bool = True
+    memory_budget_gb: float | None = None
 
     def __post_init__(self):
         """Raise FitOptionError for the first field outside its range (before any model loads)."""
@@ -110,22 +125,48 @@ class FitConfig:
             value = getattr(self, name)
             if not (value is None and name in _NONE_ALLOWED) and value not in allowed:
                 _bad(name, value, f"one of {allowed}")
+        # The upper bounds are the bridge file reader's (bridgecache.bridge.format): a config that
+        # fits is a config whose bridge loads.
         _int_at_least("num_sequences", self.num_sequences, 2, "one sequence is held out to score the maps")
         _int_at_least("native_head", self.native_head, 0)
         head = self.native_head
         _int_at_least("seq_len", self.seq_len, head + 2, f"native_head={head} positions are not fitted")
-        _int_at_least("seed", self.seed, 0)
+        _int_at_least("seed", self.seed, 0, high=MAX_SEED)
         for name in ("heldout_every", "boundaries"):
             _int_at_least(name, getattr(self, name), 1)
         for name in ("layers_k", "probe_subset"):
             if getattr(self, name) is not None:
-                _int_at_least(name, getattr(self, name), 1)
+                high = SPEC_LIMITS["num_layers"] if name == "layers_k" else None
+                _int_at_least(name, getattr(self, name), 1, high=high)
+        self._check_text()
+        budget = self.memory_budget_gb
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf
+        ):
+            _bad("memory_budget_gb", budget, "None or a finite number of GiB > 0")
         lam = self.lam
         if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam <= 0:
             _bad("lam", lam, "a finite number > 0 (ridge strength relative to the data scale)")
         for name in ("identity_if_same", "score_heldout"):
             if not isinstance(getattr(self, name), bool):
                 _bad(name, getattr(self, name), "True or False")
+
+    def _check_text(self) -> None:
+        if not isinstance(self.text_column, str) or not self.text_column:
+            _bad("text_column", self.text_column, "a column name")
+        if self.text is None or isinstance(self.text, UserText) or _is_digest(self.text):
+            return
+        try:
+            object.__setattr__(self, "text", user_text(self.text, self.text_column))
+        except (TypeError, ValueError) as err:
+            _bad("text", _shown(self.text), f"a file or folder path, strings, or a dataset ({err})")
+        if self.domain != "prose":
+            _bad("domain", self.domain, "the default with text= (domain picks built-in text only)")
+
+    @property
+    def text_needed(self) -> str | None:
+        """The recorded digest when this config names its text by hash only (read from a recipe)."""
+        return self.text if _is_digest(self.text) else None
 
     def check_against(self, source_spec) -> None:
         """The checks that need the source model (its ModelSpec): layers_k at most its layers."""
@@ -145,9 +186,15 @@ class FitConfig:
         """A short description for tables and logs: only what differs from the defaults."""
         return " ".join(f"{name}={value}" for name, value in self.changes().items()) or "default"
 
-    def recipe(self, source: str, target: str) -> dict:
-        """What a bridge records of its fit: the model names and every field that changes the maps."""
-        return {"source": source, "target": target, **{name: getattr(self, name) for name in RECIPE_FIELDS}}
+    def recipe(self, source: str, target: str, text_digest: str | None = None) -> dict:
+        """What a bridge records of its fit: the model names and every field that changes the maps
+        (the user's text as `text_digest`, the "sha256:..." of the documents read)."""
+        fields = {name: getattr(self, name) for name in RECIPE_FIELDS}
+        if isinstance(self.text, UserText):
+            fields["text"] = text_digest
+        if fields["text"] is None:  # the built-in text: recipes read as they always have
+            del fields["text"]
+        return {"source": source, "target": target, **fields}
 
     @classmethod
     def from_recipe(cls, recipe: dict) -> FitConfig:
@@ -182,8 +229,11 @@ CHOICES = {
     "stats_precision": STATS_PRECISIONS,
 }
 _NONE_ALLOWED = ("weighting", "alignment_policy")  # None: the method's / tokenalign's default
-# Every field but score_heldout, which changes no map (the keys recipes have always had).
-RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(FitConfig) if f.name != "score_heldout")
+MAX_SEED = 2**63 - 1  # the bridge file reader's bound
+# Every field but those that change no map (score_heldout, memory_budget_gb) or are not kept
+# (text_column: the text is recorded by its digest).
+_NOT_RECORDED = ("score_heldout", "memory_budget_gb", "text_column")
+RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(FitConfig) if f.name not in _NOT_RECORDED)
 # Field -> `bridgecache fit` flag (its name with dashes, but one).
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(FitConfig)}
 FLAGS["num_sequences"] = "--calib-seqs"
@@ -253,6 +303,9 @@ def recipe_command(recipe: dict, out: str = "DIR") -> str:
         if name not in recipe or (recipe[name] is None and getattr(FitConfig, name) is None):
             continue
         value, flag = recipe[name], FLAGS[name]
+        if name == "text" and value is not None:  # the user's text, named by its digest: give it again
+            words += [flag, str(value)]
+            continue
         if isinstance(value, bool):
             words.append(flag if value else "--no-" + flag[2:])
         else:
@@ -264,9 +317,31 @@ def _differs(config: FitConfig, name: str) -> bool:
     return getattr(config, name) != getattr(FitConfig, name)
 
 
-def _int_at_least(name: str, value, low: int, why: str = "") -> None:
+def _int_at_least(name: str, value, low: int, why: str = "", high: int | None = None) -> None:
+    high = _MAX_COUNT if high is None else high
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         _bad(name, value, f"an integer >= {low}" + (f" ({why})" if why else ""))
+    if value > high:
+        _bad(name, value, f"an integer of at most {high:,} (what a bridge file may record)")
+
+
+_MAX_COUNT = 2**31  # counts in a bridge file (bridgecache.bridge.format LIMITS["count"])
+
+
+def _is_digest(value) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", value) is not None
+
+
+class _Shown(str):
+    """A value's repr, cut to 80 characters (an error never repeats a whole text)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shown(value) -> _Shown:
+    text = repr(value)
+    return _Shown(text if len(text) <= 80 else text[:77] + "...")
 
 
 def _bad(name: str, value, expected: str) -> None:

@@ -12,7 +12,9 @@ and the flags given become one FitConfig (over the recipe's, with --recipe).
 Every option, both model references (or the recipe, validated with the bridge it comes from, and
 the models it names) and `--out` are checked before a model loads: a fit can take an hour, and
 it is never lost to a typo or an unwritable destination. An existing bridge in `--out` is
-replaced only with `--force`; if `--out` breaks while the fit runs, the bridge is saved to a
+replaced only with `--force`; a folder holding anything else (a model, a README.md) is refused.
+`--seq-len` beyond either model's context window is refused once the models are loaded, before
+any forward. If `--out` breaks while the fit runs, the bridge is saved to a
 `bridgecache-unsaved-*` folder in the temporary directory instead.
 
 Knows argparse and the zoo; the fitting itself is `bridgecache.fitting.fit_bridge`.
@@ -50,6 +52,8 @@ def _kind(name: str, hint) -> dict:
     """argparse's type, choices or action for the field `name` of type `hint`."""
     if name == "probe_subset":
         return {"type": _count_or_all}
+    if name == "text":  # files (or the digest a recipe names them by)
+        return {"nargs": "+"}
     if name in CHOICES:
         return {"choices": CHOICES[name]}
     base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
@@ -86,8 +90,14 @@ def add_fit_command(subparsers) -> argparse.ArgumentParser:
 
 
 def _given(args) -> dict:
-    """The FitConfig fields given on the command line, by name."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig) if hasattr(args, f.name)}
+    """The FitConfig fields given on the command line, by name (--text: file paths, or a digest)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig) if hasattr(args, f.name)}
+    if isinstance(given.get("text"), list):
+        text = given["text"]
+        given["text"] = (
+            text[0] if len(text) == 1 and text[0].startswith("sha256:") else [Path(t) for t in text]
+        )
+    return given
 
 
 def fit_config(args, base: FitConfig | None = None) -> FitConfig:
@@ -125,10 +135,19 @@ def check_fit_args(args) -> str | None:
     problem = writable_destination(args.out)
     if problem:
         return f"--out: {problem}"
-    if (Path(args.out) / "bridge.json").exists() and not args.force:
+    out = Path(args.out)
+    if (out / "bridge.json").exists() and not args.force:
         return (
             f"--out: {args.out} already holds a bridge; pass --force to replace it, or choose another --out"
         )
+    if out.is_dir() and not (out / "bridge.json").exists():
+        others = sorted(p.name for p in out.iterdir())
+        if others:  # a model folder, a README.md of one's own: a save would write over or beside them
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            return (
+                f"--out: {args.out} holds other files ({shown}), not a bridge; a bridge writes "
+                "bridge.json, bridge-*.safetensors and README.md: choose a new or empty folder"
+            )
     return None
 
 
@@ -170,9 +189,16 @@ def run_fit(args) -> int:
     source, source_tok = load_model(args.source, device=args.device)
     target, target_tok = load_model(args.target, device=args.device)
     start = time.perf_counter()
-    bridge = fit_bridge(
-        source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target
-    )
+    try:
+        bridge = fit_bridge(
+            source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target
+        )
+    except FitOptionError as err:  # a bound that needs the models (layers_k, seq_len): before any forward
+        print(
+            f"bridgecache fit: error: {FLAGS[err.option]} is {err.value!r}; expected {err.expected}",
+            file=sys.stderr,
+        )
+        return 2
     seconds = time.perf_counter() - start
     if not save_or_rescue(bridge, args.out, args.force, "fit"):
         return 1
@@ -203,7 +229,14 @@ def _fit_recipe(args) -> int:
     command = recipe_command(config.recipe(recipe["source"], recipe["target"]), args.out)
     print(f"recipe of {printable(args.recipe)}: {printable(command)}")
     start = time.perf_counter()
-    bridge = refit(recipe, source, target, source_tok, target_tok, **_given(args))
+    try:
+        bridge = refit(recipe, source, target, source_tok, target_tok, **_given(args))
+    except FitOptionError as err:
+        print(
+            f"bridgecache fit: error: {FLAGS[err.option]} is {err.value!r}; expected {err.expected}",
+            file=sys.stderr,
+        )
+        return 2
     if not save_or_rescue(bridge, args.out, args.force, "fit"):
         return 1
     print(bridge.summary())

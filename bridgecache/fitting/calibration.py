@@ -1,7 +1,9 @@
 """Calibration sequences: token ids for both models and the (source row, target row) pairing.
 
-Same tokenizer (equal fingerprints): windows of `seq_len` tokens from `bridgecache.text`, fed to
-both models; the pairing is the identity alignment. Different tokenizers: text chunks aligned
+Same tokenizer (equal fingerprints): windows of `seq_len` tokens from `bridgecache.text` (or the
+user's own text, `FitConfig.text`, read in order), fed to both models; the pairing is the
+identity alignment. "mixed" alternates prose and code windows while the prose lasts, then code.
+Different tokenizers: text chunks aligned
 with `tokenalign.align`, paired with `bridgecache.kv.align.pair_rows` (policy "mean": target rows
 paired with source rows pooled over each target token's span). If the target's tokenizer
 adds a BOS token, every target sequence starts with it (as at inference); it is never fitted.
@@ -18,7 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.models.spec import tokenizer_fingerprint
-from bridgecache.text import text_chunks, token_sequences
+from bridgecache.text import (
+    Digest,
+    UserText,
+    builtin_windows,
+    chunks_of,
+    text_chunks,
+    token_sequences,
+    window_ids,
+)
 
 __all__ = ["CalibSequence", "calibration_sequences", "same_tokenizer"]
 
@@ -53,17 +63,37 @@ def calibration_sequences(
     native_head: int = 1,
     heldout_every: int = 8,
     seed: int = 0,
+    *,
+    text: UserText | None = None,
+    digest: Digest | None = None,
 ) -> tuple[list[CalibSequence], str]:
-    """The calibration sequences and the alignment policy they use ("identity" if same tokenizer)."""
+    """The calibration sequences and the alignment policy they use ("identity" if same tokenizer).
+
+    text: the user's documents instead of the built-in `domain`; `digest` (if given) hashes the
+    documents read.
+    """
     if num_sequences < 2:
         raise ValueError("calibration needs at least 2 sequences (one is held out to score the maps)")
+    docs = None
+    if text is not None:
+        docs = (digest or Digest()).wrap(text.read())
     if same_tokenizer(source_tokenizer, target_tokenizer):
-        seqs, policy = _same(target_tokenizer, num_sequences, seq_len, domain, native_head, seed), "identity"
+        if docs is None:
+            seqs = _same(target_tokenizer, num_sequences, seq_len, domain, native_head, seed)
+        else:
+            seqs = _same_user(target_tokenizer, num_sequences, seq_len, docs, text, native_head)
+        policy = "identity"
     else:
         policy = policy or "last"
-        seqs = _cross(
-            source_tokenizer, target_tokenizer, num_sequences, seq_len, domain, policy, native_head, seed
-        )
+        if docs is None:
+            texts = text_chunks(domain, "calib", num_sequences, chars=seq_len * 6, seed=seed)
+        else:
+            texts = list(
+                _take(
+                    chunks_of(docs, seq_len * 6), num_sequences, text, f"chunks of {seq_len * 6} characters"
+                )
+            )
+        seqs = _cross(source_tokenizer, target_tokenizer, texts, seq_len, policy, native_head)
     held = {i for i in range(len(seqs)) if (i + 1) % heldout_every == 0} or {len(seqs) - 1}
     for i, seq in enumerate(seqs):
         seq.heldout = i in held
@@ -74,12 +104,45 @@ def _same(tokenizer, n: int, seq_len: int, domain: str, native_head: int, seed: 
     prefix = _bos_prefix(tokenizer)
     body = seq_len - len(prefix)
     if domain == "mixed":
-        half = (n + 1) // 2
-        prose = token_sequences(tokenizer, half, body, "prose", "calib", seed)
-        code = token_sequences(tokenizer, n - half, body, "code", "calib", seed)
-        ids = torch.stack([row for pair in zip(prose, code) for row in pair] + list(prose[len(code) :]))[:n]
+        ids = _mixed(tokenizer, n, body, seed)
     else:
         ids = token_sequences(tokenizer, n, body, domain, "calib", seed)
+    return _identity_pairs(ids, prefix, seq_len, native_head)
+
+
+def _mixed(tokenizer, n: int, body: int, seed: int) -> torch.Tensor:
+    """Prose and code windows alternating, prose first; code fills in once the prose runs out."""
+    prose = list(_take(builtin_windows(tokenizer, body, "prose", "calib", seed), (n + 1) // 2))
+    code = token_sequences(tokenizer, n - len(prose), body, "code", "calib", seed).tolist()
+    rows = [row for pair in zip(prose, code) for row in pair]
+    rows += prose[len(code) :] + code[len(prose) :]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _same_user(tokenizer, n, seq_len, docs, text: UserText, native_head) -> list[CalibSequence]:
+    prefix = _bos_prefix(tokenizer)
+    body = seq_len - len(prefix)
+    ids = torch.tensor(list(_take(window_ids(docs, tokenizer, body), n, text, f"windows of {body} tokens")))
+    return _identity_pairs(ids, prefix, seq_len, native_head)
+
+
+def _take(items, n: int, text: UserText | None = None, what: str = ""):
+    """The first n of `items`; with `text`, fewer is an error naming what the text holds."""
+    out = []
+    for item in items:
+        out.append(item)
+        if len(out) == n:
+            break
+    if text is not None and len(out) < n:
+        raise ValueError(
+            f"the calibration text ({text.description}) holds only {len(out)} {what}, asked for {n}"
+        )
+    return out
+
+
+def _identity_pairs(
+    ids: torch.Tensor, prefix: list[int], seq_len: int, native_head: int
+) -> list[CalibSequence]:
     out = []
     rows = torch.arange(native_head, seq_len)
     for row in ids:
@@ -88,12 +151,11 @@ def _same(tokenizer, n: int, seq_len: int, domain: str, native_head: int, seed: 
     return out
 
 
-def _cross(src_tok, tgt_tok, n, seq_len, domain, policy, native_head, seed) -> list[CalibSequence]:
+def _cross(src_tok, tgt_tok, texts: list[str], seq_len, policy, native_head) -> list[CalibSequence]:
+    """texts: ~6 characters per target token (generous for prose and code); cut at seq_len."""
     import tokenalign
     from bridgecache.kv.align import pair_rows, target_rows
 
-    # ~4 characters per token is generous for prose and code; the target ids are cut at seq_len.
-    texts = text_chunks(domain, "calib", n, chars=seq_len * 6, seed=seed)
     out = []
     for text in texts:
         text = _cut_to_tokens(text, tgt_tok, seq_len)

@@ -13,14 +13,14 @@ cross-tokenizer pair differ only in the pairing they hand in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from bridgecache.bridge.maps import LayerMap
 from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
-from bridgecache.fitting.support import ProbeMoments
+from bridgecache.fitting.support import ProbeRows
 
 __all__ = ["PairedKV", "Shift", "add_probe", "LayerAccumulator"]
 
@@ -87,8 +87,8 @@ class Shift:
         )
 
 
-def add_probe(probe: ProbeMoments, seq: PairedKV) -> None:
-    """Add one sequence's rows to the single-layer probe statistics."""
+def add_probe(probe: ProbeRows, seq: PairedKV) -> None:
+    """Add one sequence's rows to the single-layer probes' rows."""
     src, tgt = seq.src_rows.to(seq.source_keys[0].device), seq.tgt_rows.to(seq.target_keys[0].device)
 
     def rows(layers, idx):  # [1, heads, tokens, d] -> [n, heads, d]
@@ -127,6 +127,18 @@ class LayerAccumulator:
             self.train = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
         self.heldout = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
         self.alphas: dict[str, list[float]] = {}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every statistics tensor held (their bytes are this accumulator's memory)."""
+        out = []
+        for moments in [*self.train.values(), *self.heldout.values()]:
+            if isinstance(moments, WeightedMoments):
+                out += [moments.n, moments.sum_r, moments.sum_r2]
+                parts = [moments.plain, moments.by_r]
+            else:
+                parts = [moments]
+            out += [getattr(m, f.name) for m in parts for f in fields(m)]
+        return out
 
     def add(self, seq: PairedKV) -> None:
         device = self.heads.device

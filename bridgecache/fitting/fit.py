@@ -1,9 +1,10 @@
 """Fit a Bridge in closed form: Full-Head Mapping ("fullhead") or CacheBridge ("cachebridge").
 
-`fit_layer_maps` is the model-free engine: given a way to stream `PairedKV`s (twice at most),
-it picks layer support (pass 1: probe statistics, unless support is "depth" and heads need no
-matching), builds each target head's inputs, accumulates the maps' statistics (pass 2: with the
-target's attention weights for attention-aligned fitting) and solves them.
+`fit_layer_maps` is the model-free engine: given a way to stream `PairedKV`s, it picks layer
+support (pass 1: probe rows and scores, unless support is "depth" and heads need no matching),
+builds each target head's inputs, accumulates the maps' statistics (pass 2: with the target's
+attention weights for attention-aligned fitting; more passes, each over a group of target layers,
+only when all layers' statistics together exceed the memory budget) and solves them.
 `fit_bridge` is the model-level entry: calibration text -> sequences -> models -> engine -> Bridge.
 
 Both take one `FitConfig` (bridgecache.bridge.recipe: every option, its default and its range).
@@ -15,17 +16,22 @@ Method defaults (each overridable):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
+from tqdm.auto import tqdm
 
 from bridgecache.bridge.maps import Bridge, LayerMap
-from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig
+from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig, FitOptionError
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
+from bridgecache.fitting.phases import PhaseClock
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
-    ProbeMoments,
+    ProbeRows,
+    ProbeScores,
     depth_layers,
     full_inputs,
     match_heads,
@@ -34,11 +40,16 @@ from bridgecache.fitting.support import (
 )
 from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import model_spec
+from bridgecache.text import Digest, UserText
 
 __all__ = ["fit_bridge", "fit_layer_maps"]
 
-# sequences(with_weights) -> a fresh iterable over the calibration sequences' PairedKV.
+# sequences(with_weights) -> a fresh iterable over the calibration sequences' PairedKV (called
+# once for the probes and once per statistics pass: more than one pass only when the statistics
+# of every target layer at once exceed the memory budget).
 SequenceSource = Callable[[bool], Iterable[PairedKV]]
+
+_GiB = 2**30
 
 
 def fit_layer_maps(
@@ -49,20 +60,29 @@ def fit_layer_maps(
     *,
     device=None,
     probe_sequences: SequenceSource | None = None,
+    probe_dtype: torch.dtype = torch.float32,
+    clock: PhaseClock | None = None,
+    progress: bool = False,
 ) -> tuple[list[LayerMap], dict]:
     """Fit one LayerMap per target layer from streamed paired KV.
 
     source_shape, target_shape: (layers, kv_heads, head_dim) of each model.
     config: the solver's settings are read from it (method, layers_k, layer_support, weighting,
-        lam, key_scale, stats_precision); the calibration settings belong to whoever streams.
+        lam, key_scale, stats_precision, memory_budget_gb); the calibration settings belong to
+        whoever streams.
+    device: where the statistics live (every PairedKV is moved there once).
     probe_sequences: what the layer-probe pass streams (default: `sequences`; a subset is cheaper).
+    probe_dtype: the precision the probe rows are kept in (the models' own is enough).
+    clock: collects seconds and tokens per phase (bridgecache.fitting.phases), if given.
     Returns the layer maps and a JSON-able description (layer scores, support, shrinkage).
     """
     config = _checked(config)
+    clock = clock or PhaseClock(device)
     method, lam, key_scale = config.method, config.lam, config.key_scale
     weighting = config.weighting or DEFAULT_WEIGHTING[method]
     k = config.layers_k or DEFAULT_K[method]
     (ls, hs, ds), (lt, ht, dt) = source_shape, target_shape
+    budget = memory_budget(config, device)
     info: dict = {
         "method": method,
         "layers_k": k,
@@ -75,17 +95,16 @@ def fit_layer_maps(
     need_heads = method == "cachebridge" and hs != ht
     scores = None
     if config.layer_support == "probe" or need_heads:
-        train, heldout = (
-            ProbeMoments(ls, hs, ds, lt, ht, dt, device),
-            ProbeMoments(ls, hs, ds, lt, ht, dt, device),
+        scores = _probe_scores(
+            probe_sequences or sequences,
+            (ls, hs, ds, lt, ht, dt),
+            lam,
+            device,
+            probe_dtype,
+            budget,
+            clock,
+            progress,
         )
-        shift = None
-        for seq in (probe_sequences or sequences)(False):
-            shift = shift or Shift.of(seq)
-            add_probe(heldout if seq.heldout else train, shift.apply(seq))
-        if heldout.n == 0 or train.n == 0:
-            raise ValueError("layer probes need both training and held-out sequences")
-        scores = score_probes(train, heldout, lam)
         info["layer_scores"] = [[round(float(x), 4) for x in row] for row in scores.layer]
     support = top_layers(scores.layer, k) if config.layer_support == "probe" else depth_layers(ls, lt, k)
     if method == "fullhead":
@@ -94,25 +113,128 @@ def fit_layer_maps(
         inputs = match_heads(support, hs, ht, None if scores is None else scores.head)
 
     weighted = weighting == "attention"
-    precision = config.stats_precision
-    accs = [
-        LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device, precision=precision) for t in range(lt)
-    ]
-    rows, shift = {"train": 0, "heldout": 0}, None
-    for seq in sequences(weighted):
-        rows["heldout" if seq.heldout else "train"] += int(seq.tgt_rows.numel())
-        shift = shift or Shift.of(seq)
-        seq = shift.apply(seq)
-        for acc in accs:
-            acc.add(seq)
-    layers = [acc.solve(lam, shift, key_scale) for acc in accs]
+    groups = layer_groups(inputs, hs, ds, dt, weighted, budget)
+    info["statistics_passes"] = len(groups)
+    layers: list[LayerMap] = []
+    rows, accs_done = {"train": 0, "heldout": 0}, []
+    for number, group in enumerate(groups, 1):
+        accs = [
+            LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device, precision=config.stats_precision)
+            for t in group
+        ]
+        rows = {"train": 0, "heldout": 0}
+        shift = None
+        clock.passes += 1
+        stream = clock.timed(sequences(weighted), "forwards", lambda seq: int(seq.tgt_rows.numel()))
+        for seq in stream:
+            rows["heldout" if seq.heldout else "train"] += int(seq.tgt_rows.numel())
+            with clock.phase("statistics", int(seq.tgt_rows.numel())):
+                seq = _on(seq, device)
+                shift = shift or Shift.of(seq)
+                seq = shift.apply(seq)
+                for acc in accs:
+                    acc.add(seq)
+        with clock.phase("solve"):
+            bar = tqdm(accs, desc=f"solve {number}/{len(groups)}", unit="layer", disable=not progress)
+            layers += [acc.solve(lam, shift, key_scale) for acc in bar]
+        accs_done += [_summary(acc, key_scale, weighted) for acc in accs]
+        del accs  # this group's statistics are freed before the next pass
     info["rows"] = rows
     if key_scale == "variance":
-        info["key_alpha"] = [[round(float(a), 4) for a in acc.key_alpha] for acc in accs]
-        info["r2_key_ridge"] = [round(acc.r2_key_ridge, 4) for acc in accs]
+        info["key_alpha"] = [a["key_alpha"] for a in accs_done]
+        info["r2_key_ridge"] = [a["r2_key_ridge"] for a in accs_done]
     if weighted:
-        info["alpha"] = {kind: [[round(a, 4) for a in acc.alphas[kind]] for acc in accs] for kind in "kv"}
+        info["alpha"] = {kind: [a["alpha"][kind] for a in accs_done] for kind in "kv"}
     return layers, info
+
+
+def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress) -> ProbeScores:
+    """Pass 1: keep the probe sequences' rows within the budget, then score every layer pair."""
+    train, heldout = ProbeRows(*shape, device, dtype), ProbeRows(*shape, device, dtype)
+    per_row = ProbeRows.bytes_per_row(*shape, torch.empty((), dtype=dtype).element_size())
+    shift = None
+    clock.passes += 1
+    for seq in clock.timed(sequences(False), "forwards", lambda seq: int(seq.tgt_rows.numel())):
+        with clock.phase("probes", int(seq.tgt_rows.numel())):
+            seq = _on(seq, device)
+            shift = shift or Shift.of(seq)
+            add_probe(heldout if seq.heldout else train, shift.apply(seq))
+            rows = train.n + heldout.n
+            need = rows * per_row + ProbeRows.moment_bytes(*shape, rows)
+            if budget is not None and need > budget:
+                raise MemoryError(
+                    f"layer probes: {rows} rows so far need {need / _GiB:.1f} GiB, over the "
+                    f"memory budget of {budget / _GiB:.1f} GiB; lower probe_subset or raise memory_budget_gb"
+                )
+    if heldout.n == 0 or train.n == 0:
+        raise ValueError("layer probes need both training and held-out sequences")
+    with clock.phase("probes"):
+        bar = tqdm(total=shape[0], desc="probe scores", unit="layer", disable=not progress)
+        scores = score_probes(train, heldout, lam, progress=bar.update)
+        bar.close()
+    return scores
+
+
+def memory_budget(config: FitConfig, device) -> int | None:
+    """Bytes the fit's own buffers may take: config.memory_budget_gb, else on CUDA 90% of what is
+    free (PyTorch's cached blocks counted free) less 4 GiB for one sequence's forwards and KV, at
+    least half of what is free; else None (no limit)."""
+    if config.memory_budget_gb is not None:
+        return int(config.memory_budget_gb * _GiB)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(int(0.9 * free) - 4 * _GiB, free // 2)
+
+
+def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int | None) -> list[list[int]]:
+    """Target layers in consecutive groups whose statistics fit the budget together (one group:
+    one pass over the text). The sizes come from accumulators built on the meta device."""
+    sizes = [
+        sum(t.nbytes for t in LayerAccumulator(i, x, hs, ds, dt, weighted, "meta").buffers())
+        for i, x in enumerate(inputs)
+    ]
+    if budget is None:
+        return [list(range(len(inputs)))]
+    groups: list[list[int]] = [[]]
+    used = 0
+    for layer, size in enumerate(sizes):
+        if size > budget:
+            raise MemoryError(
+                f"target layer {layer}'s statistics need {size / _GiB:.2f} GiB, over the memory budget of "
+                f"{budget / _GiB:.2f} GiB; raise memory_budget_gb or lower layers_k"
+            )
+        if used + size > budget and groups[-1]:
+            groups.append([])
+            used = 0
+        groups[-1].append(layer)
+        used += size
+    return groups
+
+
+def _on(seq: PairedKV, device) -> PairedKV:
+    """`seq` with every tensor on `device` (one copy per sequence, not one per target layer)."""
+    if device is None:
+        return seq
+    move = lambda xs: None if xs is None else [x.to(device) for x in xs]  # noqa: E731
+    return replace(
+        seq,
+        source_keys=move(seq.source_keys), source_values=move(seq.source_values),
+        target_keys=move(seq.target_keys), target_values=move(seq.target_values),
+        key_weights=move(seq.key_weights), value_weights=move(seq.value_weights),
+    )  # fmt: skip
+
+
+def _summary(acc: LayerAccumulator, key_scale: str, weighted: bool) -> dict:
+    out: dict = {}
+    if key_scale == "variance":
+        out["key_alpha"] = [round(float(a), 4) for a in acc.key_alpha]
+        out["r2_key_ridge"] = round(acc.r2_key_ridge, 4)
+    if weighted:
+        out["alpha"] = {kind: [round(a, 4) for a in acc.alphas[kind]] for kind in "kv"}
+    return out
 
 
 def fit_bridge(
@@ -125,29 +247,49 @@ def fit_bridge(
     progress: bool = True,
     source_name: str | None = None,
     target_name: str | None = None,
+    clock: PhaseClock | None = None,
 ) -> Bridge:
     """Fit a Bridge from `source_model` to `target_model` on calibration text.
 
     config: how (a `FitConfig`; None: `FitConfig()`, Full-Head Mapping on 32 x 256 tokens of prose).
-        It is recorded in `bridge.calibration["recipe"]`; `layers_k` is checked against the source.
-    progress: progress bars on stderr.
+        It is recorded in `bridge.calibration["recipe"]`; `layers_k` and `seq_len` are checked
+        against the models before any forward.
+    progress: progress bars on stderr, per phase (forwards with tokens/s, probe scores, solve,
+        held-out scores).
     source_name, target_name: the models' names in the bridge and its recipe (default: the path
         or hub id they were loaded from); `bridgecache fit --recipe` loads the models by them.
+    clock: a `PhaseClock` that collects each phase's seconds (benchmarks/fit_gpu.py reads it).
+
+    The statistics live on the target's device; the source may be on another (its KV is moved
+    once per sequence). If the held-out scoring fails, the fitted bridge is returned all the same,
+    with a warning and `calibration["heldout_scores_error"]` saying why (the maps are finished).
     """
     c = _checked(config)
+    if c.text_needed:
+        raise ValueError(
+            f"this FitConfig names its calibration text by digest only ({c.text_needed}, as a recipe "
+            "records it): give the text itself, e.g. config.replace(text=[...]) or --text FILE"
+        )
     source_spec = model_spec(source_model, source_tokenizer, name=source_name)
     target_spec = model_spec(target_model, target_tokenizer, name=target_name)
     c.check_against(source_spec)
+    _check_window(c, source_spec, target_spec)
     tokenizers_match = same_tokenizer(source_tokenizer, target_tokenizer)
     if c.identity_if_same and tokenizers_match and _same_weights(source_model, target_model):
         bridge = Bridge.identity(target_spec, native_head=c.native_head)
         bridge.calibration = {"description": "exact identity: the same model on both sides; no regression"}
         return bridge
 
-    seqs, policy = calibration_sequences(
-        source_tokenizer, target_tokenizer, c.num_sequences, c.seq_len, c.domain, c.alignment_policy,
-        c.native_head, c.heldout_every, c.seed,
-    )  # fmt: skip
+    device = target_model.get_input_embeddings().weight.device
+    clock = clock or PhaseClock(device)
+    user_text = isinstance(c.text, UserText)
+    digest = Digest()
+    with clock.phase("text"):  # reading and tokenizing the calibration text (CPU)
+        seqs, policy = calibration_sequences(
+            source_tokenizer, target_tokenizer, c.num_sequences, c.seq_len, c.domain, c.alignment_policy,
+            c.native_head, c.heldout_every, c.seed, text=c.text if user_text else None, digest=digest,
+        )  # fmt: skip
+    _check_lengths(seqs, source_spec, target_spec)
 
     def sequences(with_weights: bool):
         return paired_kv(
@@ -163,7 +305,6 @@ def fit_bridge(
             source_model, target_model, probe_seqs, False, c.boundaries, c.native_head, progress, "probes"
         )
 
-    device = target_model.get_input_embeddings().weight.device
     layers, info = fit_layer_maps(
         sequences,
         (source_spec.num_layers, source_spec.num_kv_heads, source_spec.head_dim),
@@ -171,11 +312,17 @@ def fit_bridge(
         c,
         device=device,
         probe_sequences=probes,
+        probe_dtype=_kv_dtype(source_model, target_model),
+        clock=clock,
+        progress=progress,
+    )
+    text_record = (
+        {"text": "user", "text_sha256": digest.value, "text_documents": digest.documents}
+        if user_text
+        else {"text": "bridgecache.text", "domain": c.domain, "split": "calib"}
     )
     calibration = {
-        "text": "bridgecache.text",
-        "domain": c.domain,
-        "split": "calib",
+        **text_record,
         "num_sequences": c.num_sequences,
         "seq_len": c.seq_len,
         "seed": c.seed,
@@ -184,17 +331,64 @@ def fit_bridge(
         "probe_sequences": len(probe_seqs) if "layer_scores" in info else 0,
         **info,
         # Exactly the config this call was given: `bridgecache fit --recipe` fits again from it.
-        "recipe": c.recipe(source_spec.name, target_spec.name),
+        "recipe": c.recipe(source_spec.name, target_spec.name, digest.value if user_text else None),
     }
+    if user_text:
+        calibration["domain"] = "user"
     fingerprints = {"source": weight_fingerprint(source_model), "target": weight_fingerprint(target_model)}
     bridge = Bridge(
         source_spec, target_spec, c.method, policy, layers, c.native_head, calibration, fingerprints
     )
     if c.score_heldout:
-        from bridgecache.fitting.heldout import score_bridge
-
-        score_bridge(bridge, source_model, target_model, source_tokenizer, target_tokenizer, progress)
+        _score(bridge, source_model, target_model, source_tokenizer, target_tokenizer, seqs, clock, progress)
     return bridge
+
+
+def _score(bridge, source, target, source_tokenizer, target_tokenizer, seqs, clock, progress) -> None:
+    """Held-out scores into `bridge.calibration`; a failure leaves the fitted maps as they are."""
+    from bridgecache.fitting.heldout import score_bridge
+
+    tokens = sum(int(s.target_ids.numel()) for s in seqs if s.heldout)
+    try:
+        with clock.phase("scoring", tokens):
+            score_bridge(bridge, source, target, source_tokenizer, target_tokenizer, progress, sequences=seqs)
+    except (RuntimeError, ValueError, MemoryError) as err:  # torch's errors (OOM, devices) included
+        message = f"{type(err).__name__}: {err}"[:2000]
+        bridge.calibration["heldout_scores_error"] = message
+        warnings.warn(
+            f"the bridge is fitted, but its held-out scoring failed ({message}); it has no "
+            "heldout_scores (the quality gate falls back to R^2)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _check_window(c: FitConfig, *specs) -> None:
+    """seq_len within both models' context windows (before any forward)."""
+    for spec in specs:
+        window = spec.max_position_embeddings
+        if window and c.seq_len > window:
+            raise FitOptionError(
+                "seq_len", c.seq_len, f"at most {spec.name}'s context window of {window:,} tokens"
+            )
+
+
+def _check_lengths(seqs, *specs) -> None:
+    """Across tokenizers the source reads its own tokens of the text: also within its window."""
+    longest = max(int(s.source_ids.numel()) for s in seqs)
+    for spec in specs:
+        window = spec.max_position_embeddings
+        if window and longest > window:
+            raise ValueError(
+                f"a calibration sequence is {longest:,} {spec.name} tokens, over its context window of "
+                f"{window:,}: lower seq_len"
+            )
+
+
+def _kv_dtype(*models) -> torch.dtype:
+    """The widest parameter dtype of the models: what their KV carries (probe rows keep it)."""
+    dtypes = {next(m.parameters()).dtype for m in models}
+    return torch.float32 if torch.float32 in dtypes or torch.float64 in dtypes else dtypes.pop()
 
 
 def _checked(config) -> FitConfig:

@@ -51,13 +51,16 @@ _MAPS_ONLY = HandoffConfig(refresh=None)
 def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 32, progress: bool = False):
     """Per target layer, the mean cosine between attention outputs over native and bridged KV.
 
-    contexts: (source_ids [1, S], target_ids [1, T], alignment or None) triples.
+    contexts: (source_ids [1, S], target_ids [1, T], alignment or None) triples, on any device
+        (each model reads its ids on its own device; the comparison runs on the target's).
     Returns a list of floats, one per target layer (1.0 = the bridged cache attends exactly alike).
     """
     modules = attention_modules(target)
+    device = target.get_input_embeddings().weight.device
     totals = torch.zeros(len(modules), dtype=torch.float64)
     counts = torch.zeros(len(modules), dtype=torch.float64)
     for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
+        target_ids = target_ids.to(device)
         # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
         source_kv = capture_kv(source, source_ids)
         # The maps alone: no refresh (the native head, as every handoff computes it, included).
@@ -66,33 +69,45 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
         prefix, first = cache.get_seq_length(), int(cache.translator.head_end[0])
         if prefix - first < 2:
             continue
-        rows = torch.linspace(first + 1, prefix - 1, min(rows_per_context, prefix - first - 1)).round().long()
-        rows = rows.unique()
+        count = min(rows_per_context, prefix - first - 1)
+        rows = torch.linspace(first + 1, prefix - 1, count, device=device).round().long().unique()
         native = DynamicCache()
         with QueryRecorder(target, rows) as recorder:
             decoder = target.get_decoder()
             decoder(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(decoder, native))
         for i, module in enumerate(modules):
             bridged_k, bridged_v = cache.layers[i].keys, cache.layers[i].values
-            columns = torch.arange(prefix - bridged_k.shape[2], prefix)
-            keep = rows >= columns[0]  # a sliding layer holds only its window's rows
-            if not keep.any():
+            columns = torch.arange(prefix - bridged_k.shape[2], prefix, device=bridged_k.device)
+            layer_rows = rows.to(bridged_k.device)
+            keep = layer_rows >= columns[0]  # a sliding layer holds only its window's rows
+            if not bool(keep.any()):
                 continue
-            queries = recorder.queries[i][:, :, keep]
-            native_k = native.layers[i].keys[:, :, columns[0] :]
-            native_v = native.layers[i].values[:, :, columns[0] :]
-            a = _outputs(queries, native_k, native_v, rows[keep], columns, module)
-            b = _outputs(queries, bridged_k, bridged_v, rows[keep], columns, module)
+            queries = recorder.queries[i][:, :, keep.to(recorder.queries[i].device)].to(bridged_k.device)
+            start = prefix - bridged_k.shape[2]
+            native_k = native.layers[i].keys[:, :, start:].to(bridged_k.device)
+            native_v = native.layers[i].values[:, :, start:].to(bridged_k.device)
+            a = _outputs(queries, native_k, native_v, layer_rows[keep], columns, module)
+            b = _outputs(queries, bridged_k, bridged_v, layer_rows[keep], columns, module)
             cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # [q_heads, rows]
-            totals[i] += cosine.double().sum()
+            totals[i] += cosine.double().sum().cpu()
             counts[i] += cosine.numel()
     return [round(float(t / c), 4) if c else float("nan") for t, c in zip(totals, counts)]
 
 
-def score_bridge(bridge, source, target, source_tokenizer, target_tokenizer, progress: bool = True) -> dict:
-    """Score `bridge` on the held-out sequences of its own calibration recipe; stores and returns
-    `bridge.calibration["heldout_scores"]` = {"attention_cosine": [...], "mean": x, "sequences": n}."""
-    contexts = recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=True)
+def score_bridge(
+    bridge, source, target, source_tokenizer, target_tokenizer, progress: bool = True, *, sequences=None
+) -> dict:
+    """Score `bridge` on held-out sequences; stores and returns `bridge.calibration["heldout_scores"]`
+    = {"attention_cosine": [...], "mean": x, "sequences": n}.
+
+    sequences: the fit's own `CalibSequence`s (fit_bridge passes them: user text cannot be read
+        back from the recipe); None: rebuilt from the bridge's built-in calibration recipe.
+    """
+    if sequences is None:
+        contexts = recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=True)
+    else:
+        policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
+        contexts = [_context(s, source_tokenizer, target_tokenizer, policy) for s in sequences if s.heldout]
     scores = attention_cosine(bridge, source, target, contexts, progress=progress)
     finite = [s for s in scores if s == s]
     result = {
@@ -111,6 +126,11 @@ def recipe_contexts(bridge, source_tokenizer, target_tokenizer, *, heldout: bool
     missing = [k for k in ("num_sequences", "seq_len", "domain") if k not in c]
     if missing:
         raise ValueError(f"the bridge records no calibration recipe ({missing} missing): pass texts")
+    if c.get("text_sha256"):
+        raise ValueError(
+            "the bridge was fitted on the user's own text (recorded by its hash only): score it on "
+            "contexts of that text with attention_cosine"
+        )
     policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
     seqs, _ = calibration_sequences(
         source_tokenizer,

@@ -35,7 +35,10 @@ def paired_kv(
 ) -> Iterator[PairedKV]:
     """Yield one PairedKV per calibration sequence (see `bridgecache.fitting.core.PairedKV`)."""
     same = source_model is target_model
-    for seq in tqdm(sequences, desc=desc, unit="seq", disable=not progress):
+    tokens = sum(int(seq.target_ids.numel()) for seq in sequences)
+    bar = tqdm(total=tokens, desc=desc, unit="tok", unit_scale=True, disable=not progress)
+    for seq in sequences:
+        bar.update(int(seq.target_ids.numel()))  # tokens/s: of the forwards and what follows them
         tgt_ids = seq.target_ids[None]
         weights = (None, None)
         if with_weights and not seq.heldout:  # held-out rows are scored unweighted
@@ -66,3 +69,4 @@ def paired_kv(
             key_weights=weights[0],
             value_weights=weights[1],
         )
+    bar.close()

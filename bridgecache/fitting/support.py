@@ -3,9 +3,10 @@
 Layer support ("probe"): every (source layer, target layer) pair is scored by the held-out R^2
 of a single-layer least-squares probe (all source KV heads of the layer -> all target KV heads of
 the other), keys un-rotated and values, averaged over K, V and target heads; each target layer
-takes its top-k source layers. The scores come from `ProbeMoments`, streamed like every other
-statistic: per source layer the Gram matrix [Ls, Hs*Ds, Hs*Ds], and the cross moments of every
-source layer with every target layer [Ls, Hs*Ds, Lt*Ht*Dt] (memory independent of the rows).
+takes its top-k source layers. The scores come from `ProbeRows`: the probe sequences' rows are
+kept (in the models' precision) and each source layer's float64 moments against every target
+layer ([Hs*Ds, Lt*Ht*Dt]) are formed from them in turn, so memory is the rows plus one source
+layer's moments, not the [Ls, Hs*Ds, Lt*Ht*Dt] of all layer pairs at once.
 Layer support ("depth"): the k source layers nearest in relative depth; no statistics needed.
 
 Head matching (CacheBridge): by index when the head counts match; otherwise each target head
@@ -23,7 +24,7 @@ from bridgecache.fitting.ridge import DEFAULT_LAM, r2, solve
 from bridgecache.fitting.stats import SufficientStats
 
 __all__ = [
-    "ProbeMoments",
+    "ProbeRows",
     "ProbeScores",
     "score_probes",
     "top_layers",
@@ -35,53 +36,86 @@ __all__ = [
 _F64 = torch.float64
 
 
-class ProbeMoments:
-    """Streaming statistics of all single-layer probes, for keys and values.
+class ProbeRows:
+    """The probe pass's regression rows, kept (not their moments) for keys and values.
 
-    update(src_k, src_v, tgt_k, tgt_v): per-layer lists of rows,
-    src_*[l]: [n, src_heads, src_dim]; tgt_*[l]: [n, tgt_heads, tgt_dim] (keys un-rotated).
+    update(src_k, src_v, tgt_k, tgt_v): per-layer lists of rows, src_*[l]: [n, src_heads,
+    src_dim]; tgt_*[l]: [n, tgt_heads, tgt_dim] (keys un-rotated); stored per chunk as
+    src [Ls, n, Hs*Ds] and tgt [n, Lt*Ht*Dt] in `dtype` on `device`.
+    `moments(kind, layer)` builds one source layer's float64 statistics against every target
+    layer from them: memory is the rows plus one source layer's moments, never the
+    [Ls, Hs*Ds, Lt*Ht*Dt] cross moments of all layer pairs at once.
     """
 
-    def __init__(self, ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, device=None):
+    def __init__(
+        self, ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, device=None, dtype=torch.float32
+    ):
         self.shape = (ls, hs, ds, lt, ht, dt)
-        ps, qt = hs * ds, lt * ht * dt
-        z = lambda *s: torch.zeros(*s, dtype=_F64, device=device)  # noqa: E731
-        self.xtx = {kind: z(ls, ps, ps) for kind in "kv"}
-        self.sx = {kind: z(ls, ps) for kind in "kv"}
-        self.xty = {kind: z(ls, ps, qt) for kind in "kv"}
-        self.sy = {kind: z(qt) for kind in "kv"}
-        self.syy = {kind: z(qt) for kind in "kv"}
+        self.device, self.dtype = device, dtype
+        self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"k": [], "v": []}
         self.n = 0
 
+    @staticmethod
+    def bytes_per_row(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, itemsize: int) -> int:
+        """What one row of keys and values costs to keep."""
+        return 2 * (ls * hs * ds + lt * ht * dt) * itemsize
+
+    @staticmethod
+    def moment_bytes(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, rows: int) -> int:
+        """Peak bytes of scoring: two splits' float64 moments of one source layer, one row block."""
+        ps, qt = hs * ds, lt * ht * dt
+        return 2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * min(rows, _BLOCK_ROWS) * (ps + qt)
+
     def update(self, src_k, src_v, tgt_k, tgt_v) -> None:
-        n, device = src_k[0].shape[0], self.xtx["k"].device
+        n = src_k[0].shape[0]
         self.n += n
         for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
-            x = torch.stack([s.reshape(n, -1).to(device) for s in src]).to(_F64)  # [Ls, n, ps]
-            y = torch.cat([t.reshape(n, -1).to(device) for t in tgt], dim=1).to(_F64)  # [n, Lt*Ht*Dt]
-            self.xtx[kind] += x.transpose(1, 2) @ x
-            self.sx[kind] += x.sum(1)
-            self.xty[kind] += x.transpose(1, 2) @ y
-            self.sy[kind] += y.sum(0)
-            self.syy[kind] += (y * y).sum(0)
+            x = torch.stack([s.reshape(n, -1).to(self.device, self.dtype) for s in src])  # [Ls, n, ps]
+            y = torch.cat([t.reshape(n, -1).to(self.device, self.dtype) for t in tgt], dim=1)  # [n, Lt*Ht*Dt]
+            self.chunks[kind].append((x, y))
 
-    def moments(self, kind: str, layer: int, head: int | None = None) -> SufficientStats:
-        """Shared statistics of source `layer` (one `head` of it, or all) -> every target head.
+    def moments(self, kind: str, layer: int) -> LayerMoments:
+        """Float64 statistics of source `layer` (all its heads) -> every target head."""
+        ls, hs, ds, lt, ht, dt = self.shape
+        ps, qt = hs * ds, lt * ht * dt
+        device = self.chunks[kind][0][0].device if self.chunks[kind] else self.device
+        z = lambda *s: torch.zeros(*s, dtype=_F64, device=device)  # noqa: E731
+        xtx, sx, xty, sy, syy = z(ps, ps), z(ps), z(ps, qt), z(qt), z(qt)
+        for x_all, y_all in self.chunks[kind]:
+            for r in range(0, y_all.shape[0], _BLOCK_ROWS):  # bounded float64 temporaries
+                x, y = x_all[layer, r : r + _BLOCK_ROWS].to(_F64), y_all[r : r + _BLOCK_ROWS].to(_F64)
+                xtx += x.T @ x
+                sx += x.sum(0)
+                xty += x.T @ y
+                sy += y.sum(0)
+                syy += (y * y).sum(0)
+        return LayerMoments(self.shape, xtx, sx, xty, sy, syy, float(self.n))
 
-        Output heads are the Lt * Ht target heads in (target layer, target head) order.
-        """
+
+_BLOCK_ROWS = 1024  # rows per float64 block when the probe moments are formed
+
+
+class LayerMoments:
+    """One source layer's probe statistics (float64): xtx [ps, ps], sx [ps], xty [ps, Lt*Ht*Dt],
+    sy, syy [Lt*Ht*Dt], n rows. `stats(head)`: those of all its heads, or one head, as
+    SufficientStats whose output heads are the Lt * Ht target heads in (layer, head) order."""
+
+    def __init__(self, shape, xtx, sx, xty, sy, syy, n: float):
+        self.shape, self.xtx, self.sx, self.xty, self.sy, self.syy, self.n = shape, xtx, sx, xty, sy, syy, n
+
+    def stats(self, head: int | None = None) -> SufficientStats:
         ls, hs, ds, lt, ht, dt = self.shape
         cols = slice(None) if head is None else slice(head * ds, (head + 1) * ds)
-        xtx = self.xtx[kind][layer][cols, cols]
-        xty = self.xty[kind][layer][cols]  # [p, Lt*Ht*Dt]
+        xtx = self.xtx[cols, cols]
+        xty = self.xty[cols]  # [p, Lt*Ht*Dt]
         p = xtx.shape[0]
         return SufficientStats(
             xtx=xtx.unsqueeze(0),
             xty=xty.reshape(p, lt * ht, dt).permute(1, 0, 2),
-            sum_x=self.sx[kind][layer][cols].unsqueeze(0),
-            sum_y=self.sy[kind].reshape(lt * ht, dt),
-            sum_yy=self.syy[kind].reshape(lt * ht, dt),
-            sum_w=torch.full((1,), float(self.n), dtype=_F64, device=xtx.device),
+            sum_x=self.sx[cols].unsqueeze(0),
+            sum_y=self.sy.reshape(lt * ht, dt),
+            sum_yy=self.syy.reshape(lt * ht, dt),
+            sum_w=torch.full((1,), self.n, dtype=_F64, device=xtx.device),
         )
 
 
@@ -97,23 +131,31 @@ class ProbeScores:
         self.head = head
 
 
-def score_probes(train: ProbeMoments, heldout: ProbeMoments, lam: float = DEFAULT_LAM) -> ProbeScores:
-    """Fit every probe on `train` statistics and score it on `heldout` statistics."""
+def score_probes(
+    train: ProbeRows, heldout: ProbeRows, lam: float = DEFAULT_LAM, progress=None
+) -> ProbeScores:
+    """Fit every probe on `train` rows and score it on `heldout` rows, one source layer at a time.
+
+    progress: called once per source layer done (e.g. a tqdm bar's update), or None.
+    """
     ls, hs, ds, lt, ht, dt = train.shape
     layer = torch.zeros(ls, lt, dtype=_F64)
     head = torch.zeros(ls, hs, lt, ht, dtype=_F64)
-    for kind in "kv":
-        for s in range(ls):
-            w, b = solve(train.moments(kind, s), lam)  # one Cholesky for every target layer
-            per_head, _ = r2(w, b, heldout.moments(kind, s))
+    for s in range(ls):
+        for kind in "kv":
+            fit, held = train.moments(kind, s), heldout.moments(kind, s)
+            w, b = solve(fit.stats(), lam)  # one Cholesky for every target layer
+            per_head, _ = r2(w, b, held.stats())
             layer[s] += per_head.reshape(lt, ht).mean(-1).cpu() / 2
             if hs == 1:
                 head[s, 0] += per_head.reshape(lt, ht).cpu() / 2
-                continue
-            for h in range(hs):
-                w, b = solve(train.moments(kind, s, h), lam)
-                per_head, _ = r2(w, b, heldout.moments(kind, s, h))
+            for h in range(hs if hs > 1 else 0):
+                w, b = solve(fit.stats(h), lam)
+                per_head, _ = r2(w, b, held.stats(h))
                 head[s, h] += per_head.reshape(lt, ht).cpu() / 2
+            fit = held = w = b = None  # freed before the next layer's moments are formed
+        if progress is not None:
+            progress(1)
     return ProbeScores(layer, head)
 
 

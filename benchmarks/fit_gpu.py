@@ -1,0 +1,223 @@
+"""Fit real-scale pairs on one GPU: random weights at the published configs, bf16, sdpa.
+
+    python benchmarks/fit_gpu.py --tokenizer DIR --out DIR          # CUDA machine (~5 minutes)
+    python benchmarks/fit_gpu.py --tokenizer DIR --smoke --out DIR  # tiny configs on CPU
+
+Pairs: Qwen2.5-7B -> Qwen2.5-1.5B and Qwen3-14B -> Qwen3-32B (transformers config classes, built
+directly on the GPU, both models resident on cuda:0); the Qwen2.5 tokenizer for both. Each method
+(fullhead, cachebridge) is fitted with `fit_bridge` and FitConfig(num_sequences=--seqs,
+seq_len=--seq-len, domain="mixed"), every other option its default (the prose alone holds too few
+windows of 1024 tokens: "mixed" fills with code). Per fit: whole fit (wall clock), each phase's
+seconds (bridgecache.fitting.phases: forwards, probes, statistics, solve, scoring; CUDA
+synchronised at each phase's end), construction = probes + statistics + solve (the model
+forwards excluded), peak memory beside the models' own, the statistics' passes over the text and
+the mean held-out attention cosine (random weights: a smoke number, not a quality number).
+
+Writes results.json and report.md under --out after every fit (a run cut short keeps what it
+finished). The random-weight models say nothing of quality; benchmarks/reports/quality.md does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+# The published configs (config.json of each Hugging Face repo), the fields that shape the work.
+_QWEN = dict(vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6)
+CONFIGS = {
+    "Qwen2.5-7B": ("qwen2", _QWEN | dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072,
+    )),
+    "Qwen2.5-1.5B": ("qwen2", _QWEN | dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=131072,
+    )),
+    "Qwen3-14B": ("qwen3", _QWEN | dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+    )),
+    "Qwen3-32B": ("qwen3", _QWEN | dict(
+        hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+    )),
+}  # fmt: skip
+PAIRS = [("Qwen2.5-7B", "Qwen2.5-1.5B"), ("Qwen3-14B", "Qwen3-32B")]
+METHODS = ("fullhead", "cachebridge")
+PHASES = ("text", "forwards", "probes", "statistics", "solve", "scoring")
+# --smoke: the same families, a few layers and narrow widths (the heads keep their real shapes).
+SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2)
+
+
+def build(name: str, device, dtype, smoke: bool):
+    """A random-weight model of `name`'s published config, built on `device` in `dtype`, sdpa."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    family, fields = CONFIGS[name]
+    fields = dict(fields)
+    if smoke:
+        kv = fields["num_key_value_heads"]
+        fields |= SMOKE | dict(num_key_value_heads=kv, num_attention_heads=2 * kv, head_dim=128)
+    config = (Qwen2Config if family == "qwen2" else Qwen3Config)(**fields)
+    if family == "qwen2":
+        config.head_dim = fields.get("head_dim", config.hidden_size // config.num_attention_heads)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+    torch.manual_seed(list(CONFIGS).index(name))  # other weights per model (--smoke shapes can coincide)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def fit_one(source, target, tok, method: str, args, device) -> dict:
+    from bridgecache.fitting import FitConfig, fit_bridge
+    from bridgecache.fitting.phases import PhaseClock
+
+    config = FitConfig(method=method, num_sequences=args.seqs, seq_len=args.seq_len, domain="mixed")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        models = torch.cuda.memory_allocated(device)
+    clock = PhaseClock(device)
+    start = time.perf_counter()
+    bridge = fit_bridge(source, target, tok, tok, config, progress=not args.no_progress, clock=clock)
+    if cuda:
+        torch.cuda.synchronize(device)
+    whole = time.perf_counter() - start
+    phases = clock.report()
+    seconds = {name: v["s"] for name, v in phases.items() if isinstance(v, dict)}
+    row = {
+        "method": method,
+        "whole_fit_s": round(whole, 2),
+        "construction_s": round(sum(seconds.get(p, 0.0) for p in ("probes", "statistics", "solve")), 2),
+        "phases": phases,
+        "statistics_passes": bridge.calibration.get("statistics_passes"),
+        "rows": bridge.calibration.get("rows"),
+        "heldout_cosine_mean": (bridge.calibration.get("heldout_scores") or {}).get("mean"),
+        "heldout_scores_error": bridge.calibration.get("heldout_scores_error"),
+        "layer_maps_finite": all(
+            bool(torch.isfinite(t).all())
+            for layer in bridge.layers
+            for t in (layer.key_weight, layer.value_weight)
+        ),
+    }
+    if cuda:
+        row["models_GiB"] = round(models / GiB, 2)
+        row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+        row["fit_own_peak_GiB"] = round(row["peak_GiB"] - row["models_GiB"], 2)
+        row["device_total_GiB"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 2)
+    return row
+
+
+def render(info: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# Fitting on one GPU: random weights at the published configs ({info['date']})",
+        "",
+        f"device: {info['device']}; torch {info['torch']}, transformers {info['transformers']}; "
+        f'{info["seqs"]} sequences x {info["seq_len"]} tokens (domain "mixed"), bf16, sdpa, both models on '
+        f"{info['where']}; command: `{info['command']}`",
+        "",
+        "| pair | method | whole fit s | construction s (probes + statistics + solve) | text s | forwards s "
+        "| probes s | statistics s | solve s | scoring s | forward tok/s | statistics passes | models GiB "
+        "| peak GiB | fit's own GiB | held-out cosine |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['pair']} | {r.get('method', '-')} | error: {r['error'][:200]} |")
+            continue
+        ph = r["phases"]
+        s = {name: f"{ph[name]['s']:.2f}" if name in ph else "-" for name in PHASES}
+        rate = (ph.get("forwards") or {}).get("tokens_per_s")
+        lines.append(
+            f"| {r['pair']} | {r['method']} | {r['whole_fit_s']:.1f} | {r['construction_s']:.2f} "
+            f"| {' | '.join(s[name] for name in PHASES)} | {rate or '-'} "
+            f"| {r['statistics_passes']} | {r.get('models_GiB', '-')} | {r.get('peak_GiB', '-')} "
+            f"| {r.get('fit_own_peak_GiB', '-')} | {r['heldout_cosine_mean']} |"
+        )
+    lines += [
+        "",
+        "text: reading and tokenizing the calibration text; forwards: both models over it (KV capture, "
+        "un-rotation, attention weights for cachebridge), once for the probes and once per statistics "
+        "pass; forward tok/s counts the rows fitted. Peak: torch.cuda.max_memory_allocated during the "
+        "fit; models: allocated before it. A scoring error (if any) is in results.json; the bridge is "
+        "kept all the same.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", required=True, help="the Qwen2.5 tokenizer (a folder)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seqs", type=int, default=500)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--pairs", nargs="+", default=None, help="e.g. Qwen3-14B (pairs whose names contain it)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--smoke", action="store_true", help="a few narrow layers per model, on CPU")
+    ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --smoke")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    info = {
+        "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seqs": args.seqs, "seq_len": args.seq_len,
+        "where": str(device), "command": " ".join(["python benchmarks/fit_gpu.py", *sys.argv[1:]]),
+    }  # fmt: skip
+    print(json.dumps(info), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    started = time.perf_counter()
+    for source_name, target_name in PAIRS:
+        pair = f"{source_name} -> {target_name}"
+        if args.pairs and not any(p in pair for p in args.pairs):
+            continue
+        try:
+            t0 = time.perf_counter()
+            source = build(source_name, device, dtype, args.smoke)
+            target = build(target_name, device, dtype, args.smoke)
+            built = round(time.perf_counter() - t0, 1)
+        except Exception as e:  # keep the other pair
+            rows.append({"pair": pair, "error": f"building: {type(e).__name__}: {e}"[:500]})
+            continue
+        for method in args.methods:
+            if time.perf_counter() - started > args.budget_s:
+                rows.append({"pair": pair, "method": method, "error": "skipped: --budget-s spent"})
+                continue
+            try:
+                row = {"pair": pair, "build_s": built, **fit_one(source, target, tok, method, args, device)}
+            except Exception as e:
+                row = {"pair": pair, "method": method, "error": f"{type(e).__name__}: {e}"[:500]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "results.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+            (args.out / "report.md").write_text(render(info, rows))
+        del source, target
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    (args.out / "results.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    (args.out / "report.md").write_text(render(info, rows))
+    print(render(info, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
