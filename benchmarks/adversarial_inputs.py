@@ -205,24 +205,23 @@ def _forbidden(module, name):
 
 @case("2 limits first", "publish_context of a context past the target's window")
 def _window():
-    import bridgecache.kv.capture as capture_module
-    from bridgecache.integrations import publish as _  # noqa: F401
     from bridgecache.integrations.publish import publish_context
 
-    publishing = sys.modules["bridgecache.integrations.publish"]
+    def ran(*args, **kwargs):
+        raise RuntimeError("the source ran before the input was refused")
+
     text = "x" * (IDENTITY.target.max_position_embeddings + 1)
-    with (
-        tempfile.TemporaryDirectory() as d,
-        _forbidden(publishing, "capture_kv"),
-        _forbidden(capture_module, "capture_kv"),
-    ):
-        try:
+    hook = SOURCE.register_forward_pre_hook(ran)
+    try:
+        with tempfile.TemporaryDirectory() as d:
             publish_context(IDENTITY, text, TARGET, TOK, TOK, d, page_size=4, model_name="t", source=SOURCE)
-        except RuntimeError as err:
-            return str(err)
-        except ValueError:
-            return "ok"
-        return "accepted"
+    except RuntimeError as err:
+        return str(err)
+    except ValueError:
+        return "ok"
+    finally:
+        hook.remove()
+    return "accepted"
 
 
 def _before_materialise(destination, **kwargs):

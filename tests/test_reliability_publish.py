@@ -77,18 +77,27 @@ def test_a_bad_destination_is_refused_before_any_work(tmp_path):
     assert a_file.read_text() == "x"
 
 
-def test_publish_context_checks_config_text_and_window_before_the_source_runs(handoff, tmp_path, monkeypatch):
+def test_publish_context_checks_config_text_and_window_before_the_source_runs(handoff, tmp_path):
     source, target, bridge, _ = handoff
     tok = byte_tokenizer()
-    monkeypatch.setattr(publishing, "capture_kv", lambda *a, **k: pytest.fail("the source ran"))
-    common = dict(page_size=PAGE, model_name="tiny", source=source)
-    with pytest.raises(TypeError, match="config is a dict"):
-        publish_context(bridge, "a b c", target, tok, tok, tmp_path, config={"refresh": None}, **common)
-    with pytest.raises(TypeError, match="context is a list"):
-        publish_context(bridge, ["a b c"], target, tok, tok, tmp_path, **common)
-    window = bridge.target.max_position_embeddings
-    with pytest.raises(ValueError, match=f"is {window + 1} tokens; the model reads at most {window}"):
-        publish_context(bridge, "x" * (window + 1), target, tok, tok, tmp_path, **common)
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the source ran before the input was refused")
+
+    hook = source.register_forward_pre_hook(ran)
+    try:
+        common = dict(page_size=PAGE, model_name="tiny", source=source)
+        with pytest.raises(TypeError, match="config is a dict"):
+            publish_context(bridge, "a b c", target, tok, tok, tmp_path, config={"refresh": None}, **common)
+        with pytest.raises(TypeError, match="context is a list"):
+            publish_context(bridge, ["a b c"], target, tok, tok, tmp_path, **common)
+        window = bridge.target.max_position_embeddings
+        with pytest.raises(ValueError, match=f"{window + 1} .*reads at most {window}"):
+            publish_context(bridge, "x" * (window + 1), target, tok, tok, tmp_path, **common)
+        with pytest.raises(TypeError, match="salt is None"):
+            publish_context(bridge, "a b c d e f g h", target, tok, tok, tmp_path, salt=None, **common)
+    finally:
+        hook.remove()
     assert not any(tmp_path.iterdir())
 
 
@@ -205,3 +214,16 @@ def test_the_manifest_names_the_dtype_it_was_written_in(handoff, tmp_path):
     )
     assert json.loads(pub.manifest_path.read_text())["dtype"] == "float16"
     assert "-float16-" in pub.manifest_path.name
+
+
+@pytest.mark.parametrize(
+    "kwargs, message", [(dict(tp_size=0), "tp_size is 0"), (dict(layout="rows"), "layout is 'rows'")]
+)
+def test_export_hicache_file_checks_its_sizes_first(tmp_path, kwargs, message):
+    require_engine("sglang")
+    from bridgecache.integrations.sglang import export_hicache_file
+
+    arguments = dict(layout="layer_first") | kwargs
+    with pytest.raises(ValueError, match=message):
+        export_hicache_file(tmp_path / "no-store", tmp_path / "out", **arguments)
+    assert not (tmp_path / "out").exists()

@@ -377,7 +377,15 @@ def publish_context(
 
     The engine's prompt must start with `target_tokenizer(context)`'s ids; the request sends
     `Published.cache_salt` (it names the bridge and `config`'s recipe). publish_kwargs:
-    model_name, salt, dtype, accept, layout (see `publish`)."""
+    model_name, salt, dtype, accept, layout (see `publish`). Every publishing argument is
+    checked before the source reads the context."""
+    unknown = sorted(set(publish_kwargs) - {"model_name", "salt", "dtype", "accept", "layout"})
+    if unknown:
+        raise TypeError(f"publish_context got unexpected arguments {unknown}")
+    layout = publish_kwargs.get("layout")
+    checked = {k: v for k, v in publish_kwargs.items() if k != "layout"}
+    check_publish_arguments(page_size=page_size, **checked)
+    _writer(destination, layout)
     cache, target_ids = translate_context(
         bridge, context, target, target_tokenizer, source_tokenizer,
         source=source, source_kv=source_kv, config=config,

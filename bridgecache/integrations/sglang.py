@@ -232,6 +232,12 @@ def export_hicache_file(
     `--model-path`), default the name each context was published for; a context published for
     another name is refused. Returns the files that now hold the pages (`<key>_<model>_<rank>_
     <tp_size>.bin`)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size is {tp_size!r}; expected the engine's tensor-parallel size, an int >= 1")
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"layout is {layout!r}; expected the engine's --hicache-mem-layout, one of {LAYOUTS}"
+        )
     store = store if isinstance(store, PageStore) else PageStore(store)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
