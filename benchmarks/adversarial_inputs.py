@@ -117,7 +117,8 @@ class Returns(Selector):
         self.make = make
 
     def scores(self, request):
-        return self.make(request.translator.prefix_length)
+        prefix = getattr(request, "prefix_length", None)  # the engine's request; before it, the translator's
+        return self.make(prefix if prefix is not None else request.translator.prefix_length)
 
 
 for _name, _make in {

@@ -115,7 +115,7 @@ class _Returns(Selector):
         self.make = make
 
     def scores(self, request):
-        return self.make(request.translator.prefix_length)
+        return self.make(request.prefix_length)
 
 
 @pytest.mark.parametrize(
