@@ -189,6 +189,44 @@ def _context_config_dict():
         )
 
 
+def _entry(name: str, *args, **kwargs):
+    """Call bridgecache.<name>(IDENTITY, SOURCE, TARGET, *args, ...) with the source watched."""
+    import bridgecache
+
+    def ran(*a, **k):
+        raise RuntimeError("the source ran before the input was refused")
+
+    hook = SOURCE.model.register_forward_pre_hook(ran)  # capture_kv runs the decoder alone
+    try:
+        getattr(bridgecache, name)(
+            IDENTITY,
+            SOURCE,
+            TARGET,
+            *args,
+            source_tokenizer=TOK,
+            target_tokenizer=TOK,
+            max_new_tokens=1,
+            **kwargs,
+        )
+    except RuntimeError as err:
+        return str(err)
+    except (TypeError, ValueError):
+        return "ok"
+    finally:
+        hook.remove()
+    return "accepted"
+
+
+case("1 values at entry", "handoff_batch('one text') (a str, not a list)")(
+    lambda: _entry("handoff_batch", "one text")
+)
+case("1 values at entry", "handoff_batch([])")(lambda: _entry("handoff_batch", []))
+case("1 values at entry", "handoff(config=dict)")(
+    lambda: _entry("handoff", "a b c", "q", config={"refresh": None})
+)
+case("1 values at entry", "handoff(context=None)")(lambda: _entry("handoff", None, "q"))
+
+
 # ------------------------------------------------------------------ 2. limits before the work
 @contextlib.contextmanager
 def _forbidden(module, name):
@@ -212,7 +250,7 @@ def _window():
         raise RuntimeError("the source ran before the input was refused")
 
     text = "x" * (IDENTITY.target.max_position_embeddings + 1)
-    hook = SOURCE.register_forward_pre_hook(ran)
+    hook = SOURCE.model.register_forward_pre_hook(ran)  # capture_kv runs the decoder alone
     try:
         with tempfile.TemporaryDirectory() as d:
             publish_context(IDENTITY, text, TARGET, TOK, TOK, d, page_size=4, model_name="t", source=SOURCE)
@@ -223,6 +261,11 @@ def _window():
     finally:
         hook.remove()
     return "accepted"
+
+
+case("2 limits first", "handoff of a context past the target's window")(
+    lambda: _entry("handoff", "x" * (IDENTITY.target.max_position_embeddings + 1), "q")
+)
 
 
 def _before_materialise(destination, **kwargs):

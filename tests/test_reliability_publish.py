@@ -84,7 +84,7 @@ def test_publish_context_checks_config_text_and_window_before_the_source_runs(ha
     def ran(*args, **kwargs):
         raise AssertionError("the source ran before the input was refused")
 
-    hook = source.register_forward_pre_hook(ran)
+    hook = source.model.register_forward_pre_hook(ran)  # capture_kv runs the decoder alone
     try:
         common = dict(page_size=PAGE, model_name="tiny", source=source)
         with pytest.raises(TypeError, match="config is a dict"):
