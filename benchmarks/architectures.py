@@ -215,10 +215,11 @@ StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Hel
 `rope_interleave`; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
 un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
 silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
-rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA (DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next) keep
-a recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
-a learned sink logit per head: none of them is per-head keys and values a bridge can translate and
-a target can attend over unchanged.
+rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
+(DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
+recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
+a learned sink logit per head: none of them is per-head keys and values a bridge can translate
+and a target can attend over unchanged.
 """
 
 
