@@ -199,9 +199,11 @@ difference| < 1e-4; the wrong bridge alone is off by the figure shown). The un-r
 how far a token's un-rotated layer-0 keys move when it is read 15 positions later (0 up to
 rounding: the keys a bridge maps are position-free). The fit + handoff column gives the held-out
 attention cosine (mean over layers) of a Full-Head fit each way; the weights are random, so it
-shows that the path runs, not a quality. OLMo 2's identity figure is the key-norm projection's
-(`HandoffConfig(key_norm=True)`, the default): its norm's epsilon keeps the target's own keys
-slightly off the unit RMS the projection restores (random weights give small keys).
+shows that the path runs, not a quality. The identity figures of OLMo 2, OLMo 3 and EXAONE 4 are
+the key-norm projection's (`HandoffConfig(key_norm=True)`, the default): their norms' epsilon
+keeps the target's own keys slightly off the unit RMS the projection restores (these families
+normalise after attention, and random weights give small keys; the tiny models are built with
+`initializer_range=0.5` to keep the keys well above epsilon).
 
 An unsupported architecture is refused where it enters (`model_spec`, which `capture_kv`,
 `Bridge.identity`, `fit_bridge` and `BridgedCache` call before any model runs) with an
@@ -211,12 +213,15 @@ An unsupported architecture is refused where it enters (`model_spec`, which `cap
 
 Why the refusals: a bridge maps keys in un-rotated space, and the runtime's fused kernels rotate
 over the whole head in `rotate_half`'s (j, j + D/2) layout. Partial rotary (Phi-4-mini, GPT-NeoX,
-Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, DeepSeek's `rope_interleave`)
-would be un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones
-are silently wrong). MLA (DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next) keep
-a recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
-a learned sink logit per head: none of them is per-head keys and values a bridge can translate and
-a target can attend over unchanged.
+StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, DeepSeek's
+`rope_interleave`; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
+un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
+silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
+rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
+(DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
+recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
+a learned sink logit per head: none of them is per-head keys and values a bridge can translate
+and a target can attend over unchanged.
 """
 
 

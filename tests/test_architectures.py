@@ -33,6 +33,9 @@ from bridgecache.runtime.handoff import handoff
 REFUSED = {
     "phi4-mini (partial rotary)": "partial rotary",
     "gpt_neox": "partial rotary",
+    "stablelm": "partial rotary",
+    "helium": "interleaved rotary",
+    "gpt2 (learned positions)": "no rotary position embeddings",
     "cohere": "interleaved rotary",
     "cohere2": "interleaved rotary",
     "gpt_oss (sinks)": "attention sinks",
@@ -176,6 +179,8 @@ def test_the_layers_without_rope_round_trip_through_a_bridge_file_and_old_files_
     model = tiny_architecture("smollm3 (no-RoPE layers)")
     spec = model_spec(model)
     assert spec.no_rope_layers == (0,)
+    # EXAONE 4 skips RoPE on its layers without a window by a rule of its code, not a config field
+    assert model_spec(tiny_architecture("exaone4 (no RoPE on full layers)")).no_rope_layers == (1, 3)
     loaded = Bridge.from_pretrained(Bridge.identity(model).save_pretrained(tmp_path / "bridge"))
     assert loaded.target == spec
     # the source's tables re-derived from the spec alone (as a bridge does) leave layer 0 as it is

@@ -114,6 +114,12 @@ ARCHITECTURES = {
     "phi3 (sliding window)": ("Phi3Config", dict(sliding_window=8, pad_token_id=0)),
     "olmo2": ("Olmo2Config", dict(initializer_range=0.5)),  # no norm before attention: keys far above eps
     "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),
+    "olmo3": ("Olmo3Config", dict(sliding_window=8, initializer_range=0.5)),
+    "exaone4 (no RoPE on full layers)": (
+        "Exaone4Config",
+        dict(sliding_window=8, layer_types=_ALTERNATING, initializer_range=0.5),
+    ),  # fmt: skip
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     # refused by name
     "phi4-mini (partial rotary)": (
         "Phi3Config",
@@ -123,6 +129,9 @@ ARCHITECTURES = {
         ),
     ),  # fmt: skip
     "gpt_neox": ("GPTNeoXConfig", dict()),
+    "stablelm": ("StableLmConfig", dict()),
+    "helium": ("HeliumConfig", dict()),
+    "gpt2 (learned positions)": ("GPT2Config", dict(n_embd=64, n_layer=4, n_head=4)),
     "cohere": ("CohereConfig", dict()),
     "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=_ALTERNATING)),
     "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 1, 1], pad_token_id=0)),

@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from bridgecache.models.layout import rope_layers
+from bridgecache.models.layout import rope_layers, rotary_module
 
 __all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "NO_ROPE"]
 
@@ -72,10 +72,10 @@ class RopeTables:
 
     @classmethod
     def from_model(cls, model) -> RopeTables:
-        base = getattr(model, "model", model)
-        rotary = getattr(base, "rotary_emb", None)
+        rotary = rotary_module(model)
         if rotary is None:
             raise ValueError(f"{type(model).__name__} has no rotary_emb module: not a RoPE model")
+        base = getattr(model, "model", model)
         return cls(model.config.get_text_config(), rotary, getattr(base, "rotary_emb_local", None))
 
     @classmethod

@@ -28,6 +28,7 @@ __all__ = [
     "layer_window",
     "check_supported",
     "rope_layers",
+    "rotary_module",
 ]
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -35,9 +36,9 @@ _SUPPORTED = (
     "per-head keys and values on every layer (full or sliding-window attention), RoPE over the "
     "whole head in the half-split layout (any rope type and scaling) or none"
 )
-# Families whose rotary pairs channels (2j, 2j + 1) instead of (j, j + D/2); their modules name
-# neither, so the families are listed (transformers' `rotate_half` of these models interleaves).
-_INTERLEAVED_ROPE = {"cohere", "cohere2", "glm", "glm4", "glm4_moe"}
+# Families whose layers without a window carry no RoPE, a rule of their modeling code and no config
+# field (Cohere 2, EXAONE 4: "if self.sliding_window is None or self.is_sliding: apply RoPE").
+_ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
 # Families whose attention adds a learned sink logit per head (not a config field).
 _SINKS = {"gpt_oss"}
 
@@ -107,13 +108,15 @@ def layer_window(module) -> int | None:
 
 
 def rope_layers(config) -> tuple[bool, ...]:
-    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE).
-    (Cohere 2's full layers have none too, but its interleaved rotary is refused anyway.)"""
+    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE;
+    EXAONE 4 and Cohere 2 with a window: only their sliding layers)."""
     config = config.get_text_config()
     n = config.num_hidden_layers
     flags = getattr(config, "no_rope_layers", None)  # despite the name, 1 marks a RoPE layer
     if flags is not None:
         return tuple(bool(f) for f in flags)
+    if config.model_type in _ROPE_ON_SLIDING_ONLY and getattr(config, "sliding_window", None) is not None:
+        return tuple(w is not None for w in layer_windows(config))
     return (True,) * n
 
 
@@ -135,8 +138,13 @@ def check_supported(model_or_config) -> None:
     factor = _partial_rotary(config)
     if factor != 1.0:
         raise UnsupportedArchitectureError(kind, None, "partial rotary embeddings", f"factor {factor}")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if kind in _INTERLEAVED_ROPE or getattr(config, "rope_interleave", False):
+    rope = getattr(config, "rope_parameters", None)
+    no_module = model is not None and rotary_module(model) is None
+    if rope is None or no_module or getattr(config, "alibi", False):
+        raise UnsupportedArchitectureError(
+            kind, None, "no rotary position embeddings", "learned absolute or ALiBi positions"
+        )
+    if getattr(config, "rope_interleave", False) or _rotate_half_interleaves(model, kind):
         raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
     if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
         raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
@@ -155,6 +163,35 @@ def _has_sinks(model: torch.nn.Module) -> bool:
         known = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
         _SINK_MODELS[model] = known
     return known
+
+
+def rotary_module(model) -> torch.nn.Module | None:
+    """The decoder's rotary embedding module (`rotary_emb`), or None."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    for base in (decoder, getattr(model, "model", None), model):
+        rotary = getattr(base, "rotary_emb", None)
+        if isinstance(rotary, torch.nn.Module):
+            return rotary
+    return None
+
+
+def _rotate_half_interleaves(model, model_type: str) -> bool:
+    """Whether the model's own `rotate_half` pairs channels (2j, 2j + 1) (Cohere, Helium, GLM)
+    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3]."""
+    import importlib
+
+    name = type(model).__module__ if model is not None else None
+    if name is None or not name.startswith("transformers.models."):
+        package = {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type)
+        name = f"transformers.models.{package}.modeling_{package}"
+    try:
+        rotate_half = getattr(importlib.import_module(name), "rotate_half", None)
+    except ImportError:
+        return False
+    if rotate_half is None:
+        return False
+    return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
 
 
 def _partial_rotary(config) -> float:
