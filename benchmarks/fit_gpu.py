@@ -1,6 +1,6 @@
 """Fit real-scale pairs on one GPU: random weights at the published configs, bf16, sdpa.
 
-    python benchmarks/fit_gpu.py --tokenizer DIR --out DIR          # CUDA machine (~5 minutes)
+    python benchmarks/fit_gpu.py --tokenizer DIR --out DIR [--pairs Qwen3-14B]   # CUDA machine
     python benchmarks/fit_gpu.py --tokenizer DIR --smoke --out DIR  # tiny configs on CPU
 
 Pairs: Qwen2.5-7B -> Qwen2.5-1.5B and Qwen3-14B -> Qwen3-32B (transformers config classes, built
@@ -13,7 +13,9 @@ synchronised at each phase's end), construction = probes + statistics + solve (t
 forwards excluded), peak memory beside the models' own, the statistics' passes over the text and
 the mean held-out attention cosine (random weights: a smoke number, not a quality number).
 
-Writes results.json and report.md under --out after every fit (a run cut short keeps what it
+The Qwen2.5 pair alone took about 200 s on an H200 (benchmarks/reports/fit-gpu-2026-12-03.md):
+give each pair its own call where calls are time-limited. Writes results.json and report.md
+under --out after every fit (a run cut short keeps what it
 finished). The random-weight models say nothing of quality; benchmarks/reports/quality.md does.
 """
 

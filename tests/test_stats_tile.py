@@ -5,6 +5,7 @@ inputs: CPU interpreter here, the compiled kernel on CUDA (tests/test_fit_cuda.p
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import fields
 
@@ -21,17 +22,32 @@ from bridgecache.kernels.stats import launch_stats  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_cuda():
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and "triton" in sys.modules:
-        import triton.language.standard as std
-        from triton.runtime.interpreter import InterpretedFunction
+def _triton_compiled_only() -> bool:
+    """True when this process imported triton before TRITON_INTERPRET=1 (it cannot interpret)."""
+    if DEVICE == "cuda" or "triton" not in sys.modules:
+        return False
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
 
-        if not isinstance(std.cdiv, InterpretedFunction):
-            pytest.skip(
-                "triton was imported without its interpreter (test_kernels_stats covers a fresh process)"
-            )
+    return not isinstance(std.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_or_cuda(request):
+    pytest.importorskip("triton")
+    if _triton_compiled_only() and request.node.name != "test_in_fresh_process":
+        pytest.skip("triton was imported without its interpreter; test_in_fresh_process runs these")
+
+
+def test_in_fresh_process(tmp_path):
+    """Run this module in a new process with the interpreter on, when this one cannot."""
+    if not _triton_compiled_only():
+        pytest.skip("this process interprets Triton (or has CUDA): the tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    # From another directory: the repository root on sys.path would shadow Hugging Face's `kernels`.
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("ds,tile,weighted,splits", [(128, 64, False, 1), (64, 32, True, 2)])
