@@ -67,6 +67,10 @@ def layer_windows(config) -> tuple[int | None, ...]:
     if known is not None and known[0]() is config and known[1] == signature:
         return known[2]
     types, kwargs = get_layer_types_and_kwargs(config)
+    types = list(types)
+    if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict for every windowed layer
+        windowed = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+        kwargs = [kwargs if kind in windowed else {} for kind in types]
     for i, kind in enumerate(types):
         if kind not in SUPPORTED_LAYER_TYPES:
             raise UnsupportedArchitectureError(
