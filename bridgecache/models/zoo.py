@@ -47,7 +47,15 @@ from bridgecache.models import wheels
 from bridgecache.models.manifest import is_current, leftovers, verify_folder, write_manifest
 from bridgecache.models.wheels import BuiltinModel, ZooError
 
-__all__ = ["BUILTIN_MODELS", "GGUF_FILE", "ZooError", "cache_root", "load_model", "load_tokenizer", "model_dir"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "GGUF_FILE",
+    "ZooError",
+    "cache_root",
+    "load_model",
+    "load_tokenizer",
+    "model_dir",
+]
 
 GGUF_FILE, TABLE_FILE = "model.gguf", "gguf_tensors.json"
 KEEP_WHEELS = "BRIDGECACHE_KEEP_WHEELS"
