@@ -173,7 +173,9 @@ def load_gguf_model(
     from tqdm.auto import tqdm
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    data = np.memmap(
+        gguf_path, dtype=np.uint8, mode="c"
+    )  # copy-on-write: torch wants writable arrays; never written
     processor = _processor(table["architecture"], config)
     parsed: dict = {"config": processor.config, "tensors": {}}
     names = {t["name"]: t["parameter"] for t in table["tensors"] if t["parameter"] is not None}
