@@ -1,12 +1,15 @@
-"""Weights of a GGUF file as the float tensors transformers' own GGUF loader produces, faster.
+"""Weights of a GGUF file as the float32 tensors transformers' own GGUF loader makes, faster.
 
-`load_gguf_model(gguf_path, config, dtype)` builds the model from `config` and fills it with the
-file's tensors: each one dequantised by gguf's own `dequantize_blocks` (the function
-transformers' loader calls, through `gguf.dequantize`) over large runs of blocks instead of
-16 rows at a time, then renamed and reordered by transformers' tensor processor for the
-architecture. Every value is computed by the same elementwise float32 operations, so the
-tensors are bit-identical to `from_pretrained(folder, gguf_file=...)` (tests/test_zoo_gguf.py
-checks it on the real files); the run length changes only how many Python calls it takes.
+`tensor_table(gguf_path, config)` (once, when the zoo builds a model folder) records where each
+tensor lies in the file and which parameter it fills. `load_gguf_model(gguf_path, table, config,
+dtype)` then maps the file, dequantises each tensor and hands the tensors to transformers'
+`from_pretrained(None, config=..., state_dict=...)`. The common block types (Q8_0, Q4_1, Q5_0,
+Q4_K, Q6_K) are torch ports of gguf's numpy `dequantize_blocks` (what transformers' loader
+calls), the same float32 operations in the same order; other types run gguf's own code over
+long runs of blocks. transformers' tensor processor for the architecture then reorders and
+offsets them as its loader does. So the tensors are bit-identical to
+`from_pretrained(folder, gguf_file=...)`: tests/test_zoo_gguf.py checks each type on random
+blocks and a whole real model.
 
 Knows GGUF and transformers; nothing about caches or the zoo's layout.
 """
@@ -173,9 +176,8 @@ def load_gguf_model(
     from tqdm.auto import tqdm
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    data = np.memmap(
-        gguf_path, dtype=np.uint8, mode="c"
-    )  # copy-on-write: torch wants writable arrays; never written
+    # copy-on-write: torch wants a writable array (nothing writes to it; the file is never changed)
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="c")
     processor = _processor(table["architecture"], config)
     parsed: dict = {"config": processor.config, "tensors": {}}
     names = {t["name"]: t["parameter"] for t in table["tensors"] if t["parameter"] is not None}
