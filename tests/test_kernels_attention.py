@@ -19,9 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
 from bridgecache.kernels.attention import column_attention  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = 1e-6

@@ -6,13 +6,12 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import bridgecache.kernels as K
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-import bridgecache.kernels as K
 from bridgecache.kernels import SufficientStats, map_fullhead, map_heads, map_layers
 from bridgecache.kernels._dispatch import ENV_VAR, resolve_backend
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 KERNELS_DIR = pathlib.Path(K.__file__).parent
 
