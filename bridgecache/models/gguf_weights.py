@@ -1,12 +1,15 @@
-"""Weights of a GGUF file as the float tensors transformers' own GGUF loader produces, faster.
+"""Weights of a GGUF file as the float32 tensors transformers' own GGUF loader makes, faster.
 
-`load_gguf_model(gguf_path, config, dtype)` builds the model from `config` and fills it with the
-file's tensors: each one dequantised by gguf's own `dequantize_blocks` (the function
-transformers' loader calls, through `gguf.dequantize`) over large runs of blocks instead of
-16 rows at a time, then renamed and reordered by transformers' tensor processor for the
-architecture. Every value is computed by the same elementwise float32 operations, so the
-tensors are bit-identical to `from_pretrained(folder, gguf_file=...)` (tests/test_zoo_gguf.py
-checks it on the real files); the run length changes only how many Python calls it takes.
+`tensor_table(gguf_path, config)` (once, when the zoo builds a model folder) records where each
+tensor lies in the file and which parameter it fills. `load_gguf_model(gguf_path, table, config,
+dtype)` then maps the file, dequantises each tensor and hands the tensors to transformers'
+`from_pretrained(None, config=..., state_dict=...)`. The common block types (Q8_0, Q4_1, Q5_0,
+Q4_K, Q6_K) are torch ports of gguf's numpy `dequantize_blocks` (what transformers' loader
+calls), the same float32 operations in the same order; other types run gguf's own code over
+long runs of blocks. transformers' tensor processor for the architecture then reorders and
+offsets them as its loader does. So the tensors are bit-identical to
+`from_pretrained(folder, gguf_file=...)`: tests/test_zoo_gguf.py checks each type on random
+blocks and a whole real model.
 
 Knows GGUF and transformers; nothing about caches or the zoo's layout.
 """
@@ -43,9 +46,8 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     if torch_blocks is not None:
         out = torch.empty((blocks.shape[0], block_size), dtype=torch.float32)
         for start in range(0, blocks.shape[0], _BLOCKS_PER_RUN):
-            out[start : start + _BLOCKS_PER_RUN] = torch_blocks(
-                torch.from_numpy(blocks[start : start + _BLOCKS_PER_RUN])
-            )
+            run = torch.from_numpy(blocks[start : start + _BLOCKS_PER_RUN])
+            torch_blocks(run, out[start : start + _BLOCKS_PER_RUN])  # written in place: one pass fewer
         return out.reshape(shape)
     from gguf.quants import _type_traits
 
@@ -57,8 +59,8 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     return torch.from_numpy(out.reshape(shape))
 
 
-# Each takes [n_blocks, type_size] uint8 and returns [n_blocks, block_size] float32, following
-# gguf/quants.py's `dequantize_blocks` of the same name operation for operation.
+# Each takes [n_blocks, type_size] uint8 and writes [n_blocks, block_size] float32 into `out`,
+# following gguf/quants.py's `dequantize_blocks` of the same name operation for operation.
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -73,26 +75,26 @@ def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(n, -1)
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     d = _half(blocks, 0)
     x = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return x * d
+    torch.mul(x, d, out=out)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     d, m = _half(blocks, 0), _half(blocks, 2)
     qs = _nibbles(blocks[:, 4:], 16).to(torch.float32)
-    return (d * qs) + m
+    torch.add(d * qs, m, out=out)
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     d = _half(blocks, 0)
     # bit j of the little-endian uint32 qh is bit j % 8 of its byte j // 8 (uint8 math: 4x less memory)
     qh = ((blocks[:, 2:6].reshape(n, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(n, 32)
     ql = _nibbles(blocks[:, 6:], 16)
     qs = (ql | (qh << 4)).view(torch.int8) - 16
-    return d * qs.to(torch.float32)
+    torch.mul(d, qs.to(torch.float32), out=out)
 
 
 def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +105,17 @@ def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     sc, m = _q4_k_scales(blocks[:, 4:16])
     d = (d * sc.to(torch.float32)).reshape(n, -1, 1)
     dm = (dmin * m.to(torch.float32)).reshape(n, -1, 1)
     qs = _nibbles(blocks[:, 16:], 32).reshape(n, -1, 32).to(torch.float32)
-    return (d * qs - dm).reshape(n, 256)
+    torch.sub(d * qs, dm, out=out.view(n, -1, 32))
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = _half(blocks, 208)
@@ -122,7 +124,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     qh = blocks[:, 128:192].reshape(n, -1, 1, 32)
     qh = torch.cat([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).reshape(n, -1, 32)
     q = (ql | (qh << 4)).to(torch.int8) - 32
-    return (d * q.reshape(n, 16, -1).to(torch.float32)).reshape(n, 256)
+    torch.mul(d, q.reshape(n, 16, -1).to(torch.float32), out=out.view(n, 16, -1))
 
 
 _TORCH_BLOCKS = {"Q8_0": _q8_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
@@ -173,7 +175,8 @@ def load_gguf_model(
     from tqdm.auto import tqdm
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    # copy-on-write: torch wants a writable array (nothing writes to it; the file is never changed)
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="c")
     processor = _processor(table["architecture"], config)
     parsed: dict = {"config": processor.config, "tensors": {}}
     names = {t["name"]: t["parameter"] for t in table["tensors"] if t["parameter"] is not None}
