@@ -16,6 +16,7 @@ from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source, load_kv, save_kv
 from bridgecache.kv.source import KVFileError, KVMismatchError, SourceKV
+from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
 from bridgecache.models.zoo import load_model, load_tokenizer
 from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
@@ -60,6 +61,7 @@ __all__ = [
     "SourceKV",
     "SpecMismatchError",
     "Turn",
+    "UnsupportedArchitectureError",
     "align_context",
     "as_source",
     "capture_kv",

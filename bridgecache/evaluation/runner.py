@@ -44,6 +44,7 @@ from bridgecache.evaluation.prompts import Context, Prompts
 from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix, score
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.engine import HandoffEngine
 
 __all__ = ["Variant", "ItemResult", "Evaluation", "evaluate", "ControlScores"]
 
@@ -109,6 +110,14 @@ class _Prefixes:
     def __init__(self, source, target, size: int = 4):
         self.source, self.target, self.size = source, target, size
         self.entries: OrderedDict = OrderedDict()
+        self.engines: dict = {}  # id(bridge) -> (bridge, HandoffEngine): each variant's plans and graphs
+
+    def engine(self, bridge) -> HandoffEngine:
+        """The evaluation's engine of `bridge` over its source and target (built once per bridge)."""
+        known = self.engines.get(id(bridge))
+        if known is None or known[0] is not bridge:
+            known = self.engines[id(bridge)] = (bridge, HandoffEngine(bridge, self.source, self.target))
+        return known[1]
 
     def _get(self, key, compute):
         if key not in self.entries:
@@ -376,6 +385,7 @@ class _ItemRun:
             source_model=self.prefixes.source,
             prompt_ids=prompt,
             words=context.words,
+            engine=self.prefixes.engine(variant.bridge),
         )
 
 

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.likelihood import Prefix, score
+from bridgecache.runtime.native_pass import forward_with_pass
 
 __all__ = ["Prefix", "native_prefix", "bridged_prefix", "score"]  # Prefix, score: runtime.likelihood
 
@@ -54,21 +55,25 @@ def bridged_prefix(
     source_model=None,
     prompt_ids=None,
     words=None,
+    engine=None,
 ) -> Prefix:
     """The target continues from `source_kv` translated through `bridge` with `config`.
 
     ids: [1, T] the context in the target's tokenization; source_model, prompt_ids, words: what the
     selection rule reads (BridgedCache). Timed: the source's reading, translation of every layer,
     and the target's forward over the native work and columns [P, T) (native tail + held-back
-    token) that yields the logits after the context.
+    token) that yields the logits after the context: one forward, which also does the cache's
+    native work (`forward_with_pass`). engine: the `HandoffEngine` whose plans and graphs to use.
     """
     ids = ids.to(_device(target))
     start = time.perf_counter()
     cache = BridgedCache(
         bridge, source_kv, target, ids, config=config, alignment=alignment, source_model=source_model,
-        prompt_ids=prompt_ids, words=words,
+        prompt_ids=prompt_ids, words=words, engine=engine,
     )  # fmt: skip
     first = cache.get_seq_length()
-    out = target(input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
+    out = forward_with_pass(
+        target, input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache)
+    )
     logits = out.logits[:, -1].float()
     return Prefix(cache, logits, ids.shape[1], time.perf_counter() - start)
