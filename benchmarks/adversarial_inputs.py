@@ -29,8 +29,8 @@ from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv  
 from bridgecache.bridge.maps import Bridge, LayerMap  # noqa: E402
 from bridgecache.models.spec import model_spec  # noqa: E402
 from bridgecache.runtime.gate import QualityPolicy  # noqa: E402
-from bridgecache.runtime.selection import GivenScores, KeyDeviation, Selector, SourceAttention  # noqa: E402
-from bridgecache.runtime.words import context_words  # noqa: E402
+from bridgecache.runtime.selection.rules import GivenScores, KeyDeviation, Selector, SourceAttention  # noqa: E402
+from bridgecache.runtime.selection.words import context_words  # noqa: E402
 
 CASES: list[tuple[str, str, object]] = []
 
@@ -468,7 +468,7 @@ def _minus_inf():
 
 @case("4 ranking", "NaN among a built-in rule's scores ranks last")
 def _nan_last():
-    from bridgecache.runtime.pending import pending_columns
+    from bridgecache.runtime.native_work.pending import pending_columns
 
     always = torch.tensor([[True, False, False, False]])
     scores = torch.tensor([[0.0, float("nan"), 1.0, 0.5]])

@@ -66,7 +66,7 @@ from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.compat import cache_kwargs
 from bridgecache.models.spec import model_spec
 from bridgecache.runtime.engine import generate
-from bridgecache.runtime.native_pass import forward_with_pass
+from bridgecache.runtime.native_work.forward import forward_with_pass
 
 _ENGINES: dict = {}  # (bridge, source, target) ids -> HandoffEngine: one per pair for the whole run
 
@@ -145,7 +145,7 @@ def random_request(source, target, batch: int, n: int, device):
 def random_words(n: int):
     """`ContextWords` of n context tokens in words of 1-4 tokens, the same on both sides (one
     vocabulary: the alignment is the identity), as `handoff()` finds them in a text."""
-    from bridgecache.runtime.words import ContextWords
+    from bridgecache.runtime.selection.words import ContextWords
 
     groups = torch.repeat_interleave(torch.arange(n), torch.randint(1, 5, (n,)))[:n].reshape(1, n)
     return ContextWords(groups, groups)
@@ -209,7 +209,7 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
 
 def native_graph(target, ids: torch.Tensor):
     """A replay of the target's prefill of `ids` (the last token's logits) from a CUDA graph."""
-    from bridgecache.runtime.graphs import capture
+    from bridgecache.runtime.interop.graphs import capture
 
     with torch.no_grad():
         graph, _ = capture(lambda: target(input_ids=ids, use_cache=False, logits_to_keep=1).logits)

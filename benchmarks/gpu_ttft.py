@@ -15,7 +15,7 @@ all measured side by side in one run:
   (what bridged would cost if translation were free);
 - bridged: BridgedCache construction (the plan) + generate(max_new_tokens=1), i.e. translation
   of every layer + one forward of the native head (1 token) and the held-back token, translating
-  in one launch per group of layers for keys and one for values (bridgecache.runtime.grouped; the
+  in one launch per group of layers for keys and one for values (bridgecache.runtime.translation.grouped; the
   default on CUDA, forced on the CPU too);
 - construct: BridgedCache(...) alone; translate: construct + materialize() (translation and the
   native head's forward), CUDA-synchronised;
@@ -215,7 +215,7 @@ def measure_compiled(target, bridge, kv, ids, device, repeats, static, max_cache
     cache (fixed shapes at every length: one compiled graph per pair), warm."""
     from transformers import StaticCache  # here: construct_host.py imports this module on older trees
 
-    from bridgecache.runtime.static import fill_static
+    from bridgecache.runtime.interop.static import fill_static
 
     n = ids.shape[1]
     prefix = DynamicCache()

@@ -40,7 +40,7 @@ Variants (`variant_config` maps each onto its `HandoffConfig`):
                      library's default takes whole words)
     refresh=F,words  the same at the same budget with `RefreshConfig(whole_words=True)`: scores
                      spread over whole words and numbers on both sides of the alignment
-                     (bridgecache/runtime/words.py)
+                     (bridgecache/runtime/selection/words.py)
     refresh=F,words,ends  the same with `RefreshConfig(whole_words=True, word_ends=True)`: each
                      chosen word also brings the token after it, so a refreshed number ends where
                      the context ends it

@@ -44,14 +44,14 @@ from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
-from bridgecache.runtime.attention import (  # noqa: E402
+from bridgecache.runtime.handoff import align_context  # noqa: E402
+from bridgecache.runtime.interop.attention import (  # noqa: E402
     KEYWORD,
     ReadingMask,
     attention_override,
     read_without_logits,
 )
-from bridgecache.runtime.handoff import align_context  # noqa: E402
-from bridgecache.runtime.reading import attention_scores  # noqa: E402
+from bridgecache.runtime.selection.reading import attention_scores  # noqa: E402
 
 
 def after(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ def main() -> None:
     from bridgecache.bridge import Bridge
     from bridgecache.models.zoo import load_tokenizer
     from bridgecache.runtime.handoff import tokenize_context
-    from bridgecache.runtime.words import word_groups
+    from bridgecache.runtime.selection.words import word_groups
     from tokenalign import token_spans
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -11,6 +11,7 @@ Floors, lower never importing upper: models/ (where a model comes from, what it 
 native work, handoffs) -> fitting/ and evaluation/ -> integrations/ -> cli/.
 """
 
+from bridgecache import _moved
 from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
 from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.kv.capture import capture_kv
@@ -26,13 +27,15 @@ from bridgecache.runtime.conversation import Conversation, Turn
 from bridgecache.runtime.engine import HandoffEngine, clear_engines
 from bridgecache.runtime.handoff import HandoffResult, align_context, handoff, tokenize_context
 from bridgecache.runtime.report import HandoffReport
-from bridgecache.runtime.selection import (
+from bridgecache.runtime.selection.rules import (
     GivenScores,
     KeyDeviation,
     SelectionRequest,
     Selector,
     SourceAttention,
 )
+
+_moved.install()  # old module paths keep working, with a DeprecationWarning (bridgecache._moved)
 
 __version__ = "0.2.0"
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random models (no download), the smallest real model, and the engine
+"""Tests mirror the packages: tests/<package>/ (bridgecache.kernels' in tests/bridgecache_kernels/,
+tokenalign's in tests/token_alignment/: a folder named like an importable package would shadow it,
+this folder being on sys.path); tests/ itself holds the cross-cutting ones and the support modules
+(tiny_models, toy_tokenizers, save_worker; tests/integrations/sglang_pool).
+
+Shared fixtures: tiny random models (no download), the smallest real model, and the engine
 import rule (`require_engine`: skip where absent, fail where .ci/run installed it)."""
 
 from __future__ import annotations
@@ -9,7 +14,26 @@ import shutil
 
 import pytest
 import torch
+import toy_tokenizers
 from tiny_models import FAMILIES, tiny_model
+
+
+@pytest.fixture(scope="module")
+def byte_bpe():
+    """A GPT-2 style byte-level BPE toy tokenizer (tests/toy_tokenizers.py)."""
+    return toy_tokenizers.byte_bpe()
+
+
+@pytest.fixture(scope="module")
+def sp_bpe():
+    """A SentencePiece style toy tokenizer (tests/toy_tokenizers.py)."""
+    return toy_tokenizers.sp_bpe()
+
+
+@pytest.fixture(scope="module")
+def words():
+    """A word-level toy tokenizer with an unknown token (tests/toy_tokenizers.py)."""
+    return toy_tokenizers.words()
 
 
 @pytest.fixture(params=FAMILIES)
@@ -38,6 +62,16 @@ def smollm2():
 
 
 # ---------------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def handoff():
+    """A context read by one tiny qwen2 and translated into another's cache space
+    (tests/integrations/sglang_pool.py: SGLang's engine tests)."""
+    from sglang_pool import tiny_handoff
+
+    return tiny_handoff()
+
 
 REQUIRE_VARIABLE = "BRIDGECACHE_REQUIRE"
 

@@ -105,6 +105,7 @@ FLOORS = [
         "bridgecache.files",
         "bridgecache.text",
         "bridgecache.untrusted",
+        "bridgecache._moved",
     ),
     ("bridgecache.models",),
     ("bridgecache.kv", "bridgecache.bridge"),
@@ -154,8 +155,8 @@ def test_no_library_module_grows_past_450_lines():
 RUNTIME_MODULE_STATE = {
     "bridgecache.runtime.engine._ENGINES": "module-level handoff()'s engines (2 kept; clear_engines())",
     "bridgecache.runtime.engine._ENGINES_LOCK": "guards _ENGINES",
-    "bridgecache.runtime.words._WORD_BYTES": "a constant lookup table (which bytes are word characters)",
-    "bridgecache.runtime.selection._NAMED": "a constant table: rule names -> classes",
+    "bridgecache.runtime.selection.words._WORD_BYTES": "a constant table: which bytes are word characters",
+    "bridgecache.runtime.selection.rules._NAMED": "a constant table: rule names -> classes",
     "bridgecache.runtime.cache._BRIDGED_LAYER_TYPES": "a constant table: transformers' layer classes -> ours",
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary", "Lock",
@@ -204,3 +205,19 @@ def test_the_state_scan_sees_what_it_must(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text(source)
     assert _module_state(path) == {"A", "B", "C", "f"}
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in conftest.py or support modules, never in another test module."""
+    tests = Path(__file__).resolve().parent
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    wrong = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "") in names:
+                wrong.append(f"{path.relative_to(tests)} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                wrong += [
+                    f"{path.relative_to(tests)} imports {a.name}" for a in node.names if a.name in names
+                ]
+    assert not wrong, wrong

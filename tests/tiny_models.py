@@ -1,8 +1,11 @@
 """Tiny random-weight models and a byte tokenizer, built in-process (no download): the three zoo
 families (`tiny_model`), and one config of each architecture users serve (`ARCHITECTURES`,
-`tiny_architecture`: tests/test_architectures.py, benchmarks/architectures.py)."""
+`tiny_architecture`: tests/models/test_architectures.py, benchmarks/architectures.py)."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -170,3 +173,29 @@ def tiny_architecture_config(name: str):
 def tiny_architecture(name: str, seed: int = 0):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()
+
+
+# Chat templates of two families (the Zephyr style of SmolLM2's tokenizer, Qwen's ChatML).
+ZEPHYR = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(template: str, extra: str | None = None):
+    """`byte_tokenizer(extra)` with a chat template."""
+    tok = byte_tokenizer(extra)
+    tok.chat_template = template
+    return tok
+
+
+def script(path: str):
+    """A repository script (e.g. "benchmarks/multi_turn_drift.py") imported as a module."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,8 @@
 
 A `Bridge` holds one `LayerMap` per target layer plus the identity (`ModelSpec`) of both models,
 the method that fitted it, the token-alignment policy and a description of the calibration data.
-It is a container: fitting lives in `bridgecache.fitting`, application in `bridgecache.runtime.translate`.
+It is a container: fitting lives in `bridgecache.fitting`, application in
+`bridgecache.runtime.translation.layers`.
 
 Files: `bridge.json` (metadata, per-tensor shape/dtype/sha256, and `tensors_file`: the name of
 the tensors file) + `bridge-<16 hex>.safetensors` (the tensors; `bridge.safetensors` in bridges

@@ -126,7 +126,7 @@ def handoff_config(args) -> HandoffConfig:
 def config_problem(config: HandoffConfig, bridge) -> str | None:
     """The first setting of `config` that cannot work with `bridge`'s target, in words (None if
     none): checked before any model loads."""
-    from bridgecache.runtime.native import resolve_native_layers
+    from bridgecache.runtime.native_work.layers import resolve_native_layers
 
     limit = bridge.target.max_position_embeddings
     if config.native_head is not None and config.native_head > limit:

@@ -26,7 +26,7 @@ import torch
 
 from bridgecache.evaluation.items import ChoiceItem, EvaluationError, GenerationItem, PplItem
 from bridgecache.runtime.handoff import same_tokenization, tokenize_context
-from bridgecache.runtime.words import ContextWords
+from bridgecache.runtime.selection.words import ContextWords
 
 __all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
 

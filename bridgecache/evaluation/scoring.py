@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.likelihood import Prefix, score
-from bridgecache.runtime.native_pass import forward_with_pass
+from bridgecache.runtime.native_work.forward import forward_with_pass
 
 __all__ = ["Prefix", "native_prefix", "bridged_prefix", "score"]  # Prefix, score: runtime.likelihood
 

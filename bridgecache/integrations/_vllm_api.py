@@ -3,7 +3,7 @@ copied with the same names and signatures (vllm/distributed/kv_transfer/kv_conne
 
 Used only where vLLM is not installed (CPU CI, where its CUDA wheel is too large to install), so
 the connector's logic runs and is tested there; with vLLM installed the connector subclasses
-vLLM's own classes. tests/test_integrations_vllm.py compares every signature here with the
+vLLM's own classes. tests/integrations/test_integrations_vllm.py compares every signature here with the
 installed vLLM's and fails when they drift.
 """
 

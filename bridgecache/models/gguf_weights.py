@@ -8,7 +8,7 @@ Q4_K, Q6_K) are torch ports of gguf's numpy `dequantize_blocks` (what transforme
 calls), the same float32 operations in the same order; other types run gguf's own code over
 long runs of blocks. transformers' tensor processor for the architecture then reorders and
 offsets them as its loader does. So the tensors are bit-identical to
-`from_pretrained(folder, gguf_file=...)`: tests/test_zoo_gguf.py checks each type on random
+`from_pretrained(folder, gguf_file=...)`: tests/models/test_zoo_gguf.py checks each type on random
 blocks and a whole real model.
 
 Knows GGUF and transformers; nothing about caches or the zoo's layout.

@@ -4,16 +4,16 @@
     out = target.generate(ids, past_key_values=cache)     # `cache=cache` on transformers >= 5.24
 
 The cache reports the target-side prefix length at once. Target layer i is translated from the
-source KV (bridgecache.runtime.translator) only when something first reads it, usually the
+source KV (bridgecache.runtime.translation.translator) only when something first reads it, usually the
 target's attention at layer i. The columns the target computes itself (the native head, columns
 without source text, the tokens a refresh picks) wait as pending work and join the target's first
-forward over the cache (bridgecache.runtime.native_pass): handoff time = the source's reading of the
+forward over the cache (bridgecache.runtime.native_work.forward): handoff time = the source's reading of the
 prompt + translation + one target forward. Layers are transformers' own `DynamicLayer` /
 `DynamicSlidingWindowLayer` with a lazy hook, so masks, beam search, crop and every other cache
 operation behave as usual.
 
 This module is the container: what is translated comes from the Translator, what is computed
-natively and why from bridgecache.runtime.plan, what it cost from `report()`.
+natively and why from bridgecache.runtime.native_work.plan, what it cost from `report()`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bridgecache.kv.files import as_source
 from bridgecache.models.layout import check_supported
 from bridgecache.models.spec import model_spec
-from bridgecache.runtime import native_pass
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.grouped import LayerGroups, groups_apply
-from bridgecache.runtime.plan import plan_native_work
+from bridgecache.runtime.interop.static import fill_static
+from bridgecache.runtime.native_work import forward as native_pass
+from bridgecache.runtime.native_work.plan import plan_native_work
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.state import EngineState
-from bridgecache.runtime.static import fill_static
-from bridgecache.runtime.translator import Translator
+from bridgecache.runtime.translation.grouped import LayerGroups, groups_apply
+from bridgecache.runtime.translation.translator import Translator
 
 __all__ = ["BridgedCache", "BridgedLayer", "BridgedSlidingLayer"]
 
@@ -201,7 +201,7 @@ class BridgedCache(DynamicCache):
         source_model: the source model, for selection rules that read with it (the default).
         prompt_ids: [batch, q] the prompt in the SOURCE's tokens: what the source reads to choose
             the refreshed tokens (None: the context's last tokens read it).
-        words: the context's words on both sides (`bridgecache.runtime.words.ContextWords`): the
+        words: the context's words on both sides (`bridgecache.runtime.selection.words.ContextWords`): the
             refresh takes whole words with them unless `RefreshConfig(whole_words=False)`; without
             them it refreshes token by token (the default, whole_words=None) or raises (True).
             `handoff_config` records what was done: whole_words resolved to True or False.
@@ -332,7 +332,7 @@ class BridgedCache(DynamicCache):
     def to_static(self, max_cache_len: int, *, into=None):
         """This cache's KV (completed now) in a transformers `StaticCache` of `max_cache_len`
         tokens, for `torch.compile` / CUDA-graph decoding; `into=` refills an earlier one in
-        place. Full-attention targets only (bridgecache.runtime.static)."""
+        place. Full-attention targets only (bridgecache.runtime.interop.static)."""
         if any(window is not None for window in self.translator.windows):
             raise ValueError(
                 "to_static needs full-attention target layers; this target has sliding-window layers"

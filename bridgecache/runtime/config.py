@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from bridgecache.runtime.fields import FieldTypeError, count, flag
 from bridgecache.runtime.gate import QualityPolicy
-from bridgecache.runtime.selection import Selector, selector_named
+from bridgecache.runtime.selection.rules import Selector, selector_named
 
 __all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
 
@@ -37,7 +37,7 @@ class RefreshConfig:
         "deviation" (translated vs native keys at a check layer, CacheBlend's rule), or a
         `bridgecache.Selector` instance (your own rule, or `GivenScores(tensor)`).
     whole_words: a chosen token brings the rest of its word or number with it, on both sides of
-        the tokenizer alignment (bridgecache.runtime.words), so a refresh never stops inside a
+        the tokenizer alignment (bridgecache.runtime.selection.words), so a refresh never stops inside a
         number. It needs the context's words, which every path that tokenizes a text computes
         (handoff, handoff_batch, Conversation.handoff, publish_context, the evaluation runner,
         the demo and the CLI). None (the default): whole words wherever the words are known;
@@ -45,7 +45,7 @@ class RefreshConfig:
         words, and a cache without words raises. False: token by token everywhere.
     word_ends: with whole words, each chosen word also brings the token after it (the target's
         side, within the same budget), so a refreshed number ends where the context ends it,
-        and the word that token opens comes whole (bridgecache.runtime.words). On by default: on
+        and the word that token opens comes whole (bridgecache.runtime.selection.words). On by default: on
         RULER's needles at 4K tokens across tokenizers it took a 20% refresh from 66.7% to 86.7%
         (native 93.3%; the long-context report). No effect token by token.
     """
@@ -113,7 +113,7 @@ class HandoffConfig:
     one_launch: translate layers in groups, one kernel launch per group for keys and one for
         values (None: on CUDA targets).
     cuda_graphs: replay the source's reading of the prompt and the target's native-work pass from
-        CUDA graphs captured per shape bucket (None: on CUDA; bridgecache.runtime.graphs).
+        CUDA graphs captured per shape bucket (None: on CUDA; bridgecache.runtime.interop.graphs).
     """
 
     native_head: int | None = None
@@ -180,7 +180,8 @@ class HandoffConfig:
             return self.replace(refresh=dataclasses.replace(refresh, whole_words=known))
         raise ValueError(
             "RefreshConfig(whole_words=True) needs the context's words on both sides: pass "
-            "words=bridgecache.runtime.words.context_words(...) to BridgedCache (handoff, handoff_batch, "
+            "words=bridgecache.runtime.selection.words.context_words(...) to BridgedCache (handoff, "
+            "handoff_batch, "
             "Conversation and publish_context compute them), or leave whole_words=None to refresh "
             "token by token where they are not known"
         )

@@ -224,7 +224,7 @@ def _words(config, messages, source_tokenizer, target_tokenizer, source_ids, tar
     HandoffConfig(), takes whole words)."""
     if not (config or HandoffConfig()).wants_words:
         return None
-    from bridgecache.runtime.words import ContextWords
+    from bridgecache.runtime.selection.words import ContextWords
     from tokenalign import render_chat
 
     texts = [render_chat(messages, source_tokenizer).text], [render_chat(messages, target_tokenizer).text]

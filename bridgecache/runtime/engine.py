@@ -9,7 +9,7 @@ Who calls what, when:
 - `HandoffEngine(...)` checks the models and tokenizers against the bridge ONCE (their specs, the
   tokenizers' vocabularies, the weights' fingerprints) and creates its `EngineState`
   (bridgecache.runtime.state): plans of the bridge's maps per device, rotary tables, key-norm
-  scales, views of both models that run our attention (bridgecache.runtime.views), and captured
+  scales, views of both models that run our attention (bridgecache.runtime.interop.views), and captured
   CUDA graphs, at most `graph_bytes` of them (least recently used dropped first).
 - Each request (`handoff`, `handoff_batch`, `translate_context`; `Conversation`, the publishers
   and the evaluation runner go through these) builds one `HandoffRequest` (runtime/request.py:
@@ -17,7 +17,7 @@ Who calls what, when:
   before the source reads anything, runs a cheap per-request check that the weights the engine
   derived state from are unchanged, builds a `BridgedCache` over the engine's state, and calls
   transformers' own `generate()` on a view of the target whose first forward does the cache's
-  native work (runtime/native_pass.py).
+  native work (runtime/native_work/forward.py).
 - `close()` (or leaving the `with` block) frees everything the engine made; the engine then
   refuses new requests. Caches it built stay usable: each holds what it still needs.
 
@@ -49,10 +49,10 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.inputs import check_config, check_contexts, check_fits, check_text
-from bridgecache.runtime.native_pass import forward_with_pass
+from bridgecache.runtime.interop.views import generate_view
+from bridgecache.runtime.native_work.forward import forward_with_pass
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.state import EngineState
-from bridgecache.runtime.views import generate_view
 
 __all__ = [
     "DEFAULT_GRAPH_BYTES",

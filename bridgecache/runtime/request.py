@@ -23,7 +23,7 @@ import torch
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source
 from bridgecache.models.spec import tokenizer_fingerprint
-from bridgecache.runtime.words import ContextWords, word_groups
+from bridgecache.runtime.selection.words import ContextWords, word_groups
 
 __all__ = [
     "HandoffRequest",

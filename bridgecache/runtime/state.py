@@ -24,9 +24,9 @@ import torch
 
 from bridgecache.kv.keynorm import key_norm_scales
 from bridgecache.kv.rope import RopeTables
-from bridgecache.runtime.attention import NAME
-from bridgecache.runtime.translate import LayerPlan, StackedPlan
-from bridgecache.runtime.views import ModelView
+from bridgecache.runtime.interop.attention import NAME
+from bridgecache.runtime.interop.views import ModelView
+from bridgecache.runtime.translation.layers import LayerPlan, StackedPlan
 
 __all__ = ["EngineState", "GraphStore"]
 

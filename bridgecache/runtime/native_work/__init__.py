@@ -1,0 +1,7 @@
+"""The native work: what the target computes itself over a bridged context, and the forward that does it.
+
+plan        NativePlan: the gate, native layers, the selection's budget and columns, the report
+pending     PendingWork / PendingPlan: the pending columns per row and the refresh budget
+layers      the target's own KV of whole layers (quality gate, selection rules that need them)
+forward     the one forward that computes the pending columns with the target's next tokens
+"""

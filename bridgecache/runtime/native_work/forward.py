@@ -1,0 +1,237 @@
+"""The native-work pass: the pending columns and the target's next tokens in ONE forward.
+
+The pending columns of a bridged cache (its native head, columns without source text, the
+refreshed ones: bridgecache.runtime.native_work.pending) go through the target together with whatever it
+reads next (generate()'s first forward: the native tail, the held-back last token, the prompt),
+each token at its own column and position, attending to the cached columns up to its own
+(`ColumnMask`): handoff time = the source's reading + translation + this one forward, whose last
+logits give the first new token. Refreshing every column reproduces the target's own prefill.
+
+    slots    [placeholders][pending columns][new tokens]       (per row, columns ascending)
+    buffers  per layer [batch, kv_heads, capacity, head_dim]    row j = context column j
+
+Every layer first writes its fresh rows into the buffers (pending columns over their translated
+rows, new tokens after the prefix), then attends over them: the pending tokens see each other's
+fresh rows, the prompt sees a repaired cache. After the forward the buffers become the cache's
+layers. Placeholder slots (a shape bucket wider than the work, or a row with nothing pending)
+repeat the row's first pending column or write to the buffers' last row, which no query sees.
+
+How the pass joins a forward: the engine's `generate()` runs on a view of the target
+(bridgecache.runtime.interop.views.generate_view) whose forward is `forward_with_pass`: a forward over a
+BridgedCache with pending work runs the pass, through the target's `ModelView` (our attention),
+every other forward goes to the user's model as it is. The cache is left untouched if the forward
+raises. A read of the cache before any such forward (the first layer's update in a user's own
+`target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
+with no new tokens.
+
+Knows transformers' forward conventions and the cache's layers; nothing about bridges or
+tokenizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bridgecache.compat import cache_keyword
+from bridgecache.runtime.interop.attention import KEYWORD, ColumnMask
+from bridgecache.runtime.interop.graphs import PassGraph, bucket
+
+__all__ = ["NativePass", "forward_with_pass", "pass_bytes", "run_alone"]
+
+
+class NativePass:
+    """Inputs and buffers of one native-work forward of `slots` tokens over `capacity` columns."""
+
+    def __init__(self, view, batch: int, slots: int, capacity: int):
+        target = view.original
+        config = target.config.get_text_config()
+        weight = target.get_input_embeddings().weight
+        device, dtype = weight.device, weight.dtype
+        heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers = config.num_hidden_layers
+        self.view, self.slots, self.capacity = view, slots, capacity
+        self.ids = torch.zeros(batch, slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.ids)
+        # [keys | values, layers, batch, heads, capacity, dim] in one allocation: one copy out
+        self.store = torch.zeros(2, layers, batch, heads, capacity, dim, dtype=dtype, device=device)
+        self.mask = ColumnMask(
+            query_columns=torch.zeros_like(self.ids),
+            write_rows=torch.zeros_like(self.ids),
+            first_column=torch.zeros(batch, dtype=torch.long, device=device),
+            keys=tuple(self.store[0]),
+            values=tuple(self.store[1]),
+        )
+
+    def load(
+        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False
+    ) -> None:
+        """Copy this forward's slots and the cache's rows into the buffers.
+
+        work: the cache's PendingWork for this batch; new_ids, new_positions: [batch, m].
+        lazy: load a layer's rows when its attention runs (translation of layer i then follows the
+            compute of layer i-1), else all of them now.
+        """
+        tr = cache.translator
+        prefix, m, n = tr.prefix_length, new_ids.shape[1], work.count
+        pad = self.slots - n - m
+        if pad < 0 or prefix + m >= self.capacity:
+            raise ValueError(f"{n} pending + {m} new tokens over {prefix} columns exceed this pass's shape")
+        device = self.ids.device
+        front = lambda t: t[:, :1].expand(-1, pad)  # noqa: E731  placeholders repeat the first pending column
+        new_columns = (torch.arange(m, device=device) + prefix).expand(new_ids.shape[0], -1)
+        columns = torch.cat([front(work.columns), work.columns, new_columns], dim=1)
+        rows = columns
+        if work.valid is not None:  # rows with nothing pending write their placeholders nowhere
+            valid = torch.cat(
+                [front(work.valid), work.valid, torch.ones_like(new_columns, dtype=torch.bool)], 1
+            )
+            rows = torch.where(valid, columns, self.capacity - 1)
+        mask = self.mask
+        self.ids.copy_(torch.cat([front(work.ids), work.ids, new_ids.to(device)], dim=1))
+        self.positions.copy_(
+            torch.cat([front(work.positions), work.positions, new_positions.to(device)], dim=1)
+        )
+        mask.query_columns.copy_(columns)
+        mask.write_rows.copy_(rows)
+        mask.first_column.copy_(work.first_column)
+        batch = self.ids.shape[0]
+
+        def rows(idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = tr.columns(idx, 0, prefix)  # [context batch, heads, prefix, dim]
+            index = cache.layers[idx].batch_index_for(batch)
+            if index is not None:  # generate() expanded the rows (beams, several sequences)
+                index = index.to(keys.device)
+                keys, values = keys.index_select(0, index), values.index_select(0, index)
+            return keys, values
+
+        def fill(idx: int) -> None:
+            keys, values = rows(idx)
+            mask.keys[idx][:, :, :prefix].copy_(keys)
+            mask.values[idx][:, :, :prefix].copy_(values)
+
+        mask.fill = fill if lazy else None
+        if not lazy:  # every layer now, in one batched copy
+            sources = [t for idx in range(len(cache.layers)) for t in rows(idx)]
+            targets = [t[:, :, :prefix] for pair in zip(mask.keys, mask.values) for t in pair]
+            torch._foreach_copy_(targets, sources)
+
+    @torch.no_grad()
+    def forward(self, keep, extra: dict):
+        """The model's own forward over the slots, through its view (our attention)."""
+        return self.view.model.forward(
+            input_ids=self.ids,
+            position_ids=self.positions,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{KEYWORD: self.mask},
+            **extra,
+        )
+
+    def commit(self, cache, new_tokens: int, copy: bool) -> None:
+        """The buffers' columns [0, prefix + new_tokens) become the cache's layers (copied when the
+        buffers outlive this pass, as a captured graph's do)."""
+        total = cache.translator.prefix_length + new_tokens
+        block = self.store[..., :total, :]
+        if copy:  # one copy of every layer's columns
+            block = block.clone()
+        for idx, layer in enumerate(cache.layers):
+            keys, values = block[0, idx], block[1, idx]
+            window = getattr(layer, "sliding_window", None)
+            if window is not None:  # transformers' sliding layer keeps the last window - 1 columns
+                keys, values = keys[:, :, -(window - 1) :], values[:, :, -(window - 1) :]
+                layer.cumulative_length = total
+                keys, values = keys.clone(), values.clone()  # not a view keeping the whole block
+            layer.settle(keys, values)
+
+
+def _slots(work, new_tokens: int) -> int:
+    return work.count + new_tokens
+
+
+def pass_bytes(target, batch: int, capacity: int) -> int:
+    """Bytes of a NativePass's buffers (every layer's keys and values over `capacity` columns)."""
+    config = target.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = target.get_input_embeddings().weight.element_size()
+    return 2 * config.num_hidden_layers * batch * heads * capacity * dim * size
+
+
+def _graphs(cache, keep, extra: dict) -> bool:
+    """Whether this pass may replay a captured graph: CUDA, the config allows it, and the forward
+    wants no more than the last token's logits (what the graph keeps)."""
+    allowed = cache.handoff_config.cuda_graphs
+    on_cuda = cache.translator.home_device.type == "cuda"
+    plain = all(key == "return_dict" for key in extra)
+    return on_cuda and allowed is not False and keep == 1 and plain
+
+
+def run(cache, new_ids, new_positions, keep, extra: dict):
+    """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
+    forward's output (logits of the new tokens only, the cache in its cache field)."""
+    batch, m = new_ids.shape
+    work = cache.pending_for_batch(batch)
+    prefix = cache.translator.prefix_length
+    state = cache.state
+    view = state.view("target")
+    graph = None
+    if _graphs(cache, keep, extra):
+        shape = (batch, bucket(_slots(work, m)), bucket(prefix + m + 1, 256))
+        make = lambda: PassGraph(NativePass(view, *shape))  # noqa: E731
+        graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]))
+    if graph is not None:
+        with state.replay_lock:
+            output = graph.run(cache, work, new_ids, new_positions)
+    else:
+        native = NativePass(view, batch, _slots(work, m), prefix + m + 1)
+        native.load(cache, work, new_ids, new_positions, lazy=True)
+        output = native.forward(keep, extra)
+        native.commit(cache, m, copy=False)
+    cache.pending_work = None
+    field = "cache" if hasattr(output, "cache") else "past_key_values"
+    setattr(output, field, cache)
+    if m and getattr(output, "hidden_states", None) is not None:
+        output.hidden_states = tuple(h[:, -m:] for h in output.hidden_states)
+    return output
+
+
+def forward_with_pass(target, *args, **kwargs):
+    """A forward of `target` (what `generate_view` calls): over a BridgedCache with pending work it
+    runs the pass with this forward's tokens; any other forward is the user's model's own."""
+    keyword = cache_keyword(target)
+    cache = kwargs.get(keyword, kwargs.get("past_key_values"))
+    if getattr(cache, "pending_work", None) is None:
+        return target(*args, **kwargs)
+    kwargs = dict(kwargs)
+    input_ids = kwargs.pop("input_ids", None)
+    if input_ids is None and args:
+        input_ids, args = args[0], args[1:]
+    if input_ids is None or args:  # inputs_embeds, or positional extras: the pending work runs first
+        cache.run_pending()
+        return (
+            target(*args, input_ids=input_ids, **kwargs) if input_ids is not None else target(*args, **kwargs)
+        )
+    for name in (keyword, "past_key_values", "attention_mask", "use_cache", "cache_position"):
+        kwargs.pop(name, None)  # the pass masks by columns; its cache is the buffers
+    m = input_ids.shape[1]
+    positions = kwargs.pop("position_ids", None)
+    if positions is None:  # as the model numbers them: right after the cache
+        prefix = cache.translator.prefix_length
+        positions = (torch.arange(m, device=input_ids.device) + prefix).expand(input_ids.shape[0], -1)
+    keep = kwargs.pop("logits_to_keep", None)
+    if isinstance(keep, torch.Tensor):  # indices into this forward's tokens: after the other slots
+        keep = keep + _slots(cache.pending_for_batch(input_ids.shape[0]), m) - m
+    elif keep is None or keep == 0 or keep > m:
+        keep = max(m, 1)  # only the new tokens' logits are anyone's
+    return run(cache, input_ids, positions, keep, kwargs)
+
+
+def run_alone(cache, batch: int | None = None) -> None:
+    """Run the pending work now, in a forward of its own (no new tokens), for `batch` rows (what
+    generate() expanded the context's rows to; None: the context's rows)."""
+    ids = cache.pending_work.ids[:, :0]
+    if batch is not None and batch != ids.shape[0]:
+        ids = ids.new_zeros(batch, 0)
+    with torch.no_grad():
+        run(cache, ids, ids, 1, {})

@@ -1,0 +1,179 @@
+"""What the target computes itself over a bridged context, decided once per cache.
+
+    plan = plan_native_work(translator, target, target_ids, config, source_model, prompt_ids, groups, words)
+
+In order: the quality gate (layers scoring below `min_quality` run natively, or the whole context
+falls back to the target's own prefill); layers a selection rule needs natively; those layers'
+exact KV (one forward stopped after the deepest, bridgecache.runtime.native_work.layers); the refresh budget
+per row and the selection rule's scores (pooled over the target's words when the refresh takes
+whole words: bridgecache.runtime.selection.words); then the pending columns (native head, columns without
+source text, the budget's best) that the target's first forward computes
+(bridgecache.runtime.native_work.forward), and the report of it all.
+
+Knows the translator's layout, the config and the selection rules; runs no generate().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bridgecache.runtime.gate import layer_scores
+from bridgecache.runtime.native_work.layers import native_layer_kv, resolve_native_layers
+from bridgecache.runtime.native_work.pending import PendingPlan, PendingWork, refresh_budget
+from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
+from bridgecache.runtime.selection.reading import SourceReader
+from bridgecache.runtime.selection.rules import SelectionRequest, checked_scores
+from bridgecache.runtime.selection.words import word_ranking
+
+__all__ = ["NativePlan", "plan_native_work", "selection_request"]
+
+
+def selection_request(
+    tr, target, target_ids, source_model, prompt_ids, words=None, graphs: bool = False
+) -> SelectionRequest:
+    """The read-only view a selection rule gets of one cache (translator `tr`)."""
+    reader = None if source_model is None else SourceReader(tr.state, source_model, tr.reading_source, graphs)
+    return SelectionRequest(
+        target_ids=target_ids,
+        prefix_length=tr.prefix_length,
+        reading_rows=tr.reading_rows,
+        source_kv=tr.reading_source,
+        prompt_ids=prompt_ids,
+        words=words,
+        source_config=None if source_model is None else source_model.config,
+        target_config=target.config,
+        _reader=reader,
+        _keys=lambda layer, translated: (
+            tr.translate(layer, start=0)[0] if translated else tr.native_kv[layer][0]
+        ),
+    )
+
+
+@dataclass
+class NativePlan:
+    """pending: the work of the target's first forward (None: nothing pending); always: [batch,
+    prefix] bool (CPU), columns computed natively whatever the budget; budgets: refreshed columns
+    per row; report: for `BridgedCache.report()`."""
+
+    pending: PendingWork | None
+    always: torch.Tensor
+    budgets: list[int]
+    report: HandoffReport
+
+    def refreshed_columns(self) -> torch.Tensor:
+        """[batch, max budget] int64 (CPU) the columns the refresh picked, ascending; rows with a
+        smaller budget repeat their last one (reads the device: not for the hot path)."""
+        top = max(self.budgets, default=0)
+        if self.pending is None or not top:
+            return torch.empty(len(self.budgets), 0, dtype=torch.long)
+        columns = self.pending.columns.cpu()
+        rows = []
+        for b, budget in enumerate(self.budgets):
+            chosen = [c for c in dict.fromkeys(columns[b].tolist()) if not self.always[b, c]][:budget]
+            rows.append(chosen + chosen[-1:] * (top - len(chosen)) if chosen else [0] * top)
+        return torch.tensor(rows, dtype=torch.long)
+
+
+def plan_native_work(
+    tr, target, target_ids, config, source_model, prompt_ids, make_groups, words=None
+) -> NativePlan:
+    """Decide and prepare the native work of one cache (see the module docstring); `words`: the
+    context's `ContextWords`, read only under `RefreshConfig(whole_words=True)` (the cache has decided
+    whole_words: `HandoffConfig.with_words`)."""
+    num_layers = len(tr.windows)
+    prefix = tr.prefix_length
+    real = tr.target_mask[:, :prefix].bool()
+    columns = torch.arange(prefix)[None]
+    head = real & (columns < tr.head_end[:, None])
+    translated = real & ~head
+    has_source = tr.rows >= 0
+    coverage = float((has_source & translated).sum() / translated.sum().clamp(min=1))
+    scores = layer_scores(tr.bridge)
+    decision = config.quality.decide(scores, coverage)
+    native = set(resolve_native_layers(config.native_layers, num_layers)) | set(decision.native_layers)
+    if decision.fallback:
+        native = set(range(num_layers))
+    all_native = len(native) == num_layers
+    refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
+    selector = refresh.selector if refresh is not None else None
+    words = words if refresh is not None and refresh.whole_words else None
+    if selector is not None:
+        native |= set(selector.native_layers(num_layers))
+    ids = target_ids[:, :prefix]
+    tr.native_layers = native
+    tr.native_kv = native_layer_kv(target, ids, tr.target_mask[:, :prefix], native)
+    eligible = translated & has_source
+    budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
+    always = head | (translated & ~has_source)  # the native head; columns without source text
+    if all_native:
+        always = torch.zeros_like(always)
+    pending = None
+    if bool(always.any()) or any(budgets):
+        # Everything the host knows goes to the device before any scoring is queued: the
+        # device then never waits for a host-to-device copy between two of its own steps.
+        device = tr.home_device
+        plan = PendingPlan.prepare(always, eligible, budgets, device)
+        ids = target_ids[:, :prefix].to(device, non_blocking=True)
+        first_column = tr.target_pad.to(device, non_blocking=True)
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = source_model is not None and source_model.get_input_embeddings().weight.is_cuda
+        request = selection_request(tr, target, target_ids, source_model, prompt_ids, words, graphs)
+        chosen_by = (
+            checked_scores(selector.scores(request), len(budgets), prefix, selector) if any(budgets) else None
+        )
+        if chosen_by is not None and words is not None:  # whole words on the target's side
+            # padding lends nothing: a padded row picks what it picks alone
+            chosen_by = word_ranking(
+                chosen_by, words.target[:, :prefix], ends=refresh.word_ends, first_column=first_column
+            )
+        cols, valid = plan.select(chosen_by)
+        pending = PendingWork(
+            columns=cols,
+            valid=valid,
+            ids=ids.gather(1, cols),
+            positions=tr.target_positions[:, :prefix].gather(1, cols),
+            first_column=first_column,
+        )
+    if make_groups is not None:  # translated lazily; every column when the pass will read them all
+        tr.groups = make_groups(pending is not None)
+    guide = selector.reading_flops(request) if any(budgets) else 0.0
+    report = _report(tr, target, native, scores, decision.fallback, budgets, refresh, guide, always)
+    if config.refresh is not None and tr.bridge.method == "identity":
+        report.notes.append("no refresh: an identity bridge translates exactly")
+    return NativePlan(pending, always, budgets, report)
+
+
+def _report(tr, target, native, scores, fallback, budgets, refresh, guide_flops, always) -> HandoffReport:
+    translated_layers = [i for i in range(len(tr.windows)) if i not in native]
+    quality = None
+    if scores is not None:
+        kept = [scores[i] for i in translated_layers]
+        quality = sum(kept) / len(kept) if kept else 1.0
+    context = tr.target_mask.shape[1]
+    real = int(tr.target_mask[0].sum())
+    pad = context - real
+    head = int(always[0].sum())
+    work = handoff_flops(
+        target.config,
+        context_tokens=real,
+        prefix=tr.prefix_length - pad,
+        native_prefix=head,
+        native_layers=tuple(sorted(native)),
+        refreshed=budgets[0],
+    )
+    whole = prefill_flops(target.config, real) if real else 0.0
+    return HandoffReport(
+        layers_translated=translated_layers,
+        layers_native=sorted(native),
+        tokens_translated=max(0, tr.prefix_length - pad - head),
+        tokens_native=head,
+        tokens_refreshed=budgets[0],
+        refresh_by=None if not budgets[0] else refresh.selector.name,
+        estimated_quality=quality,
+        fallback=fallback,
+        native_cost_fraction=work / whole if whole else 0.0,
+        guide_cost_fraction=guide_flops / whole if whole else 0.0,
+    )

@@ -1,0 +1,248 @@
+"""Translator: the one place that produces a bridged cache's per-layer KV from the source's.
+
+    translator = Translator(bridge, source_kv, target, target_ids, target_mask=..., alignment=...)
+    keys, values = translator.layer(idx)        # what target layer idx caches
+    keys, values = translator.columns(idx, a, b)  # its columns [a, b), also those a window dropped
+
+Layout of a target context of T tokens (left-padded rows; columns of `target_ids`):
+    [pad_b, head_end_b)     row b's native head (the attention sink / BOS, leading tokens without
+                            source text): computed by the target itself in the native-work pass
+                            (bridgecache.runtime.native_work.forward); translated rows there are placeholders
+    [head_end_b, prefix)    translated from the source through the bridge
+    [prefix, T)             not cached: the target reads them after the cache (native tail, the
+                            held-back last token)
+Columns before `begin` (the smallest head end) are never translated (zeros until the pass writes
+the head rows; padding stays zero and masked).
+
+Translation runs layer by layer (`translate_layer`) or, on CUDA, in groups of layers that keep the
+same rows (`LayerGroups`: one launch per group for keys and one for values). Layers the quality
+gate or a selection rule computes natively come from `native_kv` instead.
+
+Knows bridges, KV and the target model's config; nothing about generate() or token selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bridgecache.kv.rope import RopeTables
+from bridgecache.kv.rows import leading_native, plan_rows, pool_source
+from bridgecache.kv.source import SourceKV, check_mask, position_ids_from_mask
+from bridgecache.runtime.translation.layers import SourceRope, source_rows_kept, translate_layer
+
+__all__ = ["Translator", "prefix_layout"]
+
+
+class Translator:
+    """Everything the layers of one bridged cache share; produces one target layer's tensors.
+
+    Attributes read by the cache and the native work:
+        rows [batch, prefix] int64 (CPU): the source row feeding each cached column (-1: none).
+        reading_source, reading_rows: the source's own KV (as captured, not pooled) and the source
+            token each cached column reads in it ([batch, prefix] on the device): what a model
+            reading the source's cache scores.
+        target_mask [batch, T] int64 (CPU); target_positions [batch, T] on the target's device.
+        head_end [batch] int64 (CPU): each row's first translated column; begin = its minimum.
+        prefix_length: cached columns; windows: per target layer, its sliding window or None.
+        native_layers / native_kv: layers computed natively and their (keys, values) until read.
+    """
+
+    def __init__(
+        self, bridge, source: SourceKV, target, target_ids, *, target_mask, alignment, config, windows, state
+    ):
+        spec = bridge.source
+        source.check(spec, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
+        self.bridge = bridge
+        self.state = state  # the engine's EngineState: plans, rope tables, key-norm scales
+        self.source = source
+        self.target_config = target.config
+        self.batch_size = source.batch_size
+        self.windows = windows
+        embeddings = target.get_input_embeddings().weight
+        self.home_device, self.home_dtype = embeddings.device, embeddings.dtype
+        if target_ids.dim() != 2 or target_ids.shape[0] != self.batch_size:
+            raise ValueError(
+                f"target_ids has shape {tuple(target_ids.shape)}; expected [batch={self.batch_size}, tokens] "
+                "(the source context's batch size)"
+            )
+        # Planning runs on the CPU (small integer work); tensors move to the device once.
+        if target_mask is None:
+            target_mask = torch.ones_like(target_ids, device="cpu")
+        check_mask(target_mask, tuple(target_ids.shape), "target_attention_mask")
+        self.target_mask = target_mask.cpu().long()
+        positions = position_ids_from_mask(self.target_mask)
+        self.target_positions = positions.to(self.home_device)
+        total = target_ids.shape[1]
+        limit = bridge.target.max_position_embeddings
+        if total and int(positions.max()) + 1 > limit:  # the CPU copy: no device sync
+            raise ValueError(f"the context has {total} target tokens; the target model allows {limit}")
+        policy = bridge.alignment_policy
+        source_tables = state.source_rope
+        pooled = policy == "mean" and alignment is not None
+        self.reading_source = source
+        if pooled:
+            # Each target row averages several un-rotated source rows: pool them once, up front,
+            # so translation then reads one (already un-rotated) row per target position.
+            self.source = source = pool_source(source, alignment, self.target_mask, source_tables)
+        rows = plan_rows(source, self.target_mask, alignment, policy)
+        self.target_pad = (self.target_mask == 0).sum(1)
+        self.head_end, self.prefix_length = prefix_layout(
+            native_head=config.native_head,
+            native_tail=config.native_tail,
+            default_head=bridge.native_head,
+            target_pad=self.target_pad,
+            leading=leading_native(rows, self.target_pad),
+            total=total,
+        )
+        self.begin = int(self.head_end.min()) if self.prefix_length else 0
+        self.rows = rows[:, : self.prefix_length]
+        # Moved now, before this cache queues any device work: a later copy would wait for it.
+        reading = plan_rows(self.reading_source, self.target_mask, alignment, "last") if pooled else rows
+        self.reading_rows = reading[:, : self.prefix_length].to(self.home_device, non_blocking=True)
+        self.native_layers: set[int] = set()
+        self.native_kv: dict = {}  # layer -> the target's own (keys, values), until the layer reads them
+        self.groups = None  # LayerGroups when layers are translated in groups (set by the cache)
+        self._min_source_rows = None  # built on first need (a sliding-window source only)
+        self._target_tables: dict = {}
+        self._device_rows: dict = {
+            (self.begin, self.home_device): self.rows[:, self.begin :].to(self.home_device)
+        }
+        self.target_rope = RopeTables.from_model(target)
+        scales = state.key_norm_scales() if config.key_norm else None
+        self.key_norm_scales = scales
+        self.source_rope = (
+            None
+            if pooled
+            else SourceRope(state.rope_on(source_tables, self.home_device), source, self.home_device)
+        )
+
+    def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`: the
+        target's own where the layer is native, else translated."""
+        if idx in self.native_kv:
+            device = torch.device(device or self.home_device)
+            keys, values = self.native_kv.pop(idx)  # read once: the cache layer then owns them
+            start = self.window_start(idx)
+            return (
+                keys[:, :, start:].to(device, dtype or keys.dtype),
+                values[:, :, start:].to(device, dtype or values.dtype),
+            )
+        return self.translate(idx, device, dtype)
+
+    def window_start(self, idx: int) -> int:
+        """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
+        if self.windows[idx] is not None:
+            return max(0, self.prefix_length - (self.windows[idx] - 1))
+        return 0
+
+    def columns(self, idx: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, stop - start, tgt_head_dim] of target layer `idx` for
+        context columns [start, stop), also those a sliding-window layer no longer keeps (a
+        refreshed token's window reads them); the target's own where the layer is native."""
+        if idx in self.native_kv:
+            keys, values = self.native_kv[idx]
+            return keys[:, :, start:stop], values[:, :, start:stop]
+        if idx in self.native_layers:
+            raise RuntimeError(f"target layer {idx} is native and was read already: its columns are gone")
+        groups = self.groups
+        if (
+            groups is not None
+            and groups.covers(idx)
+            and (start, stop) == (groups.start(idx), self.prefix_length)
+        ):
+            return groups.layer(idx)
+        return self.translate(idx, start=start, stop=stop)
+
+    def translate(
+        self, idx: int, device=None, dtype=None, start=None, stop=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [batch, tgt_heads, stop - start, tgt_head_dim] of target layer `idx`,
+        translated for context columns [start, stop) (default: the columns the layer keeps).
+        Columns before `begin` are zeros (native head placeholders and padding)."""
+        device = torch.device(device or self.home_device)
+        dtype = dtype or self.home_dtype
+        home = (device, dtype) == (self.home_device, self.home_dtype)
+        if start is None and stop is None and home and self.groups is not None and self.groups.covers(idx):
+            return self.groups.layer(idx)
+        start = self.window_start(idx) if start is None else start
+        stop = self.prefix_length if stop is None else stop
+        begin = min(max(start, self.begin), stop)
+        spec = self.bridge.target
+        parts_k, parts_v = [], []
+        if start < begin:
+            shape = (self.batch_size, spec.num_kv_heads, begin - start, spec.head_dim)
+            parts_k.append(torch.zeros(shape, device=device, dtype=dtype))
+            parts_v.append(torch.zeros(shape, device=device, dtype=dtype))
+        if begin < stop:
+            plan = self.state.plan(idx, device)
+            self.check_source_rows(plan.used, begin)
+            cos, sin = self.target_cos_sin(idx, begin, device)
+            rows = self.device_rows(begin, device)
+            if stop < self.prefix_length:
+                count = stop - begin
+                cos, sin, rows = cos[:, :count], sin[:, :count], rows[:, :count]
+            scale = None if self.key_norm_scales is None else self.key_norm_scales[idx]
+            scale = None if scale is None else scale.to(device)
+            keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype, scale)
+            parts_k.append(keys)
+            parts_v.append(values)
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def check_source_rows(self, used, begin: int) -> None:
+        """Raise ValueError when cached columns from `begin` on read source rows that the source
+        layers `used` no longer keep (a sliding-window source cache); on the CPU: no device sync."""
+        kept = source_rows_kept(self.source, used)
+        if not kept:
+            return
+        if self._min_source_rows is None:
+            masked = torch.where(self.rows >= 0, self.rows, torch.iinfo(torch.long).max).min(dim=0).values
+            self._min_source_rows = masked.flip(0).cummin(0).values.flip(0)
+        lowest = int(self._min_source_rows[begin]) if begin < len(self._min_source_rows) else kept
+        if lowest < kept:
+            raise ValueError(
+                f"the cache reads source token {lowest}, but source layers {list(used)} keep only tokens "
+                f">= {kept} (a sliding-window source cache): capture the source with bridgecache.capture_kv"
+            )
+
+    def device_rows(self, begin: int, device: torch.device) -> torch.Tensor:
+        """[batch, prefix - begin] the planned source rows from column `begin` on, on `device`."""
+        key = (begin, device)
+        if key not in self._device_rows:
+            self._device_rows[key] = self.rows[:, begin:].to(device)
+        return self._device_rows[key]
+
+    def target_cos_sin(self, idx: int, begin: int, device: torch.device):
+        """Target cos/sin [batch, rows, dim] from `begin` on; shared by layers of one rope type."""
+        key = (self.target_rope.layer_types[idx], begin, device)
+        if key not in self._target_tables:
+            cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
+            self._target_tables[key] = (cos.to(device), sin.to(device))
+        return self._target_tables[key]
+
+
+def prefix_layout(
+    *, native_head, native_tail, default_head, target_pad, leading, total
+) -> tuple[torch.Tensor, int]:
+    """(head_end [batch], prefix_length): the cache holds columns [0, prefix_length) of the target
+    context; row b's columns [target_pad[b], head_end[b]) are its native head.
+
+    native_head: as asked (None: the bridge's `default_head`, clipped to short contexts);
+    target_pad, leading: [batch] left padding and leading tokens without source text per row.
+    A context of 0 or 1 real tokens has nothing to translate: the cache starts empty.
+    """
+    for name, value in (("native_head", native_head), ("native_tail", native_tail)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value}; expected a count of context tokens >= 0")
+    shortest = total - int(target_pad.max()) if total else 0
+    if shortest <= 1:
+        return torch.zeros_like(target_pad), 0
+    if native_head is not None and native_head > shortest - 1:
+        raise ValueError(
+            f"native_head={native_head}, but the context has {shortest} target tokens (shortest row): "
+            f"expected 0 <= native_head <= {shortest - 1} (the target always computes the last one)"
+        )
+    head = default_head if native_head is None else native_head
+    head_end = (target_pad + torch.clamp(leading, min=head)).clamp(max=total - 1)
+    return head_end, max(total - 1 - native_tail, int(head_end.max()))

@@ -1,0 +1,141 @@
+"""A captured reading reads bucketed buffers: its scores equal the eager reading's exactly.
+
+The buffers are larger than the context and the prompt (shape buckets); the masks keep the extra
+columns and prompt slots out. On the CPU the same buffers run eagerly (`captured=False`); the
+capture itself runs on CUDA machines only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.interop.graphs import ReadingGraph, as_view, bucket
+from bridgecache.runtime.selection.reading import attention_scores
+from bridgecache.runtime.state import GraphStore
+
+
+def test_buckets_waste_at_most_an_eighth_past_256():
+    assert [bucket(n, 16) for n in (1, 16, 17, 100, 256)] == [16, 16, 32, 128, 256]
+    assert bucket(3000, 256) == 3072 and bucket(6566, 16) == 6656 and bucket(32785, 256) == 36864
+    for n in range(200, 70000, 997):
+        assert n <= bucket(n, 16) <= max(256, n * 1.125)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("layers", [None, 2])
+def test_bucketed_reading_scores_what_the_eager_reading_scores(family, reduce, layers):
+    model = tiny_model(family)  # gemma3: sliding layers (window 8) read only the context's end
+    ids = torch.randint(3, 300, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # a left-padded row
+    kv = capture_kv(model, ids, attention_mask=mask)
+    graph = ReadingGraph(
+        model, batch=2, queries=16, capacity=64, reduce=reduce, captured=False, layers=layers
+    )
+    assert len(graph.keys) == (layers or model.config.num_hidden_layers)  # buffers for the layers read
+    for _ in range(2):  # a second run over the same buffers: nothing stale leaks in
+        prompt = torch.randint(3, 300, (2, int(torch.randint(1, 6, ()))))
+        expected = attention_scores(
+            model, kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20, reduce=reduce, layers=layers
+        )
+        got = graph.run(kv.keys, kv.values, kv.position_ids, kv.padding, prompt, 20)
+        assert got.shape == expected.shape == (2, 20)
+        assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_captured_reading_replays_the_eager_scores_on_cuda():
+    model = tiny_model("llama", head_dim=32).cuda()
+    ids = torch.randint(3, 300, (1, 40), device="cuda")
+    kv = capture_kv(model, ids)
+    first = torch.zeros(1, dtype=torch.long, device="cuda")
+    store, lock, view = GraphStore(1 << 30), threading.RLock(), as_view(model)
+    for layers in (None, None, 1, 1, 1, 2, 2):  # captured on a shape's second request, then replayed
+        prompt = torch.randint(3, 300, (1, 5), device="cuda")
+        eager = attention_scores(view, kv.keys, kv.values, kv.position_ids, first, prompt, 40, layers=layers)
+        replayed = attention_scores(
+            view,
+            kv.keys,
+            kv.values,
+            kv.position_ids,
+            first,
+            prompt,
+            40,
+            layers=layers,
+            graphs=store,
+            replay_lock=lock,
+        )
+        assert torch.allclose(eager, replayed, atol=1e-5)
+    assert len(store) == 3  # one graph per layer count
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
+    """The shapes a captured pass uses (placeholder slots, a longer buffer) change nothing: the
+    last logits and every cached row equal the exact-shape pass's."""
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.compat import cache_kwargs
+    from bridgecache.runtime.native_work.forward import NativePass, forward_with_pass
+
+    model = tiny_model(family)
+    ids = torch.randint(3, 300, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    bridge = Bridge.identity(model)
+    bridge.method = "fullhead"  # refreshed like a fitted bridge
+    config = HandoffConfig(refresh=RefreshConfig(5, GivenScores(torch.rand(2, 24))))
+    kv = capture_kv(model, ids, attention_mask=mask)
+    made = [
+        BridgedCache(
+            bridge, kv, model, ids, config=config, target_attention_mask=mask, source_attention_mask=mask
+        )
+        for _ in range(2)
+    ]
+    prefix = made[0].translator.prefix_length
+    new = ids[:, prefix:]
+    positions = (mask.cumsum(-1) - 1)[:, prefix:]
+    exact = forward_with_pass(  # the exact-shape pass, as generate()'s first forward runs it
+        model, input_ids=new, position_ids=positions, logits_to_keep=1, **cache_kwargs(model, made[0])
+    ).logits
+    work = made[1].pending_for_batch(2)
+    native = NativePass(made[1].state.view("target"), 2, bucket(work.count + 1), bucket(prefix + 2, 256))
+    native.load(made[1], work, new, positions)
+    bucketed = native.forward(1, {}).logits
+    native.commit(made[1], 1, copy=True)
+    assert torch.allclose(bucketed, exact, atol=1e-5)
+    for a, b in zip(made[0].layers, made[1].layers):
+        assert a.keys.shape == b.keys.shape
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.runtime.engine import generate
+
+    model = tiny_model("llama", head_dim=32).cuda()
+    bridge = Bridge.identity(model)
+    bridge.method = "fullhead"
+    engine = HandoffEngine(bridge, model, model)
+    for _ in range(3):  # new contexts through the same captured graph
+        ids = torch.randint(3, 300, (1, 40), device="cuda")
+        kv = capture_kv(model, ids)
+        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))))
+        outputs = []
+        for graphs in (False, True):
+            cache = BridgedCache(
+                bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
+            )
+            outputs.append(generate(model, cache, ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        assert torch.equal(outputs[0], outputs[1])
+    assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed
+    engine.close()
+    assert len(engine.state.graphs) == 0
