@@ -21,3 +21,19 @@ def test_all_lists_every_public_name_once_and_each_imports():
 def test_the_engine_is_public():
     for name in ("HandoffEngine", "clear_engines", "UnsupportedArchitectureError", "BridgedCache", "handoff"):
         assert name in bridgecache.__all__
+
+
+def test_moved_module_paths_still_import_with_a_deprecation_warning():
+    import importlib
+    import sys
+    import warnings
+
+    from bridgecache._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert any(new in str(w.message) and w.category is DeprecationWarning for w in caught), old

@@ -140,7 +140,7 @@ def test_shared_inputs_take_one_gemm_and_translate_as_per_head_inputs(one_launch
     reference, heads tiled together in the kernel), and translate as the same maps read per head."""
     import copy
 
-    from bridgecache.runtime import translate
+    from bridgecache.runtime.translation import layers as translate
 
     model = tiny_model("qwen2")
     bridge = _fullhead_bridge(model)
