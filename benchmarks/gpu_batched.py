@@ -25,10 +25,10 @@ import torch
 from gpu_ttft import random_headlocal_bridge
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.batch import left_pad
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.engine import HandoffEngine, generate
 
 SHAPES = {  # Qwen2.5-1.5B -> Qwen2.5-0.5B
     "source": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
@@ -54,6 +54,7 @@ def sync(device) -> None:
 def handoff_pass(source, target, bridge, batches, new_tokens: int) -> None:
     device = target.device
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    engine = HandoffEngine(bridge, source, target)  # plans and graphs reused across the batches
     for rows in batches:
         ids, mask = left_pad(rows, pad_id=0)
         ids, mask = ids.to(device), mask.to(device)
@@ -66,8 +67,9 @@ def handoff_pass(source, target, bridge, batches, new_tokens: int) -> None:
             target_attention_mask=mask,
             source_attention_mask=mask,
             source_model=source,
+            engine=engine,
         )
-        target.generate(ids, attention_mask=mask, **gen, **cache_kwargs(target, cache))
+        generate(target, cache, ids, mask, **gen)
 
 
 @torch.no_grad()
