@@ -29,7 +29,7 @@ from bridgecache.models.layout import check_supported
 from bridgecache.models.spec import model_spec
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.interop.static import fill_static
-from bridgecache.runtime.native_work import forward as native_pass
+from bridgecache.runtime.native_work import forward as native_forward
 from bridgecache.runtime.native_work.plan import plan_native_work
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.state import EngineState
@@ -285,7 +285,7 @@ class BridgedCache(DynamicCache):
         """Run the pending native work now, in a forward of its own (no-op when there is none), for
         `batch` rows (None: the context's; generate() may have expanded them for beams)."""
         if self.pending_work is not None:
-            native_pass.run_alone(self, batch)
+            native_forward.run_alone(self, batch)
 
     def pending_for_batch(self, batch: int):
         """The pending work for a forward of `batch` rows: generate() may have expanded the

@@ -153,7 +153,7 @@ class ReadingGraph:
 
 
 class PassGraph:
-    """A native-work pass (`native_pass.NativePass`, its shapes fixed) captured once, replayed per
+    """A native-work pass (`native_work.forward.NativePass`, its shapes fixed) captured once, replayed per
     handoff; the captured forward keeps the last slot's logits only (generate()'s first token)."""
 
     def __init__(self, native):

@@ -1,8 +1,8 @@
 """The native-work pass: the pending columns and the target's next tokens in ONE forward.
 
 The pending columns of a bridged cache (its native head, columns without source text, the
-refreshed ones: bridgecache.runtime.native_work.pending) go through the target together with whatever it
-reads next (generate()'s first forward: the native tail, the held-back last token, the prompt),
+refreshed ones: bridgecache.runtime.native_work.pending) go through the target together with
+whatever it reads next (generate()'s first forward: the native tail, the held-back last token, the prompt),
 each token at its own column and position, attending to the cached columns up to its own
 (`ColumnMask`): handoff time = the source's reading + translation + this one forward, whose last
 logits give the first new token. Refreshing every column reproduces the target's own prefill.
@@ -17,8 +17,8 @@ layers. Placeholder slots (a shape bucket wider than the work, or a row with not
 repeat the row's first pending column or write to the buffers' last row, which no query sees.
 
 How the pass joins a forward: the engine's `generate()` runs on a view of the target
-(bridgecache.runtime.interop.views.generate_view) whose forward is `forward_with_pass`: a forward over a
-BridgedCache with pending work runs the pass, through the target's `ModelView` (our attention),
+(bridgecache.runtime.interop.views.generate_view) whose forward is `forward_with_pass`: a forward
+over a BridgedCache with pending work runs the pass, through the target's `ModelView` (our attention),
 every other forward goes to the user's model as it is. The cache is left untouched if the forward
 raises. A read of the cache before any such forward (the first layer's update in a user's own
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,

@@ -37,7 +37,7 @@ class SourceRope:
     """Source cos/sin per source layer type, computed once per context.
 
     cos/sin: [batch, tokens, src_head_dim] float32 at the source's position ids.
-    tables: the source's rotary tables, on `device` (`RuntimeMemo.rope_on`).
+    tables: the source's rotary tables, on `device` (`EngineState.rope_on`).
     """
 
     def __init__(self, tables: RopeTables, source: SourceKV, device: torch.device):
