@@ -195,8 +195,17 @@ def main(argv: list[str] | None = None) -> None:
               source=source_device, target=split)]
     )  # fmt: skip
     results = gather_object(results)
-    if not state.is_main_process:
-        return
+    if state.is_main_process:
+        report(state, args, bridge, processes, results)
+    state.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # before the interpreter exits: a process group torn down at exit while the other process
+        # is already gone can abort the process ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
+
+
+def report(state, args, bridge, processes, results) -> None:
+    """The main process's printout of what every process measured."""
     print(f"{state.num_processes} processes, {len(results)} requests, bridge {bridge.source.name} -> "
           f"{bridge.target.name} ({bridge.method})")  # fmt: skip
     rate = lambda n, seconds: n / seconds if seconds else 0.0  # noqa: E731
