@@ -125,16 +125,21 @@ def tensors_path(directory: str | Path) -> Path:
 
 def _read_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """bridge.json and the tensors it names. A writer may replace the bridge between the two
-    reads (and remove the old tensors): then bridge.json is read again."""
+    reads and remove the old tensors, even between the opens inside `_read_tensors` (and a later
+    writer may bring the same content-named file back), so any failure to read the tensors is
+    retried from bridge.json: tensors files are renamed into place whole, so a damaged one fails
+    every time and a concurrently replaced one does not."""
+    failure: Exception | None = None
     for _ in range(5):
         meta = _read_json(directory / _JSON)
         path = directory / meta.get("tensors_file", _TENSORS)
         try:
             return meta, _read_tensors(path, set(meta["tensors"]))
-        except FileNotFoundError:
-            if _read_json(directory / _JSON) == meta:  # not a concurrent replacement: really missing
-                break
-    raise BridgeFormatError(f"no bridge tensors at {path} (named by {directory / _JSON})")
+        except (FileNotFoundError, BridgeFormatError) as err:
+            failure = err
+    if isinstance(failure, BridgeFormatError):
+        raise failure
+    raise BridgeFormatError(f"no bridge tensors at {path} (named by {directory / _JSON})") from failure
 
 
 def _read_json(path: Path) -> dict:

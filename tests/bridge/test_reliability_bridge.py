@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from tiny_models import tiny_model
 
-from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning, tensors_path
+from bridgecache.bridge import Bridge, BridgeFormatError, WeightMismatchWarning, storage, tensors_path
 from bridgecache.files import STAGING_PREFIX, current_umask
 from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
 from bridgecache.models.fingerprint import weight_fingerprint
@@ -344,6 +345,33 @@ def test_a_reader_always_sees_a_whole_bridge_while_another_process_replaces_it(f
         loads += 1
     assert writer.returncode == 0, writer.communicate()[1][-2000:]
     assert _tidy(out)
+
+
+def test_a_tensors_file_gone_at_one_open_and_back_at_the_next_is_read_again(fitted, tmp_path, monkeypatch):
+    # A writer flipping between two bridges removes a tensors file between the loader's opens and
+    # may bring the same content-named file back before the loader looks again.
+    out = fitted.save_pretrained(tmp_path / "b")
+    real_open, failures = storage.safe_open, []
+
+    def gone_once(path, *args, **kwargs):
+        if not failures:
+            failures.append(path)
+            raise SafetensorError(
+                f"unable to open file <{path}> in read-only mode: No such file or directory (2)"
+            )
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "safe_open", gone_once)
+    assert _same_maps(Bridge.from_pretrained(out), fitted)
+    assert failures  # the race really happened
+
+
+def test_a_damaged_tensors_file_is_refused_after_the_retries(fitted, tmp_path):
+    out = fitted.save_pretrained(tmp_path / "b")
+    path = tensors_path(out)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(BridgeFormatError, match="not a readable safetensors file"):
+        Bridge.from_pretrained(out)
 
 
 def test_a_save_that_fails_midway_leaves_the_old_bridge_and_nothing_else(fitted, tmp_path, monkeypatch):
