@@ -7,21 +7,12 @@ same dtype, plus a small floor; outputs start poisoned (NaN) so every element mu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 import zlib
 
 import pytest
 import torch
-
-# Triton runs CPU tensors only in its interpreter, which it picks when it is imported: say so first.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bridgecache.kernels.attention import column_attention  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from bridgecache.kernels.attention import column_attention
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = 1e-6
@@ -29,32 +20,12 @@ FLOOR = 1e-6
 REF_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def _triton_compiled_only() -> bool:
-    """True when this process imported triton before TRITON_INTERPRET=1 (its library won't interpret)."""
-    if DEVICE == "cuda" or "triton" not in sys.modules:
-        return False
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return not isinstance(std.cdiv, InterpretedFunction)
+pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/bridgecache_kernels/conftest.py
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_if_needed(request):
-    if _triton_compiled_only() and request.node.name != "test_in_fresh_process":
-        pytest.skip("triton was imported without its interpreter; test_in_fresh_process runs these")
-
-
-def test_in_fresh_process():
-    """Run this module in a new process with the interpreter on, when this one cannot."""
-    if not _triton_compiled_only():
-        pytest.skip("this process interprets Triton: the tests run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    # from a neutral directory: the checkout's top-level kernels/ would shadow Hugging Face's
-    # `kernels`, which transformers imports (bridgecache ships ours as bridgecache.kernels)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
-    assert done.returncode == 0, done.stdout[-4000:]
+def test_in_fresh_process(run_in_fresh_process):
+    """This module's tests in a new process with the interpreter on, when this one cannot."""
+    run_in_fresh_process(__file__)
 
 
 def float64_attention(q, k, v, query_columns, key_columns, first_column, scale, window, softcap):

@@ -4,50 +4,23 @@ inputs: CPU interpreter here, the compiled kernel on CUDA (tests/fitting/test_fi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import fields
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bridgecache.kernels import SufficientStats  # noqa: E402
-from bridgecache.kernels.affine import source_tables  # noqa: E402
-from bridgecache.kernels.stats import launch_stats  # noqa: E402
+from bridgecache.kernels import SufficientStats
+from bridgecache.kernels.affine import source_tables
+from bridgecache.kernels.stats import launch_stats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _triton_compiled_only() -> bool:
-    """True when this process imported triton before TRITON_INTERPRET=1 (it cannot interpret)."""
-    if DEVICE == "cuda" or "triton" not in sys.modules:
-        return False
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return not isinstance(std.cdiv, InterpretedFunction)
+pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/bridgecache_kernels/conftest.py
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_or_cuda(request):
-    pytest.importorskip("triton")
-    if _triton_compiled_only() and request.node.name != "test_in_fresh_process":
-        pytest.skip("triton was imported without its interpreter; test_in_fresh_process runs these")
-
-
-def test_in_fresh_process(tmp_path):
-    """Run this module in a new process with the interpreter on, when this one cannot."""
-    if not _triton_compiled_only():
-        pytest.skip("this process interprets Triton (or has CUDA): the tests run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    # From another directory: the repository root on sys.path would shadow Hugging Face's `kernels`.
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-4000:]
+def test_in_fresh_process(run_in_fresh_process):
+    """This module's tests in a new process with the interpreter on, when this one cannot."""
+    run_in_fresh_process(__file__)
 
 
 @pytest.mark.parametrize("ds,tile,weighted,splits", [(128, 64, False, 1), (64, 32, True, 2)])
