@@ -4,13 +4,16 @@ this folder being on sys.path); tests/ itself holds the cross-cutting ones and t
 (tiny_models, toy_tokenizers, save_worker; tests/integrations/sglang_pool).
 
 Shared fixtures: tiny random models (no download), the smallest real model, and the engine
-import rule (`require_engine`: skip where absent, fail where .ci/run installed it)."""
+import rule (`require_engine`: skip where absent, fail where .ci/run installed it), and Triton's
+interpreter for the kernel tests (`interpreted_triton`, `run_in_fresh_process`)."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,3 +110,46 @@ def require_program(name: str) -> str:
             )
         pytest.skip(f"{name} is not installed here; .ci/run installs it", allow_module_level=True)
     return path
+
+
+# Triton kernel tests (tests/bridgecache_kernels/). Triton runs CPU tensors only in its
+# interpreter, which it picks when it is first imported: each kernel module sets TRITON_INTERPRET=1
+# before its imports. When another test package already imported triton compiled (a full `pytest`
+# run), the module's tests skip here (`interpreted_triton`) and its `test_in_fresh_process` runs the
+# whole module again in a new process (`run_in_fresh_process`).
+FRESH_PROCESS_TEST = "test_in_fresh_process"
+
+
+def triton_compiled_only() -> bool:
+    """True when this process imported triton before TRITON_INTERPRET=1 (it cannot interpret)."""
+    if torch.cuda.is_available() or "triton" not in sys.modules:
+        return False
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(std.cdiv, InterpretedFunction)
+
+
+@pytest.fixture
+def interpreted_triton(request):
+    """Skip a Triton test that this process cannot interpret (its fresh process runs it)."""
+    if triton_compiled_only() and request.node.name != FRESH_PROCESS_TEST:
+        pytest.skip(f"triton was imported without its interpreter; {FRESH_PROCESS_TEST} runs these")
+
+
+@pytest.fixture
+def run_in_fresh_process(tmp_path):
+    """run_in_fresh_process(__file__): the module's tests in a new process with the interpreter on,
+    when this process cannot interpret them (else a skip: they ran here)."""
+
+    def run(module_file: str) -> None:
+        if not triton_compiled_only():
+            pytest.skip("this process interprets Triton (or has CUDA): the tests run here")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module_file]
+        # From another directory: the checkout's top-level kernels/ on sys.path would shadow Hugging
+        # Face's `kernels`, which transformers imports (bridgecache ships ours as bridgecache.kernels).
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-4000:]
+
+    return run

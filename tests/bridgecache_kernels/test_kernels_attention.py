@@ -7,12 +7,18 @@ same dtype, plus a small floor; outputs start poisoned (NaN) so every element mu
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
 import torch
-from bridgecache.kernels.attention import column_attention
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+# Triton runs CPU tensors only in its interpreter, which it picks when it is imported: say so first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bridgecache.kernels.attention import column_attention  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = 1e-6
@@ -20,7 +26,7 @@ FLOOR = 1e-6
 REF_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/bridgecache_kernels/conftest.py
+pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/conftest.py
 
 
 def test_in_fresh_process(run_in_fresh_process):

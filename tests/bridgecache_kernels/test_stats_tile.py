@@ -4,18 +4,24 @@ inputs: CPU interpreter here, the compiled kernel on CUDA (tests/fitting/test_fi
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import pytest
 import torch
-from bridgecache.kernels import SufficientStats
-from bridgecache.kernels.affine import source_tables
-from bridgecache.kernels.stats import launch_stats
+
+# Triton runs CPU tensors only in its interpreter, which it picks when it is imported: say so first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bridgecache.kernels import SufficientStats  # noqa: E402
+from bridgecache.kernels.affine import source_tables  # noqa: E402
+from bridgecache.kernels.stats import launch_stats  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/bridgecache_kernels/conftest.py
+pytestmark = pytest.mark.usefixtures("interpreted_triton")  # tests/conftest.py
 
 
 def test_in_fresh_process(run_in_fresh_process):
