@@ -5,6 +5,8 @@
     HandoffConfig(refresh=RefreshConfig(whole_words=False))  token by token, words known or not
     HandoffConfig(refresh=None)                              translation only (loses facts)
     HandoffConfig(quality=QualityPolicy(min_quality=0.7))    gate on the bridge's held-out scores
+    HandoffConfig(route="handoff")                           hand off even where the target's own
+                                                             prefill is faster (default "auto")
 
 `BridgedCache`, `handoff`, `handoff_batch`, `Conversation.handoff`, `publish_context`, the
 evaluation runner, the demo and the CLI's handoff flags all take one `HandoffConfig`, validated
@@ -24,6 +26,7 @@ from bridgecache.runtime.selection.rules import Selector, selector_named
 
 __all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
 
+ROUTES = ("auto", "handoff", "native")  # HandoffConfig.route
 DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (benchmarks/reports/quality.md)
 _TOKENS = "a count of context tokens"
 
@@ -114,6 +117,10 @@ class HandoffConfig:
         values (None: on CUDA targets).
     cuda_graphs: replay the source's reading of the prompt and the target's native-work pass from
         CUDA graphs captured per shape bucket (None: on CUDA; bridgecache.runtime.interop.graphs).
+    route: the cost gate (bridgecache.runtime.route): "auto" hands off only where the handoff is
+        expected to reach the first token sooner than the target's own prefill of the context
+        and computes the context natively (exact) elsewhere; "handoff" or "native" forces a side.
+        `BridgedCache.report()` says which was taken and why.
     """
 
     native_head: int | None = None
@@ -124,6 +131,7 @@ class HandoffConfig:
     quality: QualityPolicy = field(default_factory=QualityPolicy)
     one_launch: bool | None = None
     cuda_graphs: bool | None = None
+    route: str = "auto"
 
     def __post_init__(self):
         if self.native_head is not None:
@@ -147,6 +155,10 @@ class HandoffConfig:
             )
         for name in ("one_launch", "cuda_graphs"):
             flag(getattr(self, name), f"HandoffConfig.{name}", optional=True)
+        if not isinstance(self.route, str) or self.route not in ROUTES:
+            kind = "" if isinstance(self.route, str) else f", not a {type(self.route).__name__}"
+            error = ValueError if isinstance(self.route, str) else FieldTypeError
+            raise error(f"HandoffConfig.route={self.route!r}; expected one of {', '.join(ROUTES)}{kind}")
 
     def replace(self, **changes) -> HandoffConfig:
         """A copy with `changes` (validated again)."""
@@ -190,7 +202,8 @@ class HandoffConfig:
     def kv_recipe(self) -> str:
         """What of this config changes the cache's KV values, as text: published pages are
         namespaced by it (the gate can send layers native; launch and graph choices change no
-        value). whole_words=None reads as True: every path that publishes from text knows the
+        value; the route neither: a context routed to the target's own prefill holds its exact
+        KV, which any recipe's page may hold). whole_words=None reads as True: every path that publishes from text knows the
         words, and a `BridgedCache` built without them records whole_words=False."""
         refresh = self.with_words(True).refresh
         refresh = refresh.label if refresh is not None else "none"
