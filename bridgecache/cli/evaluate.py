@@ -4,7 +4,8 @@
                      [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
                      [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
                      --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
-                     --refresh-by source|deviation --[no-]whole-words --[no-]word-ends --min-quality Q]
+                     --refresh-by source|deviation --[no-]whole-words --[no-]word-ends --min-quality Q
+                     --route auto|handoff|native]
 
 The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
 source's attention, whole words with the token that ends each), as every other path. Models come

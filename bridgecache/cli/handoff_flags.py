@@ -2,7 +2,7 @@
 
 add_handoff_arguments(parser)   --native-head --native-tail --no-key-norm --native-layers
                                 --refresh --refresh-by --[no-]whole-words --[no-]word-ends
-                                --min-quality
+                                --min-quality --route
 handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s own)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from bridgecache.runtime.config import DEFAULT_REFRESH, HandoffConfig, QualityPolicy, RefreshConfig
+from bridgecache.runtime.config import DEFAULT_REFRESH, ROUTES, HandoffConfig, QualityPolicy, RefreshConfig
 
 __all__ = ["add_handoff_arguments", "config_problem", "handoff_config", "native_layers_arg"]
 
@@ -86,6 +86,14 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
         "number ends where the context ends it (the default; no effect token by token)",
     )
     group.add_argument(
+        "--route",
+        choices=ROUTES,
+        default=_DEFAULT.route,
+        help="auto (default): hand off only where that reaches the first token sooner than the "
+        "target's own prefill (measured once per device and pair on CUDA; FLOPs elsewhere); "
+        "handoff or native: always that side",
+    )
+    group.add_argument(
         "--min-quality",
         type=float,
         help="quality gate: layers whose held-out score is below it run natively; too many fall back",
@@ -120,6 +128,7 @@ def handoff_config(args) -> HandoffConfig:
         native_layers=args.native_layers,
         refresh=refresh,
         quality=QualityPolicy(args.min_quality),
+        route=getattr(args, "route", _DEFAULT.route),
     )
 
 

@@ -194,6 +194,8 @@ def bridged_pages(
         "source": bridge.source.to_dict(),
         "bridge": {"fingerprint": bridge_fingerprint(bridge), "method": bridge.method},
         "recipe": cache.handoff_config.kv_recipe,
+        # the cost gate's route: "native" pages hold the target's own (exact) KV of the context
+        "route": cache.report().route,
         "positions": {"native_head": int(translator.head_end[0]), "prefix_length": prefix, "published": n},
     }
     chain = page_keys(tokens, page_size, namespace_seed(None, cache_salt))

@@ -203,8 +203,9 @@ class HandoffConfig:
         """What of this config changes the cache's KV values, as text: published pages are
         namespaced by it (the gate can send layers native; launch and graph choices change no
         value; the route neither: a context routed to the target's own prefill holds its exact
-        KV, which any recipe's page may hold). whole_words=None reads as True: every path that publishes from text knows the
-        words, and a `BridgedCache` built without them records whole_words=False."""
+        KV, which any recipe's page may hold). whole_words=None reads as True: every path that
+        publishes from text knows the words, and a `BridgedCache` built without them records
+        whole_words=False."""
         refresh = self.with_words(True).refresh
         refresh = refresh.label if refresh is not None else "none"
         return (

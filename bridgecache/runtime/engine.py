@@ -18,6 +18,11 @@ Who calls what, when:
   derived state from are unchanged, builds a `BridgedCache` over the engine's state, and calls
   transformers' own `generate()` on a view of the target whose first forward does the cache's
   native work (runtime/native_work/forward.py).
+- The cost gate (`HandoffConfig.route`, bridgecache.runtime.route): on CUDA, a request with
+  route="auto" longer than what the engine has timed first times both routes at the missing
+  lengths of a ladder (route_timing.py; seconds, once per device, pair and config: kept in the
+  cache directory), so each later request takes the faster route. `measure_route()` does it
+  up front, e.g. at a server's start.
 - `close()` (or leaving the `with` block) frees everything the engine made; the engine then
   refuses new requests. Caches it built stay usable: each holds what it still needs.
 
@@ -52,6 +57,8 @@ from bridgecache.runtime.inputs import check_config, check_contexts, check_fits,
 from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work.forward import forward_with_pass
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
+from bridgecache.runtime.route import RouteCosts, save_costs
+from bridgecache.runtime.route_timing import PROMPT_TOKENS, measure_route_costs, route_lengths
 from bridgecache.runtime.state import EngineState
 
 __all__ = [
@@ -132,6 +139,7 @@ class HandoffEngine:
         self.state = EngineState(bridge, source, target, graph_bytes=graph_bytes)
         self._weights = _weights_identity(source, target)
         self._closed = False
+        self._timing_lock = threading.Lock()  # one measurement of the routes at a time
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -189,12 +197,15 @@ class HandoffEngine:
         """The BridgedCache of a request (over this engine's state), nothing translated yet."""
         self._check_open()
         self._check_weights()
+        config = self.config if config is None else _checked_config(config)
+        if config.route == "auto" and self.source is not None and self._on_cuda:
+            self._time_routes(config, int(request.target_mask.sum(1).max()))
         return BridgedCache(
             self.bridge,
             request.source_kv,
             self.target,
             request.target_ids,
-            config=self.config if config is None else _checked_config(config),
+            config=config,
             alignment=request.alignment,
             target_attention_mask=request.target_mask,
             source_attention_mask=request.source_mask,
@@ -267,6 +278,54 @@ class HandoffEngine:
         else:  # a ModelOutput under return_dict_in_generate=True
             sequences, generation = output.sequences, output
         return sequences[:, input_ids.shape[1] :], generation, seconds, cache
+
+    # ------------------------------------------------------------------ the cost gate
+    def measure_route(
+        self, config: HandoffConfig | None = None, lengths=None, *, repeats: int = 3, progress: bool = True
+    ) -> RouteCosts:
+        """Time both routes (the handoff, the target's own prefill) under `config` at `lengths`
+        context tokens (default: 256 to 32K, as far as both models' windows allow), keep them for
+        this engine's route="auto" requests and save them in the cache directory for later
+        processes on this device (bridgecache.runtime.route). Returns the costs, merged with any
+        measured before."""
+        self._check_open()
+        config = self.config if config is None else _checked_config(config)
+        if lengths is None:
+            lengths = route_lengths(32768, self._route_limit())
+        with self._timing_lock:
+            return self._measure(config, lengths, repeats, progress)
+
+    def route_costs(self, config: HandoffConfig | None = None) -> RouteCosts | None:
+        """The costs the cost gate uses for `config` on this device (None: not measured)."""
+        return self.state.route_costs(self.config if config is None else _checked_config(config))
+
+    @property
+    def _on_cuda(self) -> bool:
+        return self.target.get_input_embeddings().weight.is_cuda
+
+    def _route_limit(self) -> int:
+        windows = (self.bridge.target.max_position_embeddings, self.bridge.source.max_position_embeddings)
+        return min(windows) - PROMPT_TOKENS - 1
+
+    def _time_routes(self, config: HandoffConfig, tokens: int) -> None:
+        """Measure the lengths a request of `tokens` context tokens needs that are not measured yet."""
+        costs = self.state.route_costs(config)
+        if costs is not None and costs.covers(tokens):
+            return
+        with self._timing_lock:
+            costs = self.state.route_costs(config)  # another thread may have measured meanwhile
+            measured = costs.lengths if costs is not None else ()
+            missing = route_lengths(tokens, self._route_limit(), measured)
+            if missing:
+                self._measure(config, missing, repeats=3, progress=True)
+
+    def _measure(self, config, lengths, repeats: int, progress: bool) -> RouteCosts:
+        new = measure_route_costs(self, config, lengths, repeats=repeats, progress=progress)
+        old = self.state.route_costs(config)
+        costs = old.merged(new) if old is not None else new
+        self.state.set_route_costs(costs)
+        save_costs(costs)
+        return costs
 
     def _check_open(self) -> None:
         if self._closed:

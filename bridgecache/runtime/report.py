@@ -32,6 +32,10 @@ class HandoffReport:
     # FLOPs of choosing the refreshed tokens (the selection rule's `reading_flops`: the source
     # reading the prompt over its cache for SourceAttention) / the target's own prefill
     guide_cost_fraction: float = 0.0
+    # the cost gate (bridgecache.runtime.route): "handoff", or "native" (the target's own prefill of
+    # the whole context: the cost gate's choice, a forced route or the quality gate's fallback)
+    route: str = "handoff"
+    route_reason: str = ""
 
     @property
     def cost_fraction(self) -> float:
@@ -56,6 +60,8 @@ class HandoffReport:
         ]
         if self.fallback:
             lines.insert(0, f"FALLBACK to native prefill: {self.fallback}")
+        elif self.route_reason:
+            lines.insert(0, f"route: handoff ({self.route_reason})")
         return "\n".join(lines + self.notes)
 
 

@@ -8,6 +8,7 @@
     state.key_norm_scales()                        the target's key-norm scales (checked per request)
     state.source_view / state.target_view          ModelViews that run our attention (runtime.views)
     state.graphs                                   captured CUDA graphs, bounded by bytes (LRU)
+    state.route_costs(config) / set_route_costs    the cost gate's measured costs (bridgecache.runtime.route)
 
 Nothing here is process-global and nothing is stored on the caller's objects: an engine's state
 lives and dies with the engine (`close()` drops every tensor, graph and view it made).
@@ -26,6 +27,7 @@ from bridgecache.kv.keynorm import key_norm_scales
 from bridgecache.kv.rope import RopeTables
 from bridgecache.runtime.interop.attention import NAME
 from bridgecache.runtime.interop.views import ModelView
+from bridgecache.runtime.route import RouteCosts, load_costs, route_key
 from bridgecache.runtime.translation.layers import LayerPlan, StackedPlan
 
 __all__ = ["EngineState", "GraphStore"]
@@ -110,6 +112,7 @@ class EngineState:
         ]  # fmt: skip
         self._norm_versions = _norm_versions(self._norm_modules)
         self.graphs = GraphStore(graph_bytes)
+        self._route_costs: dict = {}  # route_key -> RouteCosts or None (nothing saved)
 
     # ------------------------------------------------------------------ plans and tables
     def plan(self, layer: int, device: torch.device) -> LayerPlan:
@@ -150,6 +153,24 @@ class EngineState:
             )
         return self._norms
 
+    # ------------------------------------------------------------------ the cost gate
+    def route_key(self, config) -> str:
+        return route_key(self.bridge, self._source, self._target, config)
+
+    def route_costs(self, config) -> RouteCosts | None:
+        """The measured costs of this setup under `config` on this device: the ones this state
+        measured or loaded, else those saved in the cache directory, else None."""
+        key = self.route_key(config)
+        if key not in self._route_costs:
+            costs = load_costs(key)
+            with self._lock:
+                self._route_costs.setdefault(key, costs)
+        return self._route_costs[key]
+
+    def set_route_costs(self, costs: RouteCosts) -> None:
+        with self._lock:
+            self._route_costs[costs.key] = costs
+
     # ------------------------------------------------------------------ views
     def view(self, role: str) -> ModelView:
         """The ModelView of the source or the target, made on first use."""
@@ -183,6 +204,7 @@ class EngineState:
             self._stacked.clear()
             self._rope.clear()
             self._views.clear()
+            self._route_costs.clear()
 
 
 def _norm_versions(norms) -> tuple:

@@ -2,11 +2,13 @@
 
     plan = plan_native_work(translator, target, target_ids, config, source_model, prompt_ids, groups, words)
 
-In order: the quality gate (layers scoring below `min_quality` run natively, or the whole context
-falls back to the target's own prefill); layers a selection rule needs natively; those layers'
-exact KV (one forward stopped after the deepest, bridgecache.runtime.native_work.layers); the refresh budget
-per row and the selection rule's scores (pooled over the target's words when the refresh takes
-whole words: bridgecache.runtime.selection.words); then the pending columns (native head, columns without
+In order: the cost gate (bridgecache.runtime.route: the handoff, or the target's own prefill of
+the whole context where that reaches the first token sooner); the quality gate (layers scoring
+below `min_quality` run natively, or the whole context falls back to the target's own prefill);
+layers a selection rule needs natively; those layers' exact KV (one forward stopped after the
+deepest, bridgecache.runtime.native_work.layers); the refresh budget per row and the selection
+rule's scores (pooled over the target's words when the refresh takes whole words:
+bridgecache.runtime.selection.words); then the pending columns (native head, columns without
 source text, the budget's best) that the target's first forward computes
 (bridgecache.runtime.native_work.forward), and the report of it all.
 
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bridgecache.runtime.gate import layer_scores
+from bridgecache.runtime.gate import GateDecision, layer_scores
 from bridgecache.runtime.native_work.layers import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.native_work.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
+from bridgecache.runtime.route import RouteDecision, decide_route
 from bridgecache.runtime.selection.reading import SourceReader
 from bridgecache.runtime.selection.rules import SelectionRequest, checked_scores
 from bridgecache.runtime.selection.words import word_ranking
@@ -91,7 +94,14 @@ def plan_native_work(
     has_source = tr.rows >= 0
     coverage = float((has_source & translated).sum() / translated.sum().clamp(min=1))
     scores = layer_scores(tr.bridge)
-    decision = config.quality.decide(scores, coverage)
+    tokens = int(tr.target_mask.sum(1).max()) if prefix else 0  # the longest row's context
+    route = route_of(tr, target, config, source_model, prompt_ids, tokens)
+    if route.route == "native":
+        decision = GateDecision(fallback=route.reason)
+    else:
+        decision = config.quality.decide(scores, coverage)
+        if decision.fallback:
+            route = RouteDecision("native", f"the quality gate: {decision.fallback}")
     native = set(resolve_native_layers(config.native_layers, num_layers)) | set(decision.native_layers)
     if decision.fallback:
         native = set(range(num_layers))
@@ -141,9 +151,21 @@ def plan_native_work(
         tr.groups = make_groups(pending is not None)
     guide = selector.reading_flops(request) if any(budgets) else 0.0
     report = _report(tr, target, native, scores, decision.fallback, budgets, refresh, guide, always)
+    report.route, report.route_reason = route.route, route.reason
     if config.refresh is not None and tr.bridge.method == "identity":
         report.notes.append("no refresh: an identity bridge translates exactly")
     return NativePlan(pending, always, budgets, report)
+
+
+def route_of(tr, target, config, source_model, prompt_ids, tokens: int) -> RouteDecision:
+    """The cost gate's decision for this cache's `tokens` context tokens (its longest row)."""
+    if not tokens:
+        return RouteDecision("handoff", "nothing to translate: an empty context")
+    state = tr.state
+    costs = state.route_costs(config) if config.route == "auto" else None
+    models = (tr.bridge, None if source_model is None else source_model.config, target.config)
+    prompt = 16 if prompt_ids is None else int(prompt_ids.shape[1])
+    return decide_route(config, costs, tokens=tokens, prompt_tokens=prompt, models=models)
 
 
 def _report(tr, target, native, scores, fallback, budgets, refresh, guide_flops, always) -> HandoffReport:
@@ -165,11 +187,12 @@ def _report(tr, target, native, scores, fallback, budgets, refresh, guide_flops,
         refreshed=budgets[0],
     )
     whole = prefill_flops(target.config, real) if real else 0.0
+    translated = max(0, tr.prefix_length - pad - head) if translated_layers else 0
     return HandoffReport(
         layers_translated=translated_layers,
         layers_native=sorted(native),
-        tokens_translated=max(0, tr.prefix_length - pad - head),
-        tokens_native=head,
+        tokens_translated=translated,
+        tokens_native=head if translated_layers else tr.prefix_length - pad,
         tokens_refreshed=budgets[0],
         refresh_by=None if not budgets[0] else refresh.selector.name,
         estimated_quality=quality,

@@ -1,0 +1,219 @@
+"""The cost gate: hand a context off only where that reaches the first token sooner.
+
+A handoff has a fixed cost (the source reading the prompt, launches, the native pass) that the
+target's own prefill of a short context does not pay, so below some length on a given device
+the target is faster reading the document itself. `HandoffConfig.route` picks the side:
+
+    "auto"     (default) the handoff where it is expected to be faster, else the target's own
+               prefill of the context (exact: every layer computed natively);
+    "handoff"  always the handoff;     "native"  always the target's own prefill.
+
+What "expected" rests on, in order:
+1. `RouteCosts` measured on this device for this pair and configuration: seconds to the first
+   token of both routes at a ladder of context lengths (`route_timing.measure_route_costs`,
+   through the engine's own paths), interpolated in log-log. A `HandoffEngine` on CUDA measures
+   them on its first request of a length past what it has measured, and keeps them in
+   `$BRIDGECACHE_HOME/route-costs/` for every later process on that device.
+2. Otherwise FLOPs (a compute-bound device, e.g. the CPU): the handoff's native work and the
+   source's reading against the target's prefill of the context. With the default 20% refresh
+   it hands off at every length; a refresh of the whole context routes to the target.
+
+The decision is made per cache before the source reads the prompt or anything is translated;
+`BridgedCache.report()` gives `route` and `route_reason`.
+
+Knows configs, model configs and the cost tables; runs no model (route_timing.py does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bridgecache.models.zoo import cache_root
+from bridgecache.runtime.native_work.pending import refresh_budget
+from bridgecache.runtime.report import handoff_flops, prefill_flops, reading_flops
+
+__all__ = ["RouteCosts", "RouteDecision", "decide_route", "route_key", "load_costs", "save_costs"]
+
+COSTS_FORMAT = 1  # bump when RouteCosts' fields change: older files are measured again
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """route: "handoff" or "native" (the target's own prefill of the context); reason: why, in words."""
+
+    route: str
+    reason: str
+
+
+@dataclass
+class RouteCosts:
+    """Seconds to the first token of both routes, measured at `lengths` context tokens (ascending)
+    on `device`, for the setup `key` names (`route_key`)."""
+
+    key: str
+    device: str
+    lengths: list[int]
+    handoff_s: list[float]
+    native_s: list[float]
+    prompt_tokens: int = 16
+    format: int = COSTS_FORMAT
+
+    def __post_init__(self):
+        if not (len(self.lengths) == len(self.handoff_s) == len(self.native_s)):
+            raise ValueError("RouteCosts: lengths, handoff_s and native_s differ in length")
+        if list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"RouteCosts.lengths={self.lengths}; expected ascending distinct lengths")
+        for name in ("handoff_s", "native_s"):
+            if not all(math.isfinite(s) and s > 0 for s in getattr(self, name)):
+                raise ValueError(f"RouteCosts.{name}={getattr(self, name)}; expected positive seconds")
+
+    def predict(self, tokens: int) -> tuple[float, float]:
+        """(handoff, native) seconds at `tokens` context tokens: piecewise linear in log-log between
+        measured lengths; outside them, the nearest measured length's times scaled by the
+        length (the ratio of the two held)."""
+        n = max(1, tokens)
+        xs = [math.log(x) for x in self.lengths]
+        x = math.log(n)
+        out = []
+        for ys in (self.handoff_s, self.native_s):
+            ys = [math.log(y) for y in ys]
+            if len(xs) == 1 or x <= xs[0]:
+                out.append(math.exp(ys[0] + x - xs[0]))
+            elif x >= xs[-1]:
+                out.append(math.exp(ys[-1] + x - xs[-1]))
+            else:
+                i = next(i for i in range(1, len(xs)) if x <= xs[i])
+                w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+                out.append(math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1])))
+        return out[0], out[1]
+
+    def covers(self, tokens: int) -> bool:
+        """Whether `tokens` lies within the measured lengths (or below the smallest)."""
+        return bool(self.lengths) and tokens <= self.lengths[-1]
+
+    def merged(self, other: RouteCosts) -> RouteCosts:
+        """These costs with `other`'s lengths added (other's times win where both measured)."""
+        table = dict(zip(self.lengths, zip(self.handoff_s, self.native_s)))
+        table.update(zip(other.lengths, zip(other.handoff_s, other.native_s)))
+        lengths = sorted(table)
+        return RouteCosts(
+            self.key,
+            self.device,
+            lengths,
+            [table[n][0] for n in lengths],
+            [table[n][1] for n in lengths],
+            self.prompt_tokens,
+        )
+
+
+def route_key(bridge, source, target, config) -> str:
+    """What the costs depend on, hashed: the device and its software, both models' shapes and
+    dtypes and attention implementations, and the parts of the config that change the work."""
+    parts = {"torch": torch.__version__, "device": device_name(target)}
+    for role, model, spec in (("source", source, bridge.source), ("target", target, bridge.target)):
+        spec = spec.to_dict()
+        spec.pop("name", None)
+        spec.pop("tokenizer", None)
+        weight = None if model is None else model.get_input_embeddings().weight
+        implementation = None if model is None else getattr(model.config, "_attn_implementation", None)
+        dtype = str(getattr(weight, "dtype", None))
+        parts[role] = {"spec": spec, "dtype": dtype, "attention": implementation}
+    parts["method"] = bridge.method
+    parts["config"] = [config.kv_recipe, config.one_launch, config.cuda_graphs]
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def device_name(model) -> str:
+    """The model's device in words: "NVIDIA H100 80GB HBM3 (cuda:0)", "cpu"."""
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    return device.type
+
+
+def costs_path(key: str) -> Path:
+    return cache_root() / "route-costs" / f"{key}.json"
+
+
+def load_costs(key: str) -> RouteCosts | None:
+    """The costs saved under `key`, or None (none saved, another format, or unreadable)."""
+    path = costs_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != COSTS_FORMAT or data.get("key") != key:
+            return None
+        return RouteCosts(**data)
+    except (OSError, ValueError, TypeError):
+        return None  # missing or damaged: measured again, never trusted
+
+
+def save_costs(costs: RouteCosts) -> Path:
+    """Write `costs` atomically (a reader sees the old file or the new one, never a part)."""
+    path = costs_path(costs.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(costs), f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def decide_route(
+    config, costs: RouteCosts | None, *, tokens: int, prompt_tokens: int, models
+) -> RouteDecision:
+    """The route of one cache of `tokens` context tokens (its longest row).
+
+    config: the HandoffConfig; costs: measured costs of this setup, or None; models: (bridge,
+    source config or None, target config) for the FLOP estimate.
+    """
+    if config.route != "auto":
+        return RouteDecision(config.route, f"HandoffConfig(route={config.route!r})")
+    if costs is not None:
+        handoff, native = costs.predict(tokens)
+        where = "measured" if costs.covers(tokens) else f"extrapolated from {costs.lengths[-1]} tokens"
+        route = "handoff" if handoff <= native else "native"
+        return RouteDecision(
+            route,
+            f"{where} on {costs.device}: at {tokens} context tokens the handoff takes "
+            f"{handoff * 1e3:.1f} ms to the first token, the target's own prefill {native * 1e3:.1f} ms",
+        )
+    bridge, source_config, target_config = models
+    work, whole = estimated_flops(config, bridge, source_config, target_config, tokens, prompt_tokens)
+    route = "handoff" if work < whole else "native"
+    return RouteDecision(
+        route,
+        f"estimated from FLOPs (no costs measured for this setup on this device): the handoff's "
+        f"own work is {work / max(whole, 1.0):.0%} of the target's prefill of {tokens} tokens",
+    )
+
+
+def estimated_flops(config, bridge, source_config, target_config, tokens: int, prompt_tokens: int):
+    """(the handoff's FLOPs, the target's prefill FLOPs) of a `tokens`-token context: the target's
+    native work (head, native layers, refreshed tokens) and the source reading the prompt."""
+    from bridgecache.runtime.native_work.layers import resolve_native_layers
+
+    layers = target_config.get_text_config().num_hidden_layers
+    whole = prefill_flops(target_config, tokens)
+    refresh = config.refresh if bridge.method != "identity" else None
+    refreshed = refresh_budget(refresh.amount, tokens) if refresh is not None else 0
+    native = tuple(resolve_native_layers(config.native_layers, layers))
+    work = handoff_flops(
+        target_config,
+        context_tokens=tokens,
+        prefix=max(0, tokens - 1),
+        native_prefix=min(tokens, config.native_head or 1),
+        native_layers=native,
+        refreshed=refreshed,
+    )
+    if refresh is not None and refresh.by == "source" and source_config is not None:
+        work += reading_flops(source_config, max(1, prompt_tokens), tokens)
+    return work, whole

@@ -1,0 +1,101 @@
+"""Measuring the cost gate's table: both routes timed through an engine, on this device.
+
+    costs = measure_route_costs(engine, config, lengths=[256, 512, 1024])
+
+At each length: random ids (timing only: the work does not depend on which tokens), the source's
+KV of them (not timed: the source has read the document), then the time to the first token of
+a `BridgedCache` forced to each route (route="handoff" and route="native") over the engine's own
+state, as requests run it: two warm-ups (the second captures the CUDA graphs a repeated shape
+gets), then the median of `repeats`, device-synchronised. `route_lengths` gives the ladder.
+
+Knows engines, caches and generate(); the table and the decision are bridgecache.runtime.route's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.route import RouteCosts, device_name
+
+__all__ = ["LADDER", "measure_route_costs", "route_lengths"]
+
+LADDER = tuple(256 * 2**i for i in range(10))  # 256 .. 131,072 context tokens
+PROMPT_TOKENS = 16  # a question's length; what the source reads to choose the refresh
+
+
+def route_lengths(tokens: int, limit: int, measured=()) -> list[int]:
+    """The ladder's lengths not yet `measured` up to the first at or past `tokens` (at most
+    `limit`, the models' window less the prompt): what a request of `tokens` needs measured."""
+    top = next((n for n in LADDER if n >= tokens), LADDER[-1])
+    return [n for n in LADDER if n <= min(top, limit) and n not in measured]
+
+
+@torch.no_grad()
+def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: bool = True) -> RouteCosts:
+    """Seconds to the first token of both routes at each of `lengths` (see the module docstring)."""
+    lengths = sorted(set(lengths))
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"lengths={lengths}; expected context lengths >= 1 token")
+    source, target = engine.source, engine.target
+    if source is None:
+        raise ValueError("measuring the routes needs the engine's source model (it reads the prompt)")
+    device = target.get_input_embeddings().weight.device
+    source_device = source.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    vocab_s, vocab_t = source.config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
+    forced = {route: config.replace(route=route) for route in ("handoff", "native")}
+    times = {route: [] for route in forced}
+    label = f"bridgecache: timing both routes on {device_name(target)}"
+    for n in tqdm(lengths, desc=label, disable=not progress):
+        source_ids = torch.randint(3, vocab_s, (1, n), generator=generator).to(source_device)
+        context = torch.randint(3, vocab_t, (1, n), generator=generator).to(device)
+        question = torch.randint(3, vocab_t, (1, PROMPT_TOKENS), generator=generator).to(device)
+        prompt = torch.randint(3, vocab_s, (1, PROMPT_TOKENS), generator=generator).to(source_device)
+        inputs = (capture_kv(source, source_ids), context, prompt, torch.cat([context, question], dim=1))
+        for route, routed in forced.items():
+            times[route].append(
+                _median_seconds(lambda c=routed, i=inputs: _first_token(engine, c, *i), device, repeats)
+            )
+    return RouteCosts(
+        engine.state.route_key(config),
+        device_name(target),
+        list(lengths),
+        times["handoff"],
+        times["native"],
+        PROMPT_TOKENS,
+    )
+
+
+def _first_token(engine, config, source_kv, context, prompt, full) -> None:
+    """One request's first token through the engine's state, as `HandoffEngine` runs it."""
+    from bridgecache.runtime.cache import BridgedCache
+    from bridgecache.runtime.engine import generate
+
+    cache = BridgedCache(
+        engine.bridge, source_kv, engine.target, context, config=config, source_model=engine.source,
+        prompt_ids=prompt, engine=engine,
+    )  # fmt: skip
+    generate(engine.target, cache, full, max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+
+def _median_seconds(run, device, repeats: int) -> float:
+    for _ in range(2):  # warm-ups: lazy initialisation; a shape's second request captures its graphs
+        run()
+    seconds = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

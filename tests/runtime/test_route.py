@@ -1,0 +1,229 @@
+"""The cost gate (bridgecache.runtime.route): which side reaches the first token sooner, on every path.
+
+Tiny random models and a byte tokenizer; measured costs are planted in a temporary cache
+directory (what `HandoffEngine.measure_route` writes), so each route is taken on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from tiny_models import byte_tokenizer, random_bridge, tiny_model
+
+from bridgecache import (
+    BridgedCache,
+    Conversation,
+    HandoffConfig,
+    HandoffEngine,
+    RefreshConfig,
+    capture_kv,
+    clear_engines,
+    handoff,
+    handoff_batch,
+)
+from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+from bridgecache.integrations.publish import bridged_pages, translate_context
+from bridgecache.runtime.engine import generate
+from bridgecache.runtime.route import RouteCosts, costs_path, decide_route, load_costs, save_costs
+from bridgecache.runtime.route_timing import route_lengths
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHORT = "the ship came in at dawn"  # 24 bytes: below the planted crossover
+LONG = "the ship came in at dawn with salt and rope, and the crew went ashore. " * 8  # ~570 bytes
+GREEDY = dict(max_new_tokens=4, do_sample=False)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRIDGECACHE_HOME", str(tmp_path / "home"))
+    clear_engines()
+    yield tmp_path / "home"
+    clear_engines()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("qwen2", max_position_embeddings=4096)
+    return random_bridge(model), model, byte_tokenizer()
+
+
+def plant_costs(bridge, model, config=None, crossover: int = 256) -> RouteCosts:
+    """Measured-looking costs of this setup: the target's own prefill faster below `crossover`
+    context tokens, the handoff faster above (log-log lines crossing there)."""
+    with HandoffEngine(bridge, model, model) as engine:
+        key = engine.state.route_key(config or HandoffConfig())
+    low, high = crossover // 16, crossover * 16
+    costs = RouteCosts(key, "planted", [low, high], [1.0, 0.01], [0.01, 1.0])
+    save_costs(costs)
+    return costs
+
+
+def native_ids(model, tok, context: str, prompt: str) -> torch.Tensor:
+    ids = tok(context + prompt, return_tensors="pt").input_ids
+    return model.generate(ids, pad_token_id=0, **GREEDY)[:, ids.shape[1] :]
+
+
+# ---------------------------------------------------------------------- the table and the rule
+def test_costs_interpolate_in_log_log_and_keep_the_measured_points():
+    costs = RouteCosts("k", "cpu", [100, 400, 1600], [0.010, 0.020, 0.040], [0.004, 0.016, 0.064])
+    for n, h, nat in zip(costs.lengths, costs.handoff_s, costs.native_s):
+        assert costs.predict(n) == pytest.approx((h, nat))
+    handoff_s, native_s = costs.predict(200)  # halfway in log: the geometric mean
+    assert handoff_s == pytest.approx((0.010 * 0.020) ** 0.5)
+    assert native_s == pytest.approx((0.004 * 0.016) ** 0.5)
+    assert costs.predict(3200) == pytest.approx((0.080, 0.128))  # beyond: scaled by the length
+    assert costs.covers(1600) and not costs.covers(1601)
+    merged = costs.merged(RouteCosts("k", "cpu", [50, 400], [1.0, 2.0], [3.0, 4.0]))
+    assert merged.lengths == [50, 100, 400, 1600] and merged.handoff_s[2] == 2.0
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(lengths=[400, 100]), "ascending"),
+        (dict(handoff_s=[0.1, float("nan")]), "positive seconds"),
+        (dict(native_s=[0.1]), "differ in length"),
+    ],
+)
+def test_bad_costs_are_refused(fields, message):
+    values = dict(key="k", device="cpu", lengths=[100, 400], handoff_s=[0.1, 0.2], native_s=[0.1, 0.2])
+    with pytest.raises(ValueError, match=message):
+        RouteCosts(**(values | fields))
+
+
+def test_saved_costs_round_trip_and_a_damaged_file_is_measured_again(home):
+    costs = RouteCosts("abc", "cpu", [256, 512], [0.1, 0.2], [0.3, 0.4])
+    path = save_costs(costs)
+    assert path == costs_path("abc") and path.parent.parent == home
+    assert load_costs("abc") == costs
+    path.write_text(path.read_text()[:20])  # cut short
+    assert load_costs("abc") is None
+    path.write_text(json.dumps({**json.loads(json.dumps(costs.__dict__)), "format": 0}))
+    assert load_costs("abc") is None  # another format: never trusted
+
+
+def test_the_rule_takes_the_faster_side_and_says_why(setup):
+    bridge, model, _ = setup
+    costs = RouteCosts("k", "NVIDIA H100 (cuda:0)", [256, 4096], [0.020, 0.030], [0.010, 0.060])
+    models = (bridge, model.config, model.config)
+    short = decide_route(HandoffConfig(), costs, tokens=300, prompt_tokens=16, models=models)
+    long = decide_route(HandoffConfig(), costs, tokens=4000, prompt_tokens=16, models=models)
+    assert (short.route, long.route) == ("native", "handoff")
+    assert "measured on NVIDIA H100 (cuda:0): at 300 context tokens" in short.reason
+    beyond = decide_route(HandoffConfig(), costs, tokens=9000, prompt_tokens=16, models=models)
+    assert beyond.route == "handoff" and "extrapolated from 4096 tokens" in beyond.reason
+    forced = decide_route(HandoffConfig(route="handoff"), costs, tokens=300, prompt_tokens=16, models=models)
+    assert forced == type(forced)("handoff", "HandoffConfig(route='handoff')")
+
+
+def test_without_measured_costs_flops_decide(setup):
+    bridge, model, _ = setup
+    models = (bridge, model.config, model.config)
+    default = decide_route(HandoffConfig(), None, tokens=500, prompt_tokens=16, models=models)
+    assert default.route == "handoff" and "estimated from FLOPs" in default.reason
+    whole = HandoffConfig(refresh=RefreshConfig(amount=1.0))  # refreshing everything: a prefill and more
+    assert decide_route(whole, None, tokens=500, prompt_tokens=16, models=models).route == "native"
+
+
+def test_the_ladder_stops_at_the_request_and_the_window():
+    assert route_lengths(300, 4000) == [256, 512]
+    assert route_lengths(300, 4000, measured=[256]) == [512]
+    assert route_lengths(100_000, 4000) == [256, 512, 1024, 2048]
+
+
+def test_route_flag_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_handoff_arguments(parser)
+    assert handoff_config(parser.parse_args([])).route == "auto"
+    assert handoff_config(parser.parse_args(["--route", "native"])).route == "native"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--route", "sometimes"])
+
+
+def test_a_wrong_route_is_refused_where_the_config_is_built():
+    with pytest.raises(ValueError, match="HandoffConfig.route='fast'; expected one of auto, handoff, native"):
+        HandoffConfig(route="fast")
+
+
+# ---------------------------------------------------------------------- the cache and every path
+def test_the_native_route_is_the_targets_own_prefill_exactly(setup, home):
+    bridge, model, _ = setup
+    ids = torch.randint(3, 250, (1, 60))
+    full = torch.cat([ids, torch.randint(3, 250, (1, 5))], 1)
+    native = model.generate(full, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    cache = BridgedCache(
+        bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(route="native"), source_model=model
+    )
+    out = generate(model, cache, full, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, native.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, native.logits)) < 1e-5
+    report = cache.report()
+    assert report.route == "native" and report.layers_translated == [] and report.tokens_translated == 0
+    assert str(report).startswith("FALLBACK to native prefill: HandoffConfig(route='native')")
+
+
+def test_every_path_takes_the_route_the_measured_costs_give(setup, home, tmp_path):
+    bridge, model, tok = setup
+    plant_costs(bridge, model)
+    kw = dict(source_tokenizer=tok, target_tokenizer=tok)
+    short = handoff(bridge, model, model, SHORT, " and", **kw, **GREEDY)
+    assert short.cache.report().route == "native"
+    assert "measured on planted: at 24 context tokens" in short.cache.report().route_reason
+    assert torch.equal(short.output_ids, native_ids(model, tok, SHORT, " and"))
+    long = handoff(bridge, model, model, LONG, " and", **kw, **GREEDY)
+    assert long.cache.report().route == "handoff" and long.cache.report().layers_translated
+    forced = handoff(bridge, model, model, SHORT, " and", config=HandoffConfig(route="handoff"), **kw, **GREEDY)
+    assert forced.cache.report().route == "handoff"
+
+    batch = handoff_batch(bridge, model, model, [SHORT, SHORT[:-4]], " and", **kw, **GREEDY)
+    assert batch.cache.report().route == "native"
+    assert handoff_batch(bridge, model, model, [SHORT, LONG], " and", **kw, **GREEDY).cache.report().route == (
+        "handoff"  # the longest row decides: the batch shares one cache
+    )
+    chat = Conversation.handoff(bridge, model, model, [{"role": "user", "content": SHORT}], **kw)
+    chat.ask("and then?", max_new_tokens=2)
+    assert chat.cache.report().route == "native"
+
+    cache, ids = translate_context(bridge, SHORT, model, tok, tok, source=model)
+    assert cache.report().route == "native"
+    assert bridged_pages(cache, ids, page_size=4, model_name="tiny").meta["route"] == "native"
+    cache, ids = translate_context(bridge, LONG, model, tok, tok, source=model)
+    assert bridged_pages(cache, ids, page_size=4, model_name="tiny").meta["route"] == "handoff"
+
+
+def test_costs_are_kept_per_config(setup, home):
+    bridge, model, tok = setup
+    plant_costs(bridge, model)  # for HandoffConfig() only
+    fewer = HandoffConfig(refresh=RefreshConfig(amount=0.1))
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        assert engine.route_costs() is not None and engine.route_costs(fewer) is None
+        result = engine.handoff(SHORT, " and", config=fewer, **GREEDY)
+    assert result.cache.report().route == "handoff"  # no costs for it: FLOPs say hand off
+    assert "estimated from FLOPs" in result.cache.report().route_reason
+
+
+def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, home):
+    bridge, model, tok = setup
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        costs = engine.measure_route(lengths=[32, 64], repeats=1, progress=False)
+        assert costs.lengths == [32, 64] and costs.device == "cpu"
+        assert all(s > 0 for s in costs.handoff_s + costs.native_s)
+        more = engine.measure_route(lengths=[128], repeats=1, progress=False)
+        assert more.lengths == [32, 64, 128] and more.handoff_s[:2] == costs.handoff_s
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as later:
+        assert later.route_costs() == more  # from the cache directory
+        result = later.handoff(SHORT, " and", **GREEDY)
+    faster = "handoff" if more.predict(24)[0] <= more.predict(24)[1] else "native"
+    assert result.cache.report().route == faster
+
+
+def test_a_cpu_engine_never_times_the_routes_by_itself(setup, home):
+    bridge, model, tok = setup
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        engine.handoff(LONG, " and", **GREEDY)
+        assert engine.route_costs() is None
+    assert not (home / "route-costs").exists()
