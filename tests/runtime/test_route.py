@@ -154,11 +154,12 @@ def test_the_native_route_is_the_targets_own_prefill_exactly(setup, home):
     bridge, model, _ = setup
     ids = torch.randint(3, 250, (1, 60))
     full = torch.cat([ids, torch.randint(3, 250, (1, 5))], 1)
-    native = model.generate(full, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    gen = dict(pad_token_id=0, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    native = model.generate(full, **gen)
     cache = BridgedCache(
         bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(route="native"), source_model=model
     )
-    out = generate(model, cache, full, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    out = generate(model, cache, full, **gen)
     assert torch.equal(out.sequences, native.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(out.logits, native.logits)) < 1e-5
     report = cache.report()
@@ -176,14 +177,14 @@ def test_every_path_takes_the_route_the_measured_costs_give(setup, home, tmp_pat
     assert torch.equal(short.output_ids, native_ids(model, tok, SHORT, " and"))
     long = handoff(bridge, model, model, LONG, " and", **kw, **GREEDY)
     assert long.cache.report().route == "handoff" and long.cache.report().layers_translated
-    forced = handoff(bridge, model, model, SHORT, " and", config=HandoffConfig(route="handoff"), **kw, **GREEDY)
+    forced_config = HandoffConfig(route="handoff")
+    forced = handoff(bridge, model, model, SHORT, " and", config=forced_config, **kw, **GREEDY)
     assert forced.cache.report().route == "handoff"
 
     batch = handoff_batch(bridge, model, model, [SHORT, SHORT[:-4]], " and", **kw, **GREEDY)
     assert batch.cache.report().route == "native"
-    assert handoff_batch(bridge, model, model, [SHORT, LONG], " and", **kw, **GREEDY).cache.report().route == (
-        "handoff"  # the longest row decides: the batch shares one cache
-    )
+    mixed = handoff_batch(bridge, model, model, [SHORT, LONG], " and", **kw, **GREEDY)
+    assert mixed.cache.report().route == "handoff"  # the longest row decides: the batch shares one cache
     chat = Conversation.handoff(bridge, model, model, [{"role": "user", "content": SHORT}], **kw)
     chat.ask("and then?", max_new_tokens=2)
     assert chat.cache.report().route == "native"
@@ -227,3 +228,20 @@ def test_a_cpu_engine_never_times_the_routes_by_itself(setup, home):
         engine.handoff(LONG, " and", **GREEDY)
         assert engine.route_costs() is None
     assert not (home / "route-costs").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA engines time the routes themselves")
+def test_a_cuda_engine_times_what_a_request_needs_once_and_keeps_it(home):
+    model = tiny_model("qwen2", max_position_embeddings=4096).cuda()
+    bridge, tok = random_bridge(model), byte_tokenizer()
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        first = engine.handoff(SHORT, " and", **GREEDY)
+        costs = engine.route_costs()
+        assert costs.lengths == [256] and costs.device.startswith(torch.cuda.get_device_name())
+        engine.handoff(SHORT + " again", " and", **GREEDY)
+        assert engine.route_costs() is costs  # covered: nothing measured again
+        engine.handoff(LONG, " and", **GREEDY)  # ~570 tokens: the ladder up to 1024
+        assert engine.route_costs().lengths == [256, 512, 1024]
+    faster = "handoff" if costs.predict(24)[0] <= costs.predict(24)[1] else "native"
+    assert first.cache.report().route == faster
+    assert load_costs(costs.key).lengths == [256, 512, 1024]
