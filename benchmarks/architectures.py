@@ -98,7 +98,7 @@ def measure(name: str) -> dict:
     row["identity"] = run(Bridge.identity(model), HandoffConfig())
     noisy = _noisy_bridge(model)
     row["wrong bridge"] = run(noisy, HandoffConfig(refresh=None))
-    row["full refresh"] = run(noisy, HandoffConfig(refresh=RefreshConfig(1.0, "deviation")))
+    row["full refresh"] = run(noisy, HandoffConfig(refresh=RefreshConfig(1.0, "deviation"), route="handoff"))
     fit = dict(
         method="fullhead", layer_support="depth", layers_k=1, num_sequences=4, seq_len=48, heldout_every=2
     )

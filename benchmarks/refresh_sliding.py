@@ -10,7 +10,7 @@ The target reads it through two bridges from itself: the identity maps, and the 
 Gaussian noise (std `--noise`) added to every key and value map (a poor bridge, also run without
 refresh to show it is wrong); both are marked as fitted bridges ("fullhead"), since a handoff
 never refreshes through the exact identity bridge. Each runs with
-`HandoffConfig(refresh=RefreshConfig(1.0))` (every translated token recomputed through every
+`HandoffConfig(refresh=RefreshConfig(1.0), route="handoff")` (every translated token recomputed through every
 layer; the model is its own source) and is compared with the target's own `generate()`: greedy
 tokens equal or not, and the largest difference of the new tokens' logits. Nothing is fitted;
 float32 on the CPU.

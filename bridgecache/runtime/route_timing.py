@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bridgecache.kv.capture import capture_kv
+from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.route import RouteCosts, device_name
 
 __all__ = ["LADDER", "measure_route_costs", "route_lengths"]
@@ -73,14 +74,11 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
 
 def _first_token(engine, config, source_kv, context, prompt, full) -> None:
     """One request's first token through the engine's state, as `HandoffEngine` runs it."""
-    from bridgecache.runtime.cache import BridgedCache
-    from bridgecache.runtime.engine import generate
-
     cache = BridgedCache(
         engine.bridge, source_kv, engine.target, context, config=config, source_model=engine.source,
         prompt_ids=prompt, engine=engine,
     )  # fmt: skip
-    generate(engine.target, cache, full, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    engine.generate(cache, full, torch.ones_like(full), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
 
 def _median_seconds(run, device, repeats: int) -> float:

@@ -94,7 +94,7 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     plain = HandoffConfig(refresh=None)
     _, poor = _generate(model, ids, BridgedCache(bridge, capture_kv(model, ids), model, ids, config=plain))
     assert (poor - native_logits).abs().max() > 1e-2  # the noisy bridge is really wrong
-    refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"))
+    refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"), route="handoff")
     cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=refresh)
     seq, logits = _generate(model, ids, cache)
     assert cache.report().tokens_refreshed == 28  # all but the native sink and the held-back token
@@ -114,7 +114,7 @@ def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
     mask[0, :7], ids[0, :7] = 0, 0  # row 0: 19 real tokens, both rows longer than the window
     masks = dict(target_attention_mask=mask, source_attention_mask=mask)
     native_seq, native_logits = _generate(model, ids, mask=mask)
-    refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"))
+    refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"), route="handoff")
     for bridge, config in ((Bridge.identity(model), HandoffConfig()), (_noisy_bridge(model), refresh)):
         source = capture_kv(model, ids, attention_mask=mask)
         seq, logits = _generate(

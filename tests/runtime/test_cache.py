@@ -226,7 +226,7 @@ def test_refreshing_every_token_is_exact_on_real_smollm2_through_a_wrong_bridge(
     native = _generate(model, ids, max_new_tokens=8)
     runs = {}
     for refresh in (None, RefreshConfig(1.0, GivenScores(torch.rand(1, ids.shape[1])))):
-        config = HandoffConfig(refresh=refresh)
+        config = HandoffConfig(refresh=refresh, route="handoff")
         cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config)
         runs[refresh is None] = _generate(model, ids, cache, max_new_tokens=8)
     full, translated = runs[False], runs[True]

@@ -290,7 +290,7 @@ def test_drift_explain_counts_the_refreshed_tokens_of_each_choice(saved):
                 assert marks.count("R") >= int(occurrence.split("/")[0])
         return why, pairs
 
-    full, pairs = counts(HandoffConfig(refresh=RefreshConfig(1.0)))
+    full, pairs = counts(HandoffConfig(refresh=RefreshConfig(1.0), route="handoff"))
     assert all(k == n > 0 for k, n in pairs) and 0 < full["refreshed"] < full["tokens"]
     none, pairs = counts(HandoffConfig(refresh=None))
     assert all(k == 0 < n for k, n in pairs) and none["refreshed"] == 0

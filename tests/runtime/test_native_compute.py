@@ -68,7 +68,7 @@ def test_refreshing_every_token_reproduces_native_prefill(family):
             capture_kv(model, ids),
             model,
             ids,
-            config=HandoffConfig(refresh=RefreshConfig(1.0, refresh_by)),
+            config=HandoffConfig(refresh=RefreshConfig(1.0, refresh_by), route="handoff"),
         )
         assert cache.report().tokens_refreshed == 22  # all but the native sink and the held-back token
         seq, logits = _logits(model, ids, cache)
@@ -378,7 +378,7 @@ def test_handoff_guided_refresh_of_every_token_answers_like_the_target():
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     context, prompt = "the hello world of the bridged cache", " said"
     kwargs = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=4, do_sample=False)
-    everything = HandoffConfig(refresh=RefreshConfig(1.0))
+    everything = HandoffConfig(refresh=RefreshConfig(1.0), route="handoff")
     result = handoff(_noisy_bridge(model), model, model, context, prompt, config=everything, **kwargs)
     ids = tok(context + prompt, return_tensors="pt")["input_ids"]
     native = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)

@@ -47,7 +47,7 @@ def _cache(model, bridge, ids, mask=None, refresh=None, refresh_by="deviation"):
     source = capture_kv(model, ids, attention_mask=mask)
     masks = {} if mask is None else dict(target_attention_mask=mask, source_attention_mask=mask)
     by = GivenScores(refresh_by) if isinstance(refresh_by, torch.Tensor) else refresh_by
-    config = HandoffConfig(refresh=None if refresh is None else RefreshConfig(refresh, by))
+    config = HandoffConfig(refresh=None if refresh is None else RefreshConfig(refresh, by), route="handoff")
     return BridgedCache(bridge, source, model, ids, **masks, config=config)
 
 
@@ -198,7 +198,7 @@ def test_handoff_refreshes_a_sliding_window_target_by_default():
         context,
         prompt,
         **kwargs,
-        config=HandoffConfig(refresh=RefreshConfig(1.0, "source")),
+        config=HandoffConfig(refresh=RefreshConfig(1.0, "source"), route="handoff"),
     )
     ids = tok(context + prompt, return_tensors="pt")["input_ids"]
     native = model.generate(
@@ -238,7 +238,7 @@ def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate
         context,
         prompt,
         **kwargs,
-        config=HandoffConfig(refresh=RefreshConfig(1.0, "source")),
+        config=HandoffConfig(refresh=RefreshConfig(1.0, "source"), route="handoff"),
     )
     ids = torch.cat(
         [
