@@ -14,10 +14,11 @@ each until the first new token:
 - native, graph: the same forward replayed from a CUDA graph captured for this length (what a
   compiled deployment pays: no launch overhead; the "compiled vs compiled" reference; at long
   contexts eager can be faster: "default / best native" divides by the faster of the two);
-- default: `BridgedCache(..., config=HandoffConfig(), source_model=source, prompt_ids=question)`
-  + generate: the source reads the question (choosing 20% of the context), translation, and one
-  target forward for the native head, the refreshed tokens, the held-back token and the question
-  (both forwards replayed from CUDA graphs, the default on CUDA);
+- default: `BridgedCache(..., config=HandoffConfig(route="handoff"), source_model=source,
+  prompt_ids=question)` + generate (every bridged row forces the handoff route; the cost gate's
+  own choice is the "route auto" row): the source reads the question (choosing 20% of the
+  context), translation, and one target forward for the native head, the refreshed tokens, the
+  held-back token and the question (both forwards replayed from CUDA graphs, the default on CUDA);
 - default, forward: the same handoff, its first token from one target forward (no generate():
   beside "native, graph", the compiled-vs-compiled comparison without generate()'s host work);
 - default, eager: the same with `cuda_graphs=False` (every kernel launched from Python);
@@ -29,6 +30,9 @@ each until the first new token:
 - default, source reads L layers (--reading-layers L): the default with
   `SourceAttention(layers=L)`, the source's reading stopping after its first L layers;
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
+- default, route auto: `HandoffConfig()`, the default as users get it: the cost gate
+  (bridgecache.runtime.route) times both routes on the engine's first request at a length (in the
+  row's warm-up, not timed) and takes the faster; the route it took is printed under the table.
 - refresh r, given: the same choice made beforehand (no source reading): translation + the one
   forward; minus the translation-only row, it is what the refresh costs.
 The batch table: `--batch` contexts of `--batch-tokens` tokens, `--new-tokens` new tokens each,
@@ -36,6 +40,10 @@ handoff (source prefill excluded, and included) vs the target's batched prefill 
 --profile N: torch.profiler over one default handoff at N tokens: kernel launches, GPU busy time,
 the top operators. --host-profile N: cProfile over default handoffs at N tokens (where the host's
 milliseconds go once the forwards replay from CUDA graphs).
+Each row's first-token logits are checked before its time counts: finite, and every repeat
+within bf16 noise of the row's first run at that length (a replay of the same shapes).
+Per length: allocated and reserved device memory and the allocator's retries during its rows
+(a nearly full allocator frees and retries: a slow native row).
 Prints device, date, torch/transformers versions and the git commit.
 """
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -121,15 +130,30 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats: int) -> float:
-    fn()  # warm-up: autotuning, allocator
+HANDOFF = HandoffConfig(route="handoff")
+STABLE = 0.2  # relative L2 of a repeat's logits from the row's first run, at most (replays of one shape)
+
+
+def timed(fn, device, repeats: int, name: str = "", n: int = 0) -> float:
+    """Median seconds of `fn()` after a warm-up; `fn` returns first-token logits (or None), checked
+    (finite, each repeat near the first run's) before the time is reported."""
+    first = fn()  # warm-up: autotuning, allocator, the cost gate's timing
     times = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        fn()
+        out = fn()
         sync(device)
         times.append(time.perf_counter() - start)
+        if out is not None:
+            out, ref = out.float(), first.float()
+            if not torch.isfinite(out).all():
+                raise AssertionError(f"row {name!r} at {n} tokens: non-finite first-token logits")
+            distance = float((out - ref).norm() / ref.norm())
+            if distance > STABLE:
+                raise AssertionError(
+                    f"row {name!r} at {n} tokens: a repeat's logits {distance:.3f} from the first run's"
+                )
     return statistics.median(times)
 
 
@@ -156,8 +180,10 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
     """Seconds to the first token of each row (see the module docstring) at n context tokens."""
     context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+    gen |= dict(output_logits=True, return_dict_in_generate=True)  # first-token logits, checked
+    routes = {}
 
-    def bridged(config, words=None):
+    def bridged(config, words=None, record=None):
         cache = BridgedCache(
             bridge,
             kv,
@@ -169,7 +195,11 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
             words=words,
             engine=engine_of(bridge, source, target),
         )
-        generate(target, cache, full, **gen)
+        out = generate(target, cache, full, **gen)
+        if record is not None:
+            report = cache.report()
+            routes[record] = f"{report.route}: {report.route_reason}"
+        return out.logits[0]
 
     def bridged_forward(config):  # the first token's logits without generate()'s own host work
         cache = BridgedCache(
@@ -183,27 +213,34 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
             engine=engine_of(bridge, source, target),
         )
         first = cache.get_seq_length()
-        forward_with_pass(target, input_ids=full[:, first:], logits_to_keep=1, **cache_kwargs(target, cache))
+        kwargs = cache_kwargs(target, cache)
+        return forward_with_pass(target, input_ids=full[:, first:], logits_to_keep=1, **kwargs).logits[:, -1]
 
-    rows = {"native": timed(lambda: target.generate(full, **gen), device, repeats)}
+    def row(name, fn):
+        rows[name] = timed(fn, device, repeats, name, n)
+
+    rows = {}
+    row("native", lambda: target.generate(full, **gen).logits[0])
     if device.type == "cuda":
         replay = native_graph(target, full)
-        rows["native, graph"] = timed(replay, device, repeats)
-    rows["default"] = timed(lambda: bridged(HandoffConfig()), device, repeats)
-    rows["default, forward"] = timed(lambda: bridged_forward(HandoffConfig()), device, repeats)
-    rows["default, eager"] = timed(lambda: bridged(HandoffConfig(cuda_graphs=False)), device, repeats)
+        row("native, graph", replay)
+    row("default", lambda: bridged(HANDOFF))
+    row("default, forward", lambda: bridged_forward(HANDOFF))
+    row("default, eager", lambda: bridged(HANDOFF.replace(cuda_graphs=False)))
     words = random_words(n)
-    rows["default, whole words"] = timed(lambda: bridged(HandoffConfig(), words), device, repeats)
-    no_ends = HandoffConfig(refresh=RefreshConfig(word_ends=False))
-    rows["whole words, no ends"] = timed(lambda: bridged(no_ends, words), device, repeats)
+    row("default, whole words", lambda: bridged(HANDOFF, words))
+    no_ends = HANDOFF.replace(refresh=RefreshConfig(word_ends=False))
+    row("whole words, no ends", lambda: bridged(no_ends, words))
     for layers in reading_layers:
-        fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
-        rows[f"default, source reads {layers} layers"] = timed(lambda: bridged(fewer), device, repeats)  # noqa: B023
-    rows["translation only"] = timed(lambda: bridged(HandoffConfig(refresh=None)), device, repeats)
+        fewer = HANDOFF.replace(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
+        row(f"default, source reads {layers} layers", lambda: bridged(fewer))  # noqa: B023
+    row("translation only", lambda: bridged(HANDOFF.replace(refresh=None)))
     scores = torch.rand(1, n)
     for r in fractions:
-        given = HandoffConfig(refresh=RefreshConfig(r, GivenScores(scores)))
-        rows[f"refresh {r}, given"] = timed(lambda: bridged(given), device, repeats)  # noqa: B023
+        given = HANDOFF.replace(refresh=RefreshConfig(r, GivenScores(scores)))
+        row(f"refresh {r}, given", lambda: bridged(given))  # noqa: B023
+    row("default, route auto", lambda: bridged(HandoffConfig(), record="auto"))
+    rows["route auto took"] = routes.get("auto", "?")
     return rows
 
 
@@ -212,8 +249,13 @@ def native_graph(target, ids: torch.Tensor):
     from bridgecache.runtime.interop.graphs import capture
 
     with torch.no_grad():
-        graph, _ = capture(lambda: target(input_ids=ids, use_cache=False, logits_to_keep=1).logits)
-    return graph.replay
+        graph, logits = capture(lambda: target(input_ids=ids, use_cache=False, logits_to_keep=1).logits)
+
+    def replay():
+        graph.replay()
+        return logits[:, -1].clone()  # the buffer is rewritten by the next replay
+
+    return replay
 
 
 @torch.no_grad()
@@ -229,7 +271,7 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
             source_kv,
             target,
             context,
-            config=config,
+            config=config or HANDOFF,
             source_model=source,
             prompt_ids=question,
             engine=engine_of(bridge, source, target),
@@ -353,6 +395,22 @@ def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> N
     stats.sort_stats("tottime").print_stats(25)
 
 
+def memory_state(device) -> dict:
+    """Device memory before a length's rows (GiB) and the allocator's retry count so far."""
+    if device.type != "cuda":
+        return {"allocated_gib": 0.0, "reserved_gib": 0.0, "retries_before": 0}
+    return {
+        "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+        "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+        "retries_before": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+    }
+
+
+def memory_after(device, before: dict) -> dict:
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    return {"alloc_retries": retries - before["retries_before"]}
+
+
 def _commit() -> str:
     if os.environ.get("BRIDGECACHE_COMMIT"):  # a copy of the tree without .git (the GPU machine)
         return os.environ["BRIDGECACHE_COMMIT"]
@@ -368,7 +426,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096, 8192, 16384, 32768])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    )
     parser.add_argument("--lengths-7b", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--repeats", type=int, default=5)
@@ -418,22 +478,35 @@ def main() -> None:
             return
         table, header = {}, None
         for n in ns:
+            memory = memory_state(device)
             rows = handoff_rows(
                 source, target, bridge, n, device, args.repeats, args.fractions, args.reading_layers
             )
-            table[n] = rows
+            route = rows.pop("route auto took")
+            table[n] = rows | {"route auto took": route, "memory": memory | memory_after(device, memory)}
             if header is None:
                 header = ["context tokens", "native ms"] + [f"{k} (x native)" for k in rows if k != "native"]
                 if "native, graph" in rows:
-                    header += ["default / best native", "default, forward / native, graph"]
+                    header += [
+                        "default / best native",
+                        "default, forward / native, graph",
+                        "route auto / best native",
+                    ]
                 print(f"\nQwen2.5-1.5B -> Qwen2.5-{target_name.upper()} shapes: time to the first token")
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             cells = [str(n), f"{rows['native'] * 1e3:.1f}"]
             cells += [f"{v * 1e3:.1f} ({v / rows['native']:.2f})" for k, v in rows.items() if k != "native"]
             if "native, graph" in rows:  # against the faster of the two native forms
-                cells.append(f"{rows['default'] / min(rows['native'], rows['native, graph']):.2f}")
+                best = min(rows["native"], rows["native, graph"])
+                cells.append(f"{rows['default'] / best:.2f}")
                 cells.append(f"{rows['default, forward'] / rows['native, graph']:.2f}")
+                cells.append(f"{rows['default, route auto'] / best:.2f}")
             print("| " + " | ".join(cells) + " |", flush=True)
+        print("route auto took, and memory per length (GiB allocated / reserved, allocator retries):")
+        for n, rows in table.items():
+            m = rows["memory"]
+            print(f"  {n}: {rows['route auto took']} | {m['allocated_gib']:.1f} / {m['reserved_gib']:.1f}, "
+                  f"{m['alloc_retries']} retries")  # fmt: skip
         results["tables"][target_name] = table
         if target_name == "7b" and not args.no_batch:
             batch, tokens = (4, 64) if args.smoke else (args.batch, args.batch_tokens)
@@ -451,7 +524,10 @@ def main() -> None:
             for name, rate in rates.items():
                 if name.startswith("handoff, source reads"):
                     print(f"{name}: {rate:.2f} requests/s ({rate / native:.2f} x native)")
-        del target
+        for key in [k for k in _ENGINES if k[2] == id(target)]:  # the next target's rows start clean
+            _ENGINES.pop(key).close()
+        del target, bridge
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.out:

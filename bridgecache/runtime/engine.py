@@ -199,7 +199,9 @@ class HandoffEngine:
         self._check_weights()
         config = self.config if config is None else _checked_config(config)
         if config.route == "auto" and self.source is not None and self._on_cuda:
-            self._time_routes(config, int(request.target_mask.sum(1).max()))
+            mask = request.target_mask
+            tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
+            self._time_routes(config, tokens)
         return BridgedCache(
             self.bridge,
             request.source_kv,
