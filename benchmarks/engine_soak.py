@@ -10,11 +10,12 @@ source's KV of a random context (captured once per length, not timed), a 16-toke
 engine's cache and its generate() to the first token, checked against the first handoff of that
 length before it counts. A length's first request runs eagerly at its exact shape; from its
 second on, the engine replays CUDA graphs captured at bucketed shapes (masked padding), whose
-bf16 sums differ in the last bits, and on random weights the source's near-uniform attention
-turns that into another refreshed set, so eager and replayed logits differ (printed, not
-checked). Each later request at a length is checked against that length's second (the first
-replayed) one: its first-token logits within TOLERANCE, which a stale buffer, another context's KV
-or a graph recaptured after eviction with other contents would exceed.
+bf16 sums differ in the last bits; on random weights that can change the refreshed set (the
+source's attention is near-uniform), so eager and replayed logits may differ (printed: their
+distance and how often the refreshed columns agree). A graph evicted from the engine's budget
+runs eagerly again. So each later request at a length must equal that length's first (eager) or
+second (replayed) handoff: first-token logits within TOLERANCE of one of them, which a stale
+buffer or another context's KV would exceed.
 `HandoffConfig(route="handoff")`: the soak exercises the handoff, never the cost gate's other
 route. `--seconds` bounds the run: it stops after the round that passes it. Reported:
 - the engine's own device memory (`HandoffEngine.device_bytes`: plans, captured graphs) and the
@@ -82,7 +83,7 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, second
         before_engine = torch.cuda.memory_allocated()
     engine = HandoffEngine(bridge, source, target)
     eager_logits, replayed_logits, peaks, engine_bytes, marks, seconds = {}, {}, [], [], [], []
-    distances, eager_distances = [], []
+    distances, eager_distances, same_choice = [], [], []
     wall = time.perf_counter()
     largest_cache = 0
     for i in range(handoffs):
@@ -105,18 +106,22 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, second
         out = generate(target, cache, full, **gen)
         logits = out.logits[0][0].float()
         seconds.append(time.perf_counter() - start)
+        chosen = cache.refreshed_columns
         if n not in eager_logits:
-            eager_logits[n] = logits
+            eager_logits[n] = (logits, chosen)
         elif n not in replayed_logits:
-            replayed_logits[n] = logits
-            eager_distances.append(float((logits - eager_logits[n]).norm() / eager_logits[n].norm()))
-        else:
-            first = replayed_logits[n]
-            distance = float((logits - first).norm() / first.norm())
+            replayed_logits[n] = (logits, chosen)
+            eager, eager_chosen = eager_logits[n]
+            eager_distances.append(float((logits - eager).norm() / eager.norm()))
+            same_choice.append(torch.equal(chosen, eager_chosen))
+        else:  # eager again (its graph evicted) or a replay: it must equal one of the two
+            distance = min(
+                float((logits - ref).norm() / ref.norm()) for ref, _ in (eager_logits[n], replayed_logits[n])
+            )
             if not torch.isfinite(logits).all() or distance > TOLERANCE:
                 raise AssertionError(
-                    f"handoff {i} at {n} tokens: first-token logits {distance:.3f} (relative L2) from the "
-                    f"second handoff's at that length (tolerance {TOLERANCE})"
+                    f"handoff {i} at {n} tokens: first-token logits {distance:.3f} (relative L2) from "
+                    f"both the eager and the replayed handoff's at that length (tolerance {TOLERANCE})"
                 )
             distances.append(distance)
         if cuda:
@@ -147,6 +152,7 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, second
         "checked_handoffs": len(distances),
         "max_logit_distance_checked": max(distances, default=float("nan")),
         "eager_vs_replayed_distance_max": max(eager_distances, default=float("nan")),
+        "eager_vs_replayed_same_refreshed_columns": f"{sum(same_choice)} of {len(same_choice)}",
         "lengths": sizes,
         "median_s": sorted(seconds)[len(seconds) // 2],
         "rss_per_round_mib": [m / 2**20 for m in marks],

@@ -21,7 +21,8 @@ Who calls what, when:
 - The cost gate (`HandoffConfig.route`, bridgecache.runtime.route): on CUDA, a request with
   route="auto" longer than what the engine has timed first times both routes at the missing
   lengths of a ladder (route_timing.py; seconds, once per device, pair and config: kept in the
-  cache directory), so each later request takes the faster route. `measure_route()` does it
+  cache directory), so each later request takes the faster route. A `BridgedCache(...,
+  engine=engine)` does the same. `measure_route()` does it
   up front, e.g. at a server's start.
 - `close()` (or leaving the `with` block) frees everything the engine made; the engine then
   refuses new requests. Caches it built stay usable: each holds what it still needs.
@@ -198,10 +199,6 @@ class HandoffEngine:
         self._check_open()
         self._check_weights()
         config = self.config if config is None else _checked_config(config)
-        if config.route == "auto" and self.source is not None and self._on_cuda:
-            mask = request.target_mask
-            tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
-            self._time_routes(config, tokens)
         return BridgedCache(
             self.bridge,
             request.source_kv,
@@ -309,8 +306,12 @@ class HandoffEngine:
         windows = (self.bridge.target.max_position_embeddings, self.bridge.source.max_position_embeddings)
         return min(windows) - PROMPT_TOKENS - 1
 
-    def _time_routes(self, config: HandoffConfig, tokens: int) -> None:
-        """Measure the lengths a request of `tokens` context tokens needs that are not measured yet."""
+    def time_routes(self, config: HandoffConfig, tokens: int) -> None:
+        """What a cache of `tokens` context tokens under `config` calls before its route is decided
+        (BridgedCache, engine=): on CUDA with route="auto", time the ladder's lengths it needs that
+        this engine has not timed yet (nothing elsewhere)."""
+        if config.route != "auto" or self.source is None or not self._on_cuda:
+            return
         costs = self.state.route_costs(config)
         if costs is not None and costs.covers(tokens):
             return
