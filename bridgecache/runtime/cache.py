@@ -207,8 +207,8 @@ class BridgedCache(DynamicCache):
             `handoff_config` records what was done: whole_words resolved to True or False.
         engine: the `HandoffEngine` whose plans, views and CUDA graphs this cache uses (and reuses
             across caches; on CUDA with route="auto" it first times the routes at this length if it
-            has not: bridgecache.runtime.route); None: a private set, made for this cache and freed with it. Its models
-            are checked against the bridge when it is built, not here.
+            has not: bridgecache.runtime.route); None: a private set, made for this cache and
+            freed with it. Its models are checked against the bridge when it is built, not here.
     """
 
     def __init__(
