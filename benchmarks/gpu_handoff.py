@@ -32,18 +32,33 @@ each until the first new token:
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
 - default, route auto: `HandoffConfig()`, the default as users get it: the cost gate
   (bridgecache.runtime.route) times both routes on the engine's first request at a length (in the
-  row's warm-up, not timed) and takes the faster; the route it took is printed under the table.
+  row's warm-up, not timed) and takes the faster; the route it took (`report().route`, and
+  `route_reason`) is printed under the table; "route auto / best native" is what it costs.
 - refresh r, given: the same choice made beforehand (no source reading): translation + the one
   forward; minus the translation-only row, it is what the refresh costs.
+"best native" is the faster of native and native, graph. --fresh-native also measures the native
+rows in a new process per length (the same seeded weights and ids; its logits checked against the
+in-process native row's), printed beside the in-process native ms: a clean allocator's time.
 The batch table: `--batch` contexts of `--batch-tokens` tokens, `--new-tokens` new tokens each,
-handoff (source prefill excluded, and included) vs the target's batched prefill + generation.
---profile N: torch.profiler over one default handoff at N tokens: kernel launches, GPU busy time,
-the top operators. --host-profile N: cProfile over default handoffs at N tokens (where the host's
-milliseconds go once the forwards replay from CUDA graphs).
-Each row's first-token logits are checked before its time counts: finite, and every repeat
-within bf16 noise of the row's first run at that length (a replay of the same shapes).
-Per length: allocated and reserved device memory and the allocator's retries during its rows
-(a nearly full allocator frees and retries: a slow native row).
+handoff (route="handoff"; source prefill excluded, and included) and the handoff under route
+"auto" vs the target's batched prefill + generation.
+--profile N: torch.profiler over one default handoff (route="handoff") at N tokens: kernel
+launches, GPU busy time, the top operators. --host-profile N: cProfile over default handoffs at N
+tokens (where the host's milliseconds go once the forwards replay from CUDA graphs).
+Each row's result is checked before its time is recorded: every timed run returns its first-token
+logits, which must be finite and, at the same inputs, within TOLERANCE (relative L2) of an earlier
+run of the row that refreshed the same context tokens (the warm-up runs a new shape eagerly, the
+repeats replay CUDA graphs at bucketed shapes: bf16 sums differ, and on random weights the
+source's near-tied attention scores can then pick another refreshed set, which moves the logits
+as much as another context would; such a run is held to sharing MIN_SHARED of the first run's
+refreshed tokens instead). Across rows, on the last runs: "native, graph" against "native",
+"default, forward" and "default, eager" against "default", "route auto" against the row of the
+route it took. A failure raises with the row, the length and the difference.
+Per length, before its rows: the previous length's tensors freed (gc, `empty_cache()`); then
+allocated and reserved device memory, the peak during the rows and the allocator's retries
+(`num_alloc_retries`: a nearly full allocator frees its cache and retries: a slow native row).
+One engine per target serves the whole table, as a deployment keeps one; it is closed, and the
+target freed, before the next target's rows.
 Prints device, date, torch/transformers versions and the git commit.
 """
 
@@ -56,7 +71,10 @@ import json
 import os
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -131,38 +149,127 @@ def sync(device) -> None:
 
 
 HANDOFF = HandoffConfig(route="handoff")
-STABLE = 0.2  # relative L2 of a repeat's logits from the row's first run, at most (replays of one shape)
+SEEDS = {"1.5b": 0, "0.5b": 1, "7b": 2}  # each model's weights, whatever else the run made first
+# The checks' tolerances. Measured on the CPU in bf16, Qwen2.5-1.5B -> 7B shapes, 300 and 700
+# tokens: the native pass at bucketed shapes (masked padding, as a graph replays it) against its
+# exact shape moved the first-token logits by 0.030 relative L2 (0.020 at 0.5B shapes); a
+# different context under the same question by 1.39-1.41 (uncorrelated vectors of equal norm lie
+# ~1.4 apart), and 8-10 of 60-140 refreshed tokens swapped (the reading's scores perturbed by 2%)
+# by 0.8-1.1: random weights make every refreshed token count. So runs are compared only where
+# they refreshed the same tokens, within 0.2 (6x the noise, a fifth of a real difference);
+# where the refresh differs, a reading of the right context still shares most of its choice
+# (the swaps above kept 85-95%), a reading of another context shares about the refresh's 20%.
+TOLERANCE = 0.2
+MIN_SHARED = 0.5
 
 
-def timed(fn, device, repeats: int, name: str = "", n: int = 0) -> float:
-    """Median seconds of `fn()` after a warm-up; `fn` returns first-token logits (or None), checked
-    (finite, each repeat near the first run's) before the time is reported."""
-    first = fn()  # warm-up: autotuning, allocator, the cost gate's timing
+@dataclass
+class FirstToken:
+    """One timed run's result: its first new token's logits and, for a bridged cache, what it did."""
+
+    logits: torch.Tensor  # [batch, vocab]
+    cache: object = None  # the BridgedCache: read by settled(), after the clock stops
+    columns: torch.Tensor | None = None  # [batch, k] int64 the refreshed context columns
+    route: str = "?"  # report().route (and route_reason) of a bridged cache
+
+    def settled(self) -> FirstToken:
+        """This result held on the CPU (logits as float32, the refresh's columns, the route),
+        without the cache: a repeat's cache is freed before the next repeat."""
+        logits = self.logits.detach().float().cpu()
+        if self.cache is None:
+            return FirstToken(logits, columns=torch.empty(len(logits), 0, dtype=torch.long), route="")
+        report = self.cache.report()  # route/route_reason: getattr while the cost gate lands
+        route = f"{getattr(report, 'route', '?')}: {getattr(report, 'route_reason', '?')}"
+        return FirstToken(logits, columns=self.cache.refreshed_columns, route=route)
+
+
+def distance(a: FirstToken, b: FirstToken) -> float:
+    """The largest relative L2 distance of a's logits from b's over the batch's rows."""
+    return float(((a.logits - b.logits).norm(dim=-1) / b.logits.norm(dim=-1)).max())
+
+
+def shared(a: FirstToken, b: FirstToken) -> float:
+    """The smallest share, over the batch's rows, of b's refreshed columns that a refreshed too."""
+    shares = []
+    for ca, cb in zip(a.columns.tolist(), b.columns.tolist()):
+        chosen = set(cb)
+        shares.append(len(set(ca) & chosen) / len(chosen) if chosen else float(not ca))
+    return min(shares, default=1.0)
+
+
+def check(result: FirstToken, earlier: list, what: str) -> dict:
+    """Check `result` against `earlier` results of the same inputs (the first one first; see the
+    module docstring): finite logits; within TOLERANCE of an earlier result that refreshed the same
+    columns; where none did, sharing MIN_SHARED of the first's refreshed columns (it then joins
+    `earlier`). Raises AssertionError naming `what`; returns what it measured."""
+    if not torch.isfinite(result.logits).all():
+        raise AssertionError(f"{what}: non-finite first-token logits")
+    same = next((e for e in earlier if torch.equal(e.columns, result.columns)), None)
+    if same is not None:
+        d = distance(result, same)
+        if d > TOLERANCE:
+            raise AssertionError(
+                f"{what}: first-token logits {d:.3f} (relative L2) from those of a run that refreshed "
+                f"the same tokens (tolerance {TOLERANCE})"
+            )
+        return {"distance": d}
+    if not earlier:
+        earlier.append(result)
+        return {}
+    share = shared(result, earlier[0])
+    if share < MIN_SHARED:
+        raise AssertionError(
+            f"{what}: the refresh shares {share:.0%} of the first run's tokens (at least {MIN_SHARED:.0%}; "
+            f"logits {distance(result, earlier[0]):.3f} apart)"
+        )
+    earlier.append(result)
+    return {"shared": share, "distance_other_refresh": distance(result, earlier[0])}
+
+
+def summary(seen: list[dict]) -> dict:
+    """What a row's (or a length's) checks measured, for the table's notes and results.json."""
+    distances = [s["distance"] for s in seen if "distance" in s]
+    shares = [s["shared"] for s in seen if "shared" in s]
+    return {
+        "compared": len(distances),
+        "max_distance": max(distances, default=None),
+        "other_refreshes": len(shares),
+        "min_shared": min(shares, default=None),
+    }
+
+
+def timed(fn, device, repeats: int, what: str) -> tuple[float, FirstToken, dict]:
+    """(median seconds of `fn()` after a warm-up, the last run's result, its checks' summary):
+    `fn` returns a `FirstToken`; each run's is checked (`check`) before its time is recorded."""
+    earlier, seen = [], []
+    seen.append(check(fn().settled(), earlier, f"{what}, warm-up"))  # autotuning, allocator, capture
     times = []
-    for _ in range(repeats):
+    for k in range(repeats):
         sync(device)
         start = time.perf_counter()
         out = fn()
         sync(device)
-        times.append(time.perf_counter() - start)
-        if out is not None:
-            out, ref = out.float(), first.float()
-            if not torch.isfinite(out).all():
-                raise AssertionError(f"row {name!r} at {n} tokens: non-finite first-token logits")
-            distance = float((out - ref).norm() / ref.norm())
-            if distance > STABLE:
-                raise AssertionError(
-                    f"row {name!r} at {n} tokens: a repeat's logits {distance:.3f} from the first run's"
-                )
-    return statistics.median(times)
+        seconds = time.perf_counter() - start
+        last = out.settled()
+        del out  # its cache, before the next run
+        seen.append(check(last, earlier, f"{what}, repeat {k + 1}"))
+        times.append(seconds)
+    return statistics.median(times), last, summary(seen)
+
+
+def random_ids(vocab: int, batch: int, n: int, device):
+    """Context [batch, n] and question [batch, QUESTION] ids, seeded by (batch, n): a fresh process
+    (--fresh-native) draws the same ones."""
+    generator = torch.Generator().manual_seed(n * 1024 + batch)
+    context = torch.randint(0, vocab, (batch, n), generator=generator)
+    question = torch.randint(0, vocab, (batch, QUESTION), generator=generator)
+    return context.to(device), question.to(device)
 
 
 def random_request(source, target, batch: int, n: int, device):
     """Random ids: context [batch, n], question [batch, QUESTION], their concatenation, and the
     source's KV of the context (it has read the document: never timed)."""
-    vocab = target.config.vocab_size
-    context = torch.randint(0, vocab, (batch, n), device=device)
-    question = torch.randint(0, vocab, (batch, QUESTION), device=device)
+    context, question = random_ids(target.config.vocab_size, batch, n, device)
     return context, question, torch.cat([context, question], dim=1), capture_kv(source, context)
 
 
@@ -175,15 +282,35 @@ def random_words(n: int):
     return ContextWords(groups, groups)
 
 
-@torch.no_grad()
-def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions, reading_layers=()) -> dict:
-    """Seconds to the first token of each row (see the module docstring) at n context tokens."""
-    context, question, full, kv = random_request(source, target, 1, n, device)
-    gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
-    gen |= dict(output_logits=True, return_dict_in_generate=True)  # first-token logits, checked
-    routes = {}
+FIRST_TOKEN = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+FIRST_TOKEN |= dict(output_logits=True, return_dict_in_generate=True)  # its logits, checked
 
-    def bridged(config, words=None, record=None):
+
+def native_rows(target, full, device, repeats: int, what: str) -> tuple[dict, dict, dict]:
+    """(seconds, last results, checks) of the native rows: the target's own prefill of `full`, by
+    generate() and (CUDA) replayed from a CUDA graph; "native, graph" checked against "native"."""
+    seconds, results, checks = {}, {}, {}
+    runs = [("native", lambda: FirstToken(target.generate(full, **FIRST_TOKEN).logits[0]))]
+    if device.type == "cuda":
+        runs.append(("native, graph", native_graph(target, full)))
+    for name, fn in runs:
+        seconds[name], results[name], checks[name] = timed(fn, device, repeats, f"{what}, row {name!r}")
+    if "native, graph" in results:
+        c = check(results["native, graph"], [results["native"]], f"{what}, 'native, graph' vs 'native'")
+        checks["native, graph"]["vs native"] = c
+    return seconds, results, checks
+
+
+@torch.no_grad()
+def handoff_rows(
+    source, target, bridge, n: int, device, repeats: int, fractions, reading_layers=(), label=""
+) -> dict:
+    """Each row (see the module docstring) at n context tokens: "seconds" to the first token,
+    "checks" (what `check` measured, per row), "route auto took"."""
+    context, question, full, kv = random_request(source, target, 1, n, device)
+    what = f"{label} at {n} tokens"
+
+    def bridged(config, words=None):
         cache = BridgedCache(
             bridge,
             kv,
@@ -195,11 +322,7 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
             words=words,
             engine=engine_of(bridge, source, target),
         )
-        out = generate(target, cache, full, **gen)
-        if record is not None:
-            report = cache.report()
-            routes[record] = f"{report.route}: {report.route_reason}"
-        return out.logits[0]
+        return FirstToken(generate(target, cache, full, **FIRST_TOKEN).logits[0], cache)
 
     def bridged_forward(config):  # the first token's logits without generate()'s own host work
         cache = BridgedCache(
@@ -214,16 +337,14 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
         )
         first = cache.get_seq_length()
         kwargs = cache_kwargs(target, cache)
-        return forward_with_pass(target, input_ids=full[:, first:], logits_to_keep=1, **kwargs).logits[:, -1]
+        out = forward_with_pass(target, input_ids=full[:, first:], logits_to_keep=1, **kwargs)
+        return FirstToken(out.logits[:, -1], cache)
+
+    rows, last, checks = native_rows(target, full, device, repeats, what)
 
     def row(name, fn):
-        rows[name] = timed(fn, device, repeats, name, n)
+        rows[name], last[name], checks[name] = timed(fn, device, repeats, f"{what}, row {name!r}")
 
-    rows = {}
-    row("native", lambda: target.generate(full, **gen).logits[0])
-    if device.type == "cuda":
-        replay = native_graph(target, full)
-        row("native, graph", replay)
     row("default", lambda: bridged(HANDOFF))
     row("default, forward", lambda: bridged_forward(HANDOFF))
     row("default, eager", lambda: bridged(HANDOFF.replace(cuda_graphs=False)))
@@ -239,13 +360,19 @@ def handoff_rows(source, target, bridge, n: int, device, repeats: int, fractions
     for r in fractions:
         given = HANDOFF.replace(refresh=RefreshConfig(r, GivenScores(scores)))
         row(f"refresh {r}, given", lambda: bridged(given))  # noqa: B023
-    row("default, route auto", lambda: bridged(HandoffConfig(), record="auto"))
-    rows["route auto took"] = routes.get("auto", "?")
-    return rows
+    row("default, route auto", lambda: bridged(HandoffConfig()))
+    route = last["default, route auto"].route
+    pairs = [("default, forward", "default"), ("default, eager", "default")]
+    taken = route.split(":")[0]  # the row of the route it took: "handoff" is the default row
+    if taken in ("handoff", "native"):
+        pairs.append(("default, route auto", "default" if taken == "handoff" else "native"))
+    for name, other in pairs:  # the last runs: no forward beyond the timed ones
+        checks[name][f"vs {other}"] = check(last[name], [last[other]], f"{what}, {name!r} vs {other!r}")
+    return {"seconds": rows, "checks": checks, "route auto took": route, "last": last}
 
 
 def native_graph(target, ids: torch.Tensor):
-    """A replay of the target's prefill of `ids` (the last token's logits) from a CUDA graph."""
+    """A replay of the target's prefill of `ids` from a CUDA graph; returns the last token's logits."""
     from bridgecache.runtime.interop.graphs import capture
 
     with torch.no_grad():
@@ -253,40 +380,49 @@ def native_graph(target, ids: torch.Tensor):
 
     def replay():
         graph.replay()
-        return logits[:, -1].clone()  # the buffer is rewritten by the next replay
+        return FirstToken(logits[:, -1].clone())  # the buffer is rewritten by the next replay
 
     return replay
 
 
 @torch.no_grad()
 def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device, reading_layers=()) -> dict:
-    """Requests per second: handoffs of `batch` contexts in one pass vs the target's own batch."""
+    """Requests per second: handoffs of `batch` contexts in one pass vs the target's own batch
+    ("rates"), with each row's "checks" and the route "handoff, route auto" took."""
     context, question, full, kv = random_request(source, target, batch, tokens, device)
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    gen |= dict(output_logits=True, return_dict_in_generate=True)  # the first token's, checked
+    what = f"batch {batch} x {tokens} tokens"
 
-    def handoff(with_source_prefill: bool, config=None):
+    def handoff(with_source_prefill: bool, config=HANDOFF):
         source_kv = capture_kv(source, context) if with_source_prefill else kv
         cache = BridgedCache(
             bridge,
             source_kv,
             target,
             context,
-            config=config or HANDOFF,
+            config=config,
             source_model=source,
             prompt_ids=question,
             engine=engine_of(bridge, source, target),
         )
-        generate(target, cache, full, **gen)
+        return FirstToken(generate(target, cache, full, **gen).logits[0], cache)
 
-    seconds = {
-        "native": timed(lambda: target.generate(full, **gen), device, 2),
-        "handoff": timed(lambda: handoff(False), device, 2),
-        "handoff incl. source prefill": timed(lambda: handoff(True), device, 2),
+    runs = {
+        "native": lambda: FirstToken(target.generate(full, **gen).logits[0]),
+        "handoff": lambda: handoff(False),
+        "handoff incl. source prefill": lambda: handoff(True),
+        "handoff, route auto": lambda: handoff(False, HandoffConfig()),
     }
     for layers in reading_layers:
-        fewer = HandoffConfig(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
-        seconds[f"handoff, source reads {layers} layers"] = timed(lambda: handoff(False, fewer), device, 2)  # noqa: B023
-    return {name: batch / s for name, s in seconds.items()}
+        fewer = HANDOFF.replace(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
+        runs[f"handoff, source reads {layers} layers"] = lambda: handoff(False, fewer)  # noqa: B023
+    rates, checks, route = {}, {}, "?"
+    for name, fn in runs.items():
+        seconds, last, checks[name] = timed(fn, device, 2, f"{what}, row {name!r}")
+        rates[name] = batch / seconds
+        route = last.route if name == "handoff, route auto" else route
+    return {"rates": rates, "checks": checks, "route auto took": route}
 
 
 @torch.no_grad()
@@ -295,7 +431,7 @@ def profile(source, target, bridge, n: int, device) -> None:
     context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
-    def handoff(config=None):
+    def handoff(config=HANDOFF):
         cache = BridgedCache(
             bridge,
             kv,
@@ -312,7 +448,7 @@ def profile(source, target, bridge, n: int, device) -> None:
         target.generate(full, **gen)
 
     def translation_only():
-        handoff(HandoffConfig(refresh=None))
+        handoff(HANDOFF.replace(refresh=None))
 
     def stages() -> tuple[float, float]:
         sync(device)
@@ -322,6 +458,7 @@ def profile(source, target, bridge, n: int, device) -> None:
             kv,
             target,
             context,
+            config=HANDOFF,
             source_model=source,
             prompt_ids=question,
             engine=engine_of(bridge, source, target),
@@ -375,6 +512,7 @@ def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> N
             kv,
             target,
             context,
+            config=HANDOFF,
             source_model=source,
             prompt_ids=question,
             engine=engine_of(bridge, source, target),
@@ -395,10 +533,20 @@ def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> N
     stats.sort_stats("tottime").print_stats(25)
 
 
+def free(device) -> None:
+    """Give back what earlier rows held (their tensors and the allocator's cached blocks), so a
+    length's rows start from the models, the engine and its graphs only."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def memory_state(device) -> dict:
-    """Device memory before a length's rows (GiB) and the allocator's retry count so far."""
+    """Device memory before a length's rows (GiB) and the allocator's retry count so far; the
+    peak is counted from here."""
     if device.type != "cuda":
-        return {"allocated_gib": 0.0, "reserved_gib": 0.0, "retries_before": 0}
+        return {}
+    torch.cuda.reset_peak_memory_stats()
     return {
         "allocated_gib": torch.cuda.memory_allocated() / 2**30,
         "reserved_gib": torch.cuda.memory_reserved() / 2**30,
@@ -407,16 +555,69 @@ def memory_state(device) -> dict:
 
 
 def memory_after(device, before: dict) -> dict:
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.type == "cuda" else 0
-    return {"alloc_retries": retries - before["retries_before"]}
+    """The peak allocated during the rows (GiB) and the allocator's retries during them."""
+    if device.type != "cuda":
+        return {}
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - before["retries_before"]
+    return {"peak_gib": torch.cuda.max_memory_allocated() / 2**30, "alloc_retries": retries}
+
+
+def memory_line(m: dict) -> str:
+    if not m:
+        return "no device memory (CPU)"
+    return (f"{m['allocated_gib']:.1f} GiB allocated / {m['reserved_gib']:.1f} reserved before, "
+            f"peak {m['peak_gib']:.1f}, {m['alloc_retries']} allocator retries")  # fmt: skip
+
+
+def checks_line(checks: dict) -> str:
+    """The largest logit distance and the runs that refreshed other tokens, over a length's checks
+    (each row's `summary` and its "vs <row>" checks)."""
+    distances, shares = [], []
+    for row in checks.values():
+        distances.append(row["max_distance"])
+        shares += [row["min_shared"]] * row["other_refreshes"]
+        for against in (v for k, v in row.items() if k.startswith("vs ")):
+            distances.append(against.get("distance"))
+            shares += [against["shared"]] if "shared" in against else []
+    largest = max((d for d in distances if d is not None), default=0.0)
+    line = f"logits within {largest:.3f} (relative L2) of a run that refreshed the same tokens"
+    if shares:
+        line += f"; {len(shares)} runs refreshed other tokens (sharing at least {min(shares):.0%})"
+    return line
+
+
+def fresh_native(target_name: str, n: int, args) -> dict:
+    """The native rows at n tokens measured in a new process (the same seeded weights and ids,
+    nothing else on its allocator): {"seconds": {row: s}, "logits": the native row's, CPU}."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "native.pt")
+        command = [sys.executable, os.path.abspath(__file__), "--native-only", target_name, str(n)]
+        command += ["--repeats", str(args.repeats), "--native-out", path] + ["--smoke"] * args.smoke
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"--fresh-native at {n} tokens failed:\n{done.stderr[-4000:]}")
+        return torch.load(path)
+
+
+def native_only(model, target_name: str, n: int, device, args) -> None:
+    """--native-only (the process --fresh-native starts): the native rows alone, saved."""
+    target = model(target_name)
+    context, question = random_ids(target.config.vocab_size, 1, n, device)
+    full = torch.cat([context, question], dim=1)
+    with torch.no_grad():
+        seconds, last, _ = native_rows(target, full, device, args.repeats, f"{target_name} at {n} tokens")
+    torch.save({"seconds": seconds, "logits": last["native"].logits}, args.native_out)
 
 
 def _commit() -> str:
     if os.environ.get("BRIDGECACHE_COMMIT"):  # a copy of the tree without .git (the GPU machine)
         return os.environ["BRIDGECACHE_COMMIT"]
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        return subprocess.run(  # the script's checkout, wherever it is run from
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
         ).stdout.strip()
     except OSError:
         return "unknown"
@@ -432,10 +633,21 @@ def main() -> None:
     parser.add_argument("--lengths-7b", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=32,
+        help="contexts in the batch table (32 x --batch-tokens 4096 was sized for a 139 GB H200; "
+        "on an 80 GB H100 it ran out of memory while the 0.5B target's engine was still held)",
+    )
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--no-batch", action="store_true")
+    parser.add_argument(
+        "--fresh-native",
+        action="store_true",
+        help="also time the native rows in a new process per length (same seeded weights and ids)",
+    )
     parser.add_argument(
         "--profile", type=int, nargs="+", help="profile one handoff at these token counts, then stop"
     )
@@ -446,17 +658,22 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", help="write results.json here")
+    parser.add_argument("--native-only", nargs=2, help=argparse.SUPPRESS)  # TARGET N: --fresh-native's
+    parser.add_argument("--native-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
 
     def model(name):
+        torch.manual_seed(SEEDS[name])  # the same weights in a --fresh-native process
         with torch.device(device):
             return AutoModelForCausalLM.from_config(
                 config_of(name, args.smoke), dtype=dtype, attn_implementation="sdpa"
             ).eval()
 
+    if args.native_only:
+        return native_only(model, args.native_only[0], int(args.native_only[1]), device, args)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
@@ -478,58 +695,70 @@ def main() -> None:
             return
         table, header = {}, None
         for n in ns:
+            free(device)  # the previous length's tensors and graphs' pools
             memory = memory_state(device)
-            rows = handoff_rows(
-                source, target, bridge, n, device, args.repeats, args.fractions, args.reading_layers
-            )
-            route = rows.pop("route auto took")
-            table[n] = rows | {"route auto took": route, "memory": memory | memory_after(device, memory)}
+            out = handoff_rows(
+                source, target, bridge, n, device, args.repeats, args.fractions, args.reading_layers,
+                label=target_name,
+            )  # fmt: skip
+            memory |= memory_after(device, memory)
+            rows = out["seconds"]
+            table[n] = rows | {k: out[k] for k in ("route auto took", "checks")} | {"memory": memory}
+            fresh = None
+            if args.fresh_native:
+                fresh = fresh_native(target_name, n, args)
+                what = f"{target_name} at {n} tokens, the fresh process's 'native' vs this one's"
+                same = check(FirstToken(fresh["logits"], columns=out["last"]["native"].columns),
+                             [out["last"]["native"]], what)  # fmt: skip
+                table[n]["fresh process"] = {"seconds": fresh["seconds"], "vs native": same}
+            graph = "native, graph" in rows
+            best = min(rows["native"], rows.get("native, graph", rows["native"]))
             if header is None:
-                header = ["context tokens", "native ms"] + [f"{k} (x native)" for k in rows if k != "native"]
-                if "native, graph" in rows:
-                    header += [
-                        "default / best native",
-                        "default, forward / native, graph",
-                        "route auto / best native",
-                    ]
+                header = ["context tokens", "native ms"] + ["fresh process: native (graph) ms"] * bool(fresh)
+                header += [f"{k} (x native)" for k in rows if k != "native"] + ["default / best native"]
+                header += ["default, forward / native, graph"] * graph + ["route auto / best native"]
                 print(f"\nQwen2.5-1.5B -> Qwen2.5-{target_name.upper()} shapes: time to the first token")
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             cells = [str(n), f"{rows['native'] * 1e3:.1f}"]
+            if fresh:
+                seconds = fresh["seconds"]
+                cells.append(f"{seconds['native'] * 1e3:.1f}" + (
+                    f" ({seconds['native, graph'] * 1e3:.1f})" if "native, graph" in seconds else ""
+                ))  # fmt: skip
             cells += [f"{v * 1e3:.1f} ({v / rows['native']:.2f})" for k, v in rows.items() if k != "native"]
-            if "native, graph" in rows:  # against the faster of the two native forms
-                best = min(rows["native"], rows["native, graph"])
-                cells.append(f"{rows['default'] / best:.2f}")
+            cells.append(f"{rows['default'] / best:.2f}")  # against the faster of the two native forms
+            if graph:
                 cells.append(f"{rows['default, forward'] / rows['native, graph']:.2f}")
-                cells.append(f"{rows['default, route auto'] / best:.2f}")
+            cells.append(f"{rows['default, route auto'] / best:.2f}")
             print("| " + " | ".join(cells) + " |", flush=True)
-        print("route auto took, and memory per length (GiB allocated / reserved, allocator retries):")
+        print("per length: the route auto took; memory; the checks")
         for n, rows in table.items():
-            m = rows["memory"]
-            print(f"  {n}: {rows['route auto took']} | {m['allocated_gib']:.1f} / {m['reserved_gib']:.1f}, "
-                  f"{m['alloc_retries']} retries")  # fmt: skip
+            print(f"  {n}: route auto took {rows['route auto took']}")
+            print(f"  {' ' * len(str(n))}  {memory_line(rows['memory'])}; {checks_line(rows['checks'])}")
         results["tables"][target_name] = table
         if target_name == "7b" and not args.no_batch:
             batch, tokens = (4, 64) if args.smoke else (args.batch, args.batch_tokens)
-            rates = batch_rows(
+            free(device)
+            memory = memory_state(device)
+            out = batch_rows(
                 source, target, bridge, batch, tokens, args.new_tokens, device, args.reading_layers
             )
+            memory |= memory_after(device, memory)
+            rates = out["rates"]
             results["batch"] = {"batch": batch, "tokens": tokens, "new_tokens": args.new_tokens, **rates}
+            results["batch"] |= {k: out[k] for k in ("route auto took", "checks")} | {"memory": memory}
             each = f"{args.new_tokens} new tokens each"
             print(f"\nbatch {batch} x {tokens} tokens, {each}, 1.5B -> 7B: requests/s")
-            print("| native | handoff (x native) | handoff incl. source prefill (x native) |\n|---|---|---|")
-            native = rates["native"]
-            print(f"| {native:.2f} | {rates['handoff']:.2f} ({rates['handoff'] / native:.2f}) | "
-                  f"{rates['handoff incl. source prefill']:.2f} "
-                  f"({rates['handoff incl. source prefill'] / native:.2f}) |")  # fmt: skip
-            for name, rate in rates.items():
-                if name.startswith("handoff, source reads"):
-                    print(f"{name}: {rate:.2f} requests/s ({rate / native:.2f} x native)")
+            names, native = [k for k in rates if k != "native"], rates["native"]
+            cells = [f"{native:.2f}"] + [f"{rates[k]:.2f} ({rates[k] / native:.2f})" for k in names]
+            print("| native | " + " | ".join(f"{k} (x native)" for k in names) + " |")
+            print("|" + "---|" * len(cells) + "\n| " + " | ".join(cells) + " |")
+            print(f"handoff, route auto took {out['route auto took']}")
+            print(f"{memory_line(memory)}; {checks_line(out['checks'])}")
         for key in [k for k in _ENGINES if k[2] == id(target)]:  # the next target's rows start clean
             _ENGINES.pop(key).close()
         del target, bridge
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free(device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
