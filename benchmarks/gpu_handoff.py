@@ -471,10 +471,10 @@ def profile(source, target, bridge, n: int, device) -> None:
 
     handoff()
     runs = [stages() for _ in range(5)]
-    build, generate = (statistics.median(r[i] for r in runs) * 1e3 for i in range(2))
-    print(
-        f"stages at {n} tokens: BridgedCache (reading, planning) {build:.1f} ms, generate {generate:.1f} ms"
-    )
+    # not named `generate`: that would shadow the function the nested handoffs call
+    build_ms, generate_ms = (statistics.median(r[i] for r in runs) * 1e3 for i in range(2))
+    print(f"stages at {n} tokens: BridgedCache (reading, planning) {build_ms:.1f} ms, "
+          f"generate {generate_ms:.1f} ms")  # fmt: skip
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
