@@ -22,8 +22,7 @@ Who calls what, when:
   route="auto" longer than what the engine has timed first times both routes at the missing
   lengths of a ladder (route_timing.py; seconds, once per device, pair and config: kept in the
   cache directory), so each later request takes the faster route. A `BridgedCache(...,
-  engine=engine)` does the same. `measure_route()` does it
-  up front, e.g. at a server's start.
+  engine=engine)` does the same; `measure_route()` does it up front (a server's start).
 - `close()` (or leaving the `with` block) frees everything the engine made; the engine then
   refuses new requests. Caches it built stay usable: each holds what it still needs.
 
@@ -198,13 +197,12 @@ class HandoffEngine:
         """The BridgedCache of a request (over this engine's state), nothing translated yet."""
         self._check_open()
         self._check_weights()
-        config = self.config if config is None else _checked_config(config)
         return BridgedCache(
             self.bridge,
             request.source_kv,
             self.target,
             request.target_ids,
-            config=config,
+            config=self.config if config is None else _checked_config(config),
             alignment=request.alignment,
             target_attention_mask=request.target_mask,
             source_attention_mask=request.source_mask,

@@ -113,6 +113,7 @@ class EngineState:
         self._norm_versions = _norm_versions(self._norm_modules)
         self.graphs = GraphStore(graph_bytes)
         self._route_costs: dict = {}  # route_key -> RouteCosts or None (nothing saved)
+        self._route_keys: dict = {}  # HandoffConfig -> its route_key
 
     # ------------------------------------------------------------------ plans and tables
     def plan(self, layer: int, device: torch.device) -> LayerPlan:
@@ -155,7 +156,19 @@ class EngineState:
 
     # ------------------------------------------------------------------ the cost gate
     def route_key(self, config) -> str:
-        return route_key(self.bridge, self._source, self._target, config)
+        """`route.route_key` of this setup under `config`, memoised per config (hashing the specs
+        takes ~0.1 ms: a share of a short handoff's time)."""
+        try:
+            key = self._route_keys.get(config)
+        except TypeError:  # a config holding an unhashable selector: computed each time
+            return route_key(self.bridge, self._source, self._target, config)
+        if key is None:
+            key = route_key(self.bridge, self._source, self._target, config)
+            with self._lock:
+                if len(self._route_keys) >= 64:  # bounded: configs are few in practice
+                    self._route_keys.clear()
+                self._route_keys[config] = key
+        return key
 
     def route_costs(self, config) -> RouteCosts | None:
         """The measured costs of this setup under `config` on this device: the ones this state
@@ -205,6 +218,7 @@ class EngineState:
             self._rope.clear()
             self._views.clear()
             self._route_costs.clear()
+            self._route_keys.clear()
 
 
 def _norm_versions(norms) -> tuple:
