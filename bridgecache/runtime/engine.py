@@ -311,8 +311,8 @@ class HandoffEngine:
         if config.route != "auto" or self.source is None or not self._on_cuda:
             return
         costs = self.state.route_costs(config)
-        if costs is not None and costs.covers(tokens):
-            return
+        if costs is not None and not route_lengths(tokens, self._route_limit(), costs.lengths):
+            return  # every ladder length up to this request is timed
         with self._timing_lock:
             costs = self.state.route_costs(config)  # another thread may have measured meanwhile
             measured = costs.lengths if costs is not None else ()

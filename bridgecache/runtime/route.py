@@ -12,7 +12,8 @@ What "expected" rests on, in order:
 1. `RouteCosts` measured on this device for this pair and configuration: seconds to the first
    token of both routes at a ladder of context lengths (`route_timing.measure_route_costs`,
    through the engine's own paths), interpolated in log-log. A `HandoffEngine` on CUDA measures
-   them on its first request of a length past what it has measured, and keeps them in
+   the ladder's lengths up to a request's on its first request past what it has measured (none
+   longer but the smallest: no memory the request would not need), and keeps them in
    `$BRIDGECACHE_HOME/route-costs/` for every later process on that device.
 2. Otherwise FLOPs (a compute-bound device, e.g. the CPU): the handoff's native work and the
    source's reading against the target's prefill of the context. With the default 20% refresh

@@ -30,9 +30,11 @@ PROMPT_TOKENS = 16  # a question's length; what the source reads to choose the r
 
 
 def route_lengths(tokens: int, limit: int, measured=()) -> list[int]:
-    """The ladder's lengths not yet `measured` up to the first at or past `tokens` (at most
-    `limit`, the models' window less the prompt): what a request of `tokens` needs measured."""
-    top = next((n for n in LADDER if n >= tokens), LADDER[-1])
+    """The ladder's lengths not yet `measured` up to `tokens` (the smallest at least; at most
+    `limit`, the models' window less the prompt): what a request of `tokens` needs measured.
+    Never past the request: timing a longer context could need memory the request does not (a
+    length between two measured ones is interpolated, one past the last extrapolated)."""
+    top = max(LADDER[0], tokens)
     return [n for n in LADDER if n <= min(top, limit) and n not in measured]
 
 

@@ -130,8 +130,9 @@ def test_without_measured_costs_flops_decide(setup):
 
 
 def test_the_ladder_stops_at_the_request_and_the_window():
-    assert route_lengths(300, 4000) == [256, 512]
-    assert route_lengths(300, 4000, measured=[256]) == [512]
+    assert route_lengths(100, 4000) == [256]  # the smallest, always
+    assert route_lengths(1100, 4000) == [256, 512, 1024]  # never past the request
+    assert route_lengths(1100, 4000, measured=[256]) == [512, 1024]
     assert route_lengths(100_000, 4000) == [256, 512, 1024, 2048]
 
 
@@ -240,8 +241,8 @@ def test_a_cuda_engine_times_what_a_request_needs_once_and_keeps_it(home):
         assert costs.lengths == [256] and costs.device.startswith(torch.cuda.get_device_name())
         engine.handoff(SHORT + " again", " and", **GREEDY)
         assert engine.route_costs() is costs  # covered: nothing measured again
-        engine.handoff(LONG, " and", **GREEDY)  # ~570 tokens: the ladder up to 1024
-        assert engine.route_costs().lengths == [256, 512, 1024]
+        engine.handoff(LONG, " and", **GREEDY)  # ~570 tokens: the ladder up to 512
+        assert engine.route_costs().lengths == [256, 512]
     faster = "handoff" if costs.predict(24)[0] <= costs.predict(24)[1] else "native"
     assert first.cache.report().route == faster
-    assert load_costs(costs.key).lengths == [256, 512, 1024]
+    assert load_costs(costs.key).lengths == [256, 512]
