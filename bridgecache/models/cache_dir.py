@@ -1,12 +1,12 @@
 """What the bridgecache cache directory holds, and removing it: `bridgecache cache`'s library side.
 
 `cache_entries()` lists each entry under the cache root (`bridgecache.models.zoo.cache_root`):
-every built-in model folder, every fitted bridge, the downloads still there, the benchmarks'
-folders; each with its size, when it was last used and what uses it. `remove_entry(name)` and
-`clear()` delete entries, a model's folder under the lock that keeps two processes from building
-one model. Only the names bridgecache writes are ever deleted: anything else found under the root
-is listed as not bridgecache's and left alone (a root set to a home directory by mistake loses
-nothing).
+every built-in model folder, every fitted bridge, the downloads still there, the cost gate's
+measured times (`route-costs/`), the benchmarks' folders; each with its size, when it was last
+used and what uses it. `remove_entry(name)` and `clear()` delete entries, a model's folder under
+the lock that keeps two processes from building one model. Only the names bridgecache writes are
+ever deleted: anything else found under the root is listed as not bridgecache's and left alone (a
+root set to a home directory by mistake loses nothing).
 
 Knows the zoo's layout and the bridges folder's; nothing about models' contents.
 """
@@ -23,6 +23,7 @@ from bridgecache.models.zoo import BUILTIN_MODELS, KEEP_WHEELS, ZooError, _exclu
 __all__ = ["CacheEntry", "cache_entries", "clear", "remove_entry"]
 
 _BENCHMARK_FOLDERS = ("quality", "needle")  # results and controls the benchmarks keep there
+_ROUTE_COSTS = "route-costs"  # the cost gate's measured times (bridgecache.runtime.route)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class CacheEntry:
     """One thing in the cache directory."""
 
     name: str  # what `remove_entry` takes: its path under the root, e.g. "models/smollm2-135m"
-    kind: str  # "model", "bridge", "download", "benchmark", "lock" or "other"
+    kind: str  # "model", "bridge", "download", "timing", "benchmark", "lock" or "other"
     path: Path
     size: int  # bytes of its files
     last_used: float  # seconds since the epoch: its files' latest access or change
@@ -62,6 +63,9 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
         entries.append(_entry(root, path, "download", words))
     for path in _children(root / "gguf"):
         entries.append(_entry(root, path, "download", "an assembled GGUF, moved into models/ once checked"))
+    if (root / _ROUTE_COSTS).is_dir():
+        words = "the cost gate's times per device, pair and config (a CUDA engine times them again)"
+        entries.append(_entry(root, root / _ROUTE_COSTS, "timing", words))
     for name in _BENCHMARK_FOLDERS:
         if (root / name).exists():
             words = "results and controls kept by the scripts in benchmarks/"
@@ -70,7 +74,7 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
         entries.append(
             _entry(root, root / "locks", "lock", "locks that keep two processes from building one model")
         )
-    ours = {"models", "bridges", "wheels", "gguf", "locks", *_BENCHMARK_FOLDERS}
+    ours = {"models", "bridges", "wheels", "gguf", "locks", _ROUTE_COSTS, *_BENCHMARK_FOLDERS}
     for path in _children(root):
         if path.name not in ours:
             entries.append(_entry(root, path, "other", "not bridgecache's: left alone"))

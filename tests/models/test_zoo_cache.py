@@ -29,6 +29,7 @@ def home(tmp_path, monkeypatch):
     _file(tmp_path / "wheels" / "gemma3-270m" / "part1.whl", 700)
     _file(tmp_path / "gguf" / "gemma3-270m.gguf", 800)
     _file(tmp_path / "needle" / "controls.json", 20)
+    _file(tmp_path / "route-costs" / "3b047b397c103ef67621e502.json", 30)
     _file(tmp_path / "locks" / "smollm2-135m.lock", 0)
     _file(tmp_path / "my-notes" / "todo.txt", 5)
     return tmp_path
@@ -43,6 +44,7 @@ def test_every_entry_is_listed_with_its_size_and_use(home):
         "wheels/gemma3-270m",
         "gguf/gemma3-270m.gguf",
         "needle",
+        "route-costs",
         "locks",
         "my-notes",
     }
@@ -52,6 +54,7 @@ def test_every_entry_is_listed_with_its_size_and_use(home):
         entries["bridges/a-to-b-fullhead"].size == 1000
         and entries["bridges/a-to-b-fullhead"].kind == "bridge"
     )
+    assert entries["route-costs"].kind == "timing" and entries["route-costs"].size == 30
     assert entries["my-notes"].kind == "other" and not entries["my-notes"].removable
     assert all(e.last_used > 0 for e in entries.values())
 
@@ -71,7 +74,7 @@ def test_remove_takes_a_listed_name_or_a_model_name_and_nothing_else(home):
 
 def test_clear_removes_what_bridgecache_wrote_and_leaves_the_rest(home):
     removed = cache_dir.clear()
-    assert "my-notes" not in {e.name for e in removed} and len(removed) == 7
+    assert "my-notes" not in {e.name for e in removed} and len(removed) == 8
     assert [e.name for e in cache_dir.cache_entries()] == ["my-notes"]
     assert (home / "my-notes" / "todo.txt").read_bytes() == b"xxxxx"
 
@@ -79,7 +82,7 @@ def test_clear_removes_what_bridgecache_wrote_and_leaves_the_rest(home):
 def test_the_command_lists_and_removes_only_when_told_to(home, capsys, monkeypatch):
     assert main(["cache"]) == 0
     out = capsys.readouterr().out
-    assert "models/smollm2-135m" in out and "3.1 kB" in out and "8 entries" in out and str(home) in out
+    assert "models/smollm2-135m" in out and "3.1 kB" in out and "9 entries" in out and str(home) in out
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no terminal to ask on: refuse
     assert main(["cache", "rm", "smollm2-135m"]) == 2
     assert "nothing removed (give --yes" in capsys.readouterr().err
