@@ -48,6 +48,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_handoff import (  # noqa: E402
+    FIRST_ID,
     MIN_SHARED,
     QUESTION,
     TOLERANCE,
@@ -97,8 +98,8 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, deadli
     gen |= dict(output_logits=True, return_dict_in_generate=True)  # the first token's, checked
     inputs = {}
     for n in sizes:  # the contexts the source has read (never timed, held throughout)
-        context = torch.randint(0, vocab, (1, n), device=device)
-        question = torch.randint(0, vocab, (1, QUESTION), device=device)
+        context = torch.randint(FIRST_ID, vocab, (1, n), device=device)
+        question = torch.randint(FIRST_ID, vocab, (1, QUESTION), device=device)
         inputs[n] = (context, question, torch.cat([context, question], 1), capture_kv(source, context))
     if cuda:
         torch.cuda.synchronize()
@@ -168,7 +169,7 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, deadli
     # the check's margin: the logits and refresh of another context under the same question
     n = sizes[0]
     question = inputs[n][1]
-    other = torch.randint(0, vocab, (1, n), device=device)
+    other = torch.randint(FIRST_ID, vocab, (1, n), device=device)
     full = torch.cat([other, question], 1)
     control = handoff(other, question, full, capture_kv(source, other)).settled()
     reference = earlier[n][0]

@@ -30,6 +30,9 @@ each until the first new token:
 - default, source reads L layers (--reading-layers L): the default with
   `SourceAttention(layers=L)`, the source's reading stopping after its first L layers;
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
+- native route: `HandoffConfig(route="native")` through the same BridgedCache and generate(): the
+  cost gate's other side (the cache starts empty; generate()'s first forward is the target's own
+  prefill), checked against "native";
 - default, route auto: `HandoffConfig()`, the default as users get it: the cost gate
   (bridgecache.runtime.route) times both routes on the engine's first request at a length (in the
   row's warm-up, not timed) and takes the faster; the route it took (`report().route`, and
@@ -116,6 +119,7 @@ SHAPES = {  # config.json of the published models
                num_key_value_heads=4),
 }  # fmt: skip
 QUESTION = 16
+FIRST_ID = 3  # random ids start here: no pad (0), bos or eos among them
 
 
 def config_of(name: str, smoke: bool) -> Qwen2Config:
@@ -261,8 +265,9 @@ def random_ids(vocab: int, batch: int, n: int, device):
     """Context [batch, n] and question [batch, QUESTION] ids, seeded by (batch, n): a fresh process
     (--fresh-native) draws the same ones."""
     generator = torch.Generator().manual_seed(n * 1024 + batch)
-    context = torch.randint(0, vocab, (batch, n), generator=generator)
-    question = torch.randint(0, vocab, (batch, QUESTION), generator=generator)
+    # From 3: generate() takes a pad_token_id (0) in its inputs for padding and masks it out
+    context = torch.randint(FIRST_ID, vocab, (batch, n), generator=generator)
+    question = torch.randint(FIRST_ID, vocab, (batch, QUESTION), generator=generator)
     return context.to(device), question.to(device)
 
 
@@ -360,9 +365,10 @@ def handoff_rows(
     for r in fractions:
         given = HANDOFF.replace(refresh=RefreshConfig(r, GivenScores(scores)))
         row(f"refresh {r}, given", lambda: bridged(given))  # noqa: B023
+    row("native route", lambda: bridged(HANDOFF.replace(route="native")))
     row("default, route auto", lambda: bridged(HandoffConfig()))
     route = last["default, route auto"].route
-    pairs = [("default, forward", "default"), ("default, eager", "default")]
+    pairs = [("default, forward", "default"), ("default, eager", "default"), ("native route", "native")]
     taken = route.split(":")[0]  # the row of the route it took: "handoff" is the default row
     if taken in ("handoff", "native"):
         pairs.append(("default, route auto", "default" if taken == "handoff" else "native"))

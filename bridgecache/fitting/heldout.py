@@ -44,7 +44,7 @@ def _outputs(queries, keys, values, rows, columns, module) -> torch.Tensor:
     return (logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ v)[0]
 
 
-_MAPS_ONLY = HandoffConfig(refresh=None)
+_MAPS_ONLY = HandoffConfig(refresh=None, route="handoff")  # scores the maps: never the native route
 
 
 @torch.no_grad()

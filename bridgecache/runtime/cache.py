@@ -3,7 +3,9 @@
     cache = BridgedCache(bridge, source_kv, target, target_ids, source_model=source, prompt_ids=q)
     out = target.generate(ids, past_key_values=cache)     # `cache=cache` on transformers >= 5.24
 
-The cache reports the target-side prefix length at once. Target layer i is translated from the
+The cache reports the target-side prefix length at once (on the native route, where the cost or
+quality gate leaves the whole context to the target's own prefill, it starts empty instead, so
+generate() computes the context in its first forward). Target layer i is translated from the
 source KV (bridgecache.runtime.translation.translator) only when something first reads it, usually the
 target's attention at layer i. The columns the target computes itself (the native head, columns
 without source text, the tokens a refresh picks) wait as pending work and join the target's first
@@ -30,7 +32,7 @@ from bridgecache.models.spec import model_spec
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.interop.static import fill_static
 from bridgecache.runtime.native_work import forward as native_forward
-from bridgecache.runtime.native_work.plan import plan_native_work
+from bridgecache.runtime.native_work.plan import plan_native_work, read_context
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.state import EngineState
 from bridgecache.runtime.translation.grouped import LayerGroups, groups_apply
@@ -262,9 +264,7 @@ class BridgedCache(DynamicCache):
         self.handoff_config = config
         self.pending_work = None  # pending.PendingWork until the target's first forward runs it
         self._target = target
-        if self.translator.prefix_length:  # else nothing to translate: plain empty layers
-            for i, layer in enumerate(self.layers):
-                layer._bind(self, i)
+        self._target_ids = target_ids
         make_groups = None
         if groups_apply(self.translator, target, config.one_launch):
             make_groups = lambda whole: LayerGroups(self.translator, whole)  # noqa: E731
@@ -273,11 +273,27 @@ class BridgedCache(DynamicCache):
         )
         self.pending_work = plan.pending
         self._plan = plan
+        # Bound layers report the context and translate on first use. Unbound ones are plain empty
+        # layers: no context (nothing to translate) or the native route, where generate() feeds the
+        # whole context to the target's own first forward.
+        if self.translator.prefix_length and not plan.native_route:
+            self._bind_layers()
+
+    def _bind_layers(self) -> None:
+        for i, layer in enumerate(self.layers):
+            layer._bind(self, i)
 
     def __deepcopy__(self, memo):
         """A copy whose layers are copied; the read-only parts (the target model, the translator
         with the source KV and the bridge, the plan) are shared, not copied."""
-        for shared in (self._target, self.translator, self._plan, self.pending_work, self.state):
+        for shared in (
+            self._target,
+            self._target_ids,
+            self.translator,
+            self._plan,
+            self.pending_work,
+            self.state,
+        ):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new
@@ -316,7 +332,10 @@ class BridgedCache(DynamicCache):
     @property
     def translated_positions(self) -> range:
         """Context columns translated in row 0 (refreshed ones included); the target computes
-        the others (native head, native tail, the held-back last token) itself."""
+        the others (native head, native tail, the held-back last token) itself; none on the
+        native route."""
+        if self.native_route:
+            return range(0)
         return range(int(self.translator.head_end[0]), self.translator.prefix_length)
 
     @property
@@ -324,9 +343,20 @@ class BridgedCache(DynamicCache):
         """Indices of the target layers translated so far."""
         return [i for i, layer in enumerate(self.layers) if layer.is_materialized]
 
+    @property
+    def native_route(self) -> bool:
+        """Whether the whole context is the target's own prefill (`report().route == "native"`):
+        the cache starts empty, so generate(), given the whole context as always, computes it in
+        its first forward; `materialize()` computes it now instead."""
+        return self._plan.native_route
+
     def materialize(self) -> BridgedCache:
         """Run the native work and translate every layer now (e.g. to time translation on its
-        own); returns self."""
+        own); on the native route, compute the context with the target now if no forward has
+        (the cache then holds it as a handoff's would). Returns self."""
+        if self.native_route and self.translator.prefix_length and self.get_seq_length() == 0:
+            read_context(self.translator, self._target, self._target_ids, range(len(self.layers)))
+            self._bind_layers()
         self.run_pending()
         for layer in self.layers:
             if not layer.is_materialized:

@@ -160,12 +160,29 @@ def test_the_native_route_is_the_targets_own_prefill_exactly(setup, home):
     cache = BridgedCache(
         bridge, capture_kv(model, ids), model, ids, config=HandoffConfig(route="native"), source_model=model
     )
+    assert cache.native_route and cache.get_seq_length() == 0  # generate()'s first forward reads it all
+    assert cache.translated_positions == range(0)
     out = generate(model, cache, full, **gen)
     assert torch.equal(out.sequences, native.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(out.logits, native.logits)) < 1e-5
     report = cache.report()
     assert report.route == "native" and report.layers_translated == [] and report.tokens_translated == 0
     assert str(report).startswith("FALLBACK to native prefill: HandoffConfig(route='native')")
+    config = HandoffConfig(route="native")
+    plain = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config, source_model=model)
+    assert torch.equal(model.generate(full, past_key_values=plain, **gen).sequences, native.sequences)
+
+    # materialize() computes the context now, as the target's own prefill (what publishing reads)
+    held = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config).materialize()
+    prefix = held.translator.prefix_length
+    own = model(ids[:, :prefix], use_cache=True).past_key_values
+    assert held.get_seq_length() == prefix > 0
+    for layer, mine in zip(own.layers, held.layers):
+        assert torch.allclose(layer.keys, mine.keys, atol=1e-6) and torch.allclose(
+            layer.values, mine.values, atol=1e-6
+        )
+    continued = model.generate(full, past_key_values=held, **gen)
+    assert torch.equal(continued.sequences, native.sequences)
 
 
 def test_every_path_takes_the_route_the_measured_costs_give(setup, home, tmp_path):
@@ -243,6 +260,10 @@ def test_a_cuda_engine_times_what_a_request_needs_once_and_keeps_it(home):
         assert engine.route_costs() is costs  # covered: nothing measured again
         engine.handoff(LONG, " and", **GREEDY)  # ~570 tokens: the ladder up to 512
         assert engine.route_costs().lengths == [256, 512]
+        native = engine.handoff(LONG, " and", config=HandoffConfig(route="native"), **GREEDY)
+        ids = tok(LONG + " and", return_tensors="pt").input_ids.cuda()
+        own = model.generate(ids, pad_token_id=0, **GREEDY)[:, ids.shape[1] :]
+        assert torch.equal(native.output_ids, own)  # the target's own prefill, on CUDA too
     faster = "handoff" if costs.predict(24)[0] <= costs.predict(24)[1] else "native"
     assert first.cache.report().route == faster
     assert load_costs(costs.key).lengths == [256, 512]

@@ -4,7 +4,9 @@
 
 In order: the cost gate (bridgecache.runtime.route: the handoff, or the target's own prefill of
 the whole context where that reaches the first token sooner); the quality gate (layers scoring
-below `min_quality` run natively, or the whole context falls back to the target's own prefill);
+below `min_quality` run natively, or the whole context falls back to the target's own prefill).
+Either native route ends the plan there: nothing is translated or computed, the cache starts
+empty and the target's first forward is its own prefill of the whole context. Otherwise:
 layers a selection rule needs natively; those layers' exact KV (one forward stopped after the
 deepest, bridgecache.runtime.native_work.layers); the refresh budget per row and the selection
 rule's scores (pooled over the target's words when the refresh takes whole words:
@@ -30,7 +32,7 @@ from bridgecache.runtime.selection.reading import SourceReader
 from bridgecache.runtime.selection.rules import SelectionRequest, checked_scores
 from bridgecache.runtime.selection.words import word_ranking
 
-__all__ = ["NativePlan", "plan_native_work", "selection_request"]
+__all__ = ["NativePlan", "plan_native_work", "read_context", "selection_request"]
 
 
 def selection_request(
@@ -58,12 +60,16 @@ def selection_request(
 class NativePlan:
     """pending: the work of the target's first forward (None: nothing pending); always: [batch,
     prefix] bool (CPU), columns computed natively whatever the budget; budgets: refreshed columns
-    per row; report: for `BridgedCache.report()`."""
+    per row; report: for `BridgedCache.report()`; native_route: the whole context is left to the
+    target's own prefill (the cost gate's or the quality gate's choice): nothing is translated or
+    computed here, the cache starts empty (`read_context` computes it when something needs it
+    before a forward)."""
 
     pending: PendingWork | None
     always: torch.Tensor
     budgets: list[int]
     report: HandoffReport
+    native_route: bool = False
 
     def refreshed_columns(self) -> torch.Tensor:
         """[batch, max budget] int64 (CPU) the columns the refresh picked, ascending; rows with a
@@ -103,17 +109,19 @@ def plan_native_work(
         if decision.fallback:
             route = RouteDecision("native", f"the quality gate: {decision.fallback}")
     native = set(resolve_native_layers(config.native_layers, num_layers)) | set(decision.native_layers)
-    if decision.fallback:
+    if decision.fallback:  # the native route: the target's own prefill, in its first forward
         native = set(range(num_layers))
+        always = torch.zeros_like(real)
+        report = _report(tr, target, native, scores, decision.fallback, [0] * len(real), None, 0.0, always)
+        report.route, report.route_reason = route.route, route.reason
+        return NativePlan(None, always, [0] * len(real), report, native_route=True)
     all_native = len(native) == num_layers
     refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
     selector = refresh.selector if refresh is not None else None
     words = words if refresh is not None and refresh.whole_words else None
     if selector is not None:
         native |= set(selector.native_layers(num_layers))
-    ids = target_ids[:, :prefix]
-    tr.native_layers = native
-    tr.native_kv = native_layer_kv(target, ids, tr.target_mask[:, :prefix], native)
+    read_context(tr, target, target_ids, native)
     eligible = translated & has_source
     budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
     always = head | (translated & ~has_source)  # the native head; columns without source text
@@ -155,6 +163,15 @@ def plan_native_work(
     if config.refresh is not None and tr.bridge.method == "identity":
         report.notes.append("no refresh: an identity bridge translates exactly")
     return NativePlan(pending, always, budgets, report)
+
+
+def read_context(tr, target, target_ids, layers) -> None:
+    """The target's own KV of the context (`target_ids` [batch, tokens], its first
+    `tr.prefix_length` columns) at `layers`, handed to the translator, which gives them to those
+    layers instead of translating them."""
+    prefix = tr.prefix_length
+    tr.native_layers = set(layers)
+    tr.native_kv = native_layer_kv(target, target_ids[:, :prefix], tr.target_mask[:, :prefix], layers)
 
 
 def route_of(tr, target, config, source_model, prompt_ids, tokens: int) -> RouteDecision:
