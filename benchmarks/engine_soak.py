@@ -262,6 +262,9 @@ def main() -> None:
     for key, value in report.items():
         if key != "lengths":
             print(f"  {key}: {value}")
+    if args.out:  # before the verdicts: a failed one keeps what was measured
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "engine-soak.json").write_text(json.dumps(report, indent=1))
     if cuda:
         assert report["engine_bytes_max_gib"] * 2**30 <= BOUND, "the engine held more than its bound"
         assert abs(report["after_close_vs_before"]) <= 0.01, "close() did not give the memory back"
@@ -271,9 +274,6 @@ def main() -> None:
     marks = report["rss_per_round_mib"]
     if len(marks) >= 2:
         print(f"  RSS last round / first round: {marks[-1] / marks[0]:.3f}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "engine-soak.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -36,17 +36,33 @@ def as_view(model) -> ModelView:
 
 def capture(forward):
     """A CUDA graph of `forward()` (run twice first, on a side stream: lazy initialisation,
-    autotuning and the allocator's state stay out of the graph). Returns (graph, forward's output)."""
+    autotuning and the allocator's state stay out of the graph). Returns (graph, forward's output).
+
+    cuBLAS keeps a workspace per (handle, stream) for the life of the process, outside any graph:
+    the warm-ups' side stream (one of torch's pool of 32) would keep one each, about 1 GiB over
+    an engine's captures (measured on an H100). So, as torch inductor's CUDA graph trees do, the
+    workspaces are dropped after the warm-ups and after the capture: the capture then allocates
+    the one it uses in the graph's own pool, freed with the graph (`HandoffEngine.close()`).
+    Other streams' workspaces are allocated again on their next matmul."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             forward()
     torch.cuda.current_stream().wait_stream(side)
+    _drop_cublas_workspaces()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         output = forward()
+    _drop_cublas_workspaces()
     return graph, output
+
+
+def _drop_cublas_workspaces() -> None:
+    torch.cuda.synchronize()  # no kernel still using one
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; inductor calls it too
+    if clear is not None:
+        clear()
 
 
 def bucket(n: int, smallest: int = 16) -> int:
