@@ -205,6 +205,8 @@ def soak(source, target, bridge, sizes: list[int], handoffs: int, device, deadli
         gc.collect()
         torch.cuda.synchronize()
         after = torch.cuda.memory_allocated()
+        torch._C._cuda_clearCublasWorkspaces()  # a diagnosis: what of `after` is cuBLAS workspaces
+        report["allocated_after_close_and_cublas_clear_gib"] = torch.cuda.memory_allocated() / 2**30
         report |= {
             "engine_bytes_max_gib": max(engine_bytes) / 2**30,
             "engine_bytes_at_end_gib": held / 2**30,
