@@ -39,11 +39,11 @@ def capture(forward):
     autotuning and the allocator's state stay out of the graph). Returns (graph, forward's output).
 
     cuBLAS keeps a workspace per (handle, stream) for the life of the process, outside any graph:
-    the warm-ups' side stream (one of torch's pool of 32) would keep one each, about 1 GiB over
-    an engine's captures (measured on an H100). So, as torch inductor's CUDA graph trees do, the
-    workspaces are dropped after the warm-ups and after the capture: the capture then allocates
-    the one it uses in the graph's own pool, freed with the graph (`HandoffEngine.close()`).
-    Other streams' workspaces are allocated again on their next matmul."""
+    the warm-ups' side stream (one of torch's pool of 32) would keep one each (the likely cause of
+    the 1.03 GiB an H100 soak found still allocated after close()). So, as torch inductor's CUDA
+    graph trees do, the workspaces are dropped after the warm-ups and after the capture: the
+    capture then allocates the one it uses in the graph's own pool, freed with the graph
+    (`HandoffEngine.close()`). Other streams' workspaces are allocated again on their next matmul."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
