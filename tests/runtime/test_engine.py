@@ -92,8 +92,8 @@ def test_every_path_leaves_the_models_as_they_were(tmp_path):
 def test_concurrent_handoffs_equal_the_sequential_run_and_leave_a_plain_generate_alone():
     bridge, model, tok = _setup()
     engine = HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok)
-    prompts = [f" and {i}" for i in range(25)]
-    jobs = [(CONTEXTS[i % 3] * (1 + i % 4), prompts[i]) for i in range(25)]
+    prompts = [f" and {i}" for i in range(100)]  # 2 threads x 50 handoffs (issue 36's goal)
+    jobs = [(CONTEXTS[i % 3] * (1 + i % 4), prompts[i]) for i in range(100)]
     run = lambda job: engine.handoff(*job, max_new_tokens=4, do_sample=False).output_ids  # noqa: E731
     plain_ids = tok(CONTEXTS[2] * 3, return_tensors="pt").input_ids
     plain = lambda: model.generate(plain_ids, max_new_tokens=6, do_sample=False, pad_token_id=0)  # noqa: E731
