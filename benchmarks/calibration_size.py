@@ -22,7 +22,9 @@ $BRIDGECACHE_HOME/calibration-size/controls.json, so later runs repeat only brid
 share the target and the items). One JSON per (pair, method, size) under --out.
 
 `report` prints one Markdown table per pair (accuracy, retention with its 95% bootstrap interval
-over items, n, fit seconds) and, with --plot, draws retention against calibration sequences.
+over items, the accuracy difference from Full-Head at the largest size measured on the same items
+with a paired 95% bootstrap interval, n, fit seconds) and, with --plot, draws retention against
+calibration sequences.
 """
 
 from __future__ import annotations
@@ -197,6 +199,24 @@ def _records(out: Path) -> tuple[list[dict], dict]:
     return runs, fits
 
 
+def _correct(summary: dict) -> dict[int, int]:
+    """item index -> 1 if the bridged pick was the answer."""
+    return {r["index"]: int(r["pick_bridged"] == r["answer"]) for r in summary["items"]}
+
+
+def _paired(summary: dict, reference: dict | None) -> str:
+    """Accuracy minus the reference's on the same items, with a paired 95% bootstrap interval."""
+    from bridgecache.evaluation.metrics import bootstrap_ci
+
+    if reference is None or reference is summary:
+        return "-"
+    a, b = _correct(summary), _correct(reference)
+    common = sorted(set(a) & set(b))
+    diff = [a[i] - b[i] for i in common]
+    lo, hi = bootstrap_ci(len(diff), lambda ix: sum(diff[i] for i in ix) / len(ix))
+    return f"{100 * sum(diff) / len(diff):+.1f} [{100 * lo:+.0f}, {100 * hi:+.0f}]"
+
+
 def report(args) -> None:
     runs, fits = _records(args.out)
     for pair in PAIRS:
@@ -212,20 +232,27 @@ def report(args) -> None:
             f"native accuracy {_pct(s0['acc_native'])}; no context {_pct(s0['acc_no_context'])}; "
             f"unrelated context {_pct(s0['acc_other_native'])}\n"
         )
+        full = [r for r in rows if r["method"] == "fullhead"]
+        ref = max(full, key=lambda r: r["num_sequences"]) if full else None
+        ref_n = ref["num_sequences"] if ref else "-"
         print(
             "| method | calibration sequences | default refresh: accuracy | retention [95%] "
-            "| no refresh: accuracy | retention [95%] | n | fit s |"
+            f"| vs fullhead {ref_n} (points, paired) | no refresh: accuracy | retention [95%] "
+            f"| vs fullhead {ref_n} (points, paired) | n | fit s |"
         )
-        print("|---|---:|---|---|---|---|---:|---:|")
+        print("|---|---:|---|---|---|---|---|---|---:|---:|")
         for r in rows:
             d, p = r["variants"]["default"], r["variants"]["none"]
             fit_s = fits.get((pair, r["method"], r["num_sequences"]))
+            ref_d, ref_p = (ref["variants"]["default"], ref["variants"]["none"]) if ref else (None, None)
             print(
                 f"| {r['method']} | {r['num_sequences']} "
                 f"| {_pct(d['acc_bridged'])}{_interval(d.get('acc_bridged_ci'))} "
                 f"| {_pct(d['retention'])}{_interval(d.get('retention_ci'))} "
+                f"| {_paired(d, ref_d if r is not ref else d)} "
                 f"| {_pct(p['acc_bridged'])}{_interval(p.get('acc_bridged_ci'))} "
                 f"| {_pct(p['retention'])}{_interval(p.get('retention_ci'))} "
+                f"| {_paired(p, ref_p if r is not ref else p)} "
                 f"| {d['n']} | {'-' if fit_s is None else f'{fit_s:.0f}'} |"
             )
     if args.plot:
