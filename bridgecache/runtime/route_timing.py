@@ -13,6 +13,7 @@ Knows engines, caches and generate(); the table and the decision are bridgecache
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -51,7 +52,13 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
     source_device = source.get_input_embeddings().weight.device
     generator = torch.Generator().manual_seed(0)
     vocab_s, vocab_t = source.config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
-    forced = {route: config.replace(route=route) for route in ("handoff", "native")}
+    # Random ids have no words: the refresh is timed token by token under the request's key (whole
+    # words move which tokens are refreshed, not the work; a request's config arrives resolved
+    # to whole_words=True, which a cache without words refuses).
+    tokenwise = config
+    if config.wants_words:
+        tokenwise = config.replace(refresh=dataclasses.replace(config.refresh, whole_words=False))
+    forced = {route: tokenwise.replace(route=route) for route in ("handoff", "native")}
     times = {route: [] for route in forced}
     label = f"bridgecache: timing both routes on {device_name(target)}"
     for n in tqdm(lengths, desc=label, disable=not progress):

@@ -240,6 +240,17 @@ def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, ho
     assert result.cache.report().route == faster
 
 
+def test_the_routes_are_timed_under_a_request_config_that_takes_whole_words(setup, home):
+    # a request's config arrives resolved to whole_words=True (its words known); the timing's
+    # random ids have none, and it files the costs under the request's key all the same
+    bridge, model, tok = setup
+    resolved = HandoffConfig().with_words(True)
+    assert resolved.refresh.whole_words is True
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        costs = engine.measure_route(resolved, lengths=[32], repeats=1, progress=False)
+        assert costs.lengths == [32] and engine.route_costs() == costs
+
+
 def test_a_cpu_engine_never_times_the_routes_by_itself(setup, home):
     bridge, model, tok = setup
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
