@@ -22,7 +22,9 @@ from tqdm.auto import tqdm
 
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.route import RouteCosts, device_name
+from bridgecache.runtime.selection.rules import GivenScores
 
 __all__ = ["LADDER", "measure_route_costs", "route_lengths"]
 
@@ -52,14 +54,7 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
     source_device = source.get_input_embeddings().weight.device
     generator = torch.Generator().manual_seed(0)
     vocab_s, vocab_t = source.config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
-    # Random ids have no words: the refresh is timed token by token under the request's key (whole
-    # words move which tokens are refreshed, not the work; a request's config arrives resolved
-    # to whole_words=True, which a cache without words refuses).
-    tokenwise = config
-    if config.wants_words:
-        tokenwise = config.replace(refresh=dataclasses.replace(config.refresh, whole_words=False))
-    forced = {route: tokenwise.replace(route=route) for route in ("handoff", "native")}
-    times = {route: [] for route in forced}
+    times = {route: [] for route in ("handoff", "native")}
     label = f"bridgecache: timing both routes on {device_name(target)}"
     for n in tqdm(lengths, desc=label, disable=not progress):
         source_ids = torch.randint(3, vocab_s, (1, n), generator=generator).to(source_device)
@@ -67,7 +62,8 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         question = torch.randint(3, vocab_t, (1, PROMPT_TOKENS), generator=generator).to(device)
         prompt = torch.randint(3, vocab_s, (1, PROMPT_TOKENS), generator=generator).to(source_device)
         inputs = (capture_kv(source, source_ids), context, prompt, torch.cat([context, question], dim=1))
-        for route, routed in forced.items():
+        for route in times:
+            routed = _timing_config(config, route, n, generator)
             times[route].append(
                 _median_seconds(lambda c=routed, i=inputs: _first_token(engine, c, *i), device, repeats)
             )
@@ -79,6 +75,27 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         times["native"],
         PROMPT_TOKENS,
     )
+
+
+def _timing_config(config, route: str, tokens: int, generator) -> HandoffConfig:
+    """`config` forced to `route`, for random ids of `tokens` context tokens. What a request's
+    config holds of its own request is replaced by the same kind of work on the random ids: no
+    words (a request's config arrives resolved to whole_words=True, which a cache without words
+    refuses; words move which tokens are refreshed, not how much work that is) and, for given
+    scores, random scores of this length (given scores cost nothing to select by); a native head
+    longer than the length is cut to what the length holds. The costs stay filed under the request
+    config's key."""
+    if config.native_head is not None and config.native_head >= tokens:
+        config = config.replace(native_head=tokens - 1)
+    refresh = config.refresh
+    if refresh is not None:
+        changes = {}
+        if config.wants_words:
+            changes["whole_words"] = False
+        if isinstance(refresh.by, GivenScores):
+            changes["by"] = GivenScores(torch.rand(1, tokens, generator=generator))
+        refresh = dataclasses.replace(refresh, **changes)
+    return config.replace(refresh=refresh, route=route)
 
 
 def _first_token(engine, config, source_kv, context, prompt, full) -> None:

@@ -16,6 +16,7 @@ from tiny_models import byte_tokenizer, random_bridge, tiny_model
 from bridgecache import (
     BridgedCache,
     Conversation,
+    GivenScores,
     HandoffConfig,
     HandoffEngine,
     RefreshConfig,
@@ -240,15 +241,22 @@ def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, ho
     assert result.cache.report().route == faster
 
 
-def test_the_routes_are_timed_under_a_request_config_that_takes_whole_words(setup, home):
-    # a request's config arrives resolved to whole_words=True (its words known); the timing's
-    # random ids have none, and it files the costs under the request's key all the same
+@pytest.mark.parametrize(
+    "config",
+    [
+        HandoffConfig().with_words(True),  # a request's config, resolved: its words were known
+        HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40)))),  # the request's scores
+        HandoffConfig(native_head=300),  # a head longer than the shortest timed length
+    ],
+    ids=["whole words", "given scores", "long native head"],
+)
+def test_the_routes_are_timed_under_a_config_that_holds_its_request(setup, home, config):
+    # the timing's random ids have no words and another length than the request's scores: it
+    # times the same work on them and files the costs under the request config's key
     bridge, model, tok = setup
-    resolved = HandoffConfig().with_words(True)
-    assert resolved.refresh.whole_words is True
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
-        costs = engine.measure_route(resolved, lengths=[32], repeats=1, progress=False)
-        assert costs.lengths == [32] and engine.route_costs() == costs
+        costs = engine.measure_route(config, lengths=[64], repeats=1, progress=False)
+        assert costs.lengths == [64] and engine.route_costs(config) == costs
 
 
 def test_a_cpu_engine_never_times_the_routes_by_itself(setup, home):
