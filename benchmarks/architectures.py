@@ -222,6 +222,12 @@ rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated 
 recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
 a learned sink logit per head: none of them is per-head keys and values a bridge can translate
 and a target can attend over unchanged.
+
+At the sizes users run: one model of each supported family at its published config (Llama-3.1-8B,
+Mistral-7B, Qwen3-8B, Gemma-2-9B, Gemma-3-4B, Phi-3-mini-4k, OLMo-2-7B, Granite-3.1-8B, SmolLM3-3B,
+StarCoder2-7B; random weights, bf16, CUDA) is timed beside the target's own prefill at 4K and 16K
+tokens by `python benchmarks/gpu_families.py`, with a full refresh checked against native:
+benchmarks/reports/families-2026-12-06.md.
 """
 
 
