@@ -284,6 +284,9 @@ def _plot(runs: list[dict], path: Path) -> None:
                 ax.errorbar(xs, ys, yerr=err, fmt=style, marker="o", capsize=3, color=color,
                             label=f"{method}, {REFRESH[key]}")  # fmt: skip
         ax.axhline(100, color="grey", lw=0.6)
+        control = next(r["variants"]["default"] for r in runs if r["pair"] == pair)
+        unrelated = 100 * control["acc_other_native"] / control["acc_native"]
+        ax.axhline(unrelated, color="grey", lw=0.8, ls=":", label="unrelated context (control)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"calibration sequences (x {256} target tokens)")
         ax.set_ylabel("retention: bridged / native accuracy (%)")
