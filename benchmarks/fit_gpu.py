@@ -2,6 +2,7 @@
 
     python benchmarks/fit_gpu.py --tokenizer DIR --out DIR [--pairs Qwen3-14B]   # CUDA machine
     python benchmarks/fit_gpu.py --tokenizer DIR --smoke --out DIR  # tiny configs on CPU
+    python benchmarks/fit_gpu.py --tokenizer DIR --out DIR --seqs 64 --profile   # where time goes
 
 Pairs: Qwen2.5-7B -> Qwen2.5-1.5B and Qwen3-14B -> Qwen3-32B (transformers config classes, built
 directly on the GPU, both models resident on cuda:0); the Qwen2.5 tokenizer for both. Each method
@@ -17,6 +18,10 @@ The Qwen2.5 pair alone took about 200 s on an H200 (benchmarks/reports/fit-gpu-2
 give each pair its own call where calls are time-limited. Writes results.json and report.md
 under --out after every fit (a run cut short keeps what it
 finished). The random-weight models say nothing of quality; benchmarks/reports/quality.md does.
+
+--profile: each fit once more under torch.profiler and cProfile after its timed run: per phase
+the kernels and the GPU's busy share, the top operators by GPU time and by host time, and the
+top Python functions (written to profile-<pair>-<method>.txt under --out).
 """
 
 from __future__ import annotations
@@ -121,6 +126,43 @@ def fit_one(source, target, tok, method: str, args, device) -> dict:
     return row
 
 
+def profile_fit(source, target, tok, method: str, args, device, path: Path) -> None:
+    """One more fit under torch.profiler (CPU + CUDA) and cProfile: where its time goes, per phase."""
+    import cProfile
+    import io
+    import pstats
+
+    from bridgecache.fitting import FitConfig, fit_bridge
+    from bridgecache.fitting.phases import PhaseClock
+
+    config = FitConfig(method=method, num_sequences=args.seqs, seq_len=args.seq_len, domain="mixed")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    clock = PhaseClock(device)
+    host = cProfile.Profile()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        host.enable()
+        fit_bridge(source, target, tok, tok, config, progress=False, clock=clock)
+        host.disable()
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6
+    out = io.StringIO()
+    out.write(f"{method}: {wall:.2f} s wall under the profilers, {len(kernels)} kernels, GPU busy "
+              f"{busy:.2f} s ({busy / wall:.0%}); phases: {json.dumps(clock.report())}\n\n")  # fmt: skip
+    averages = prof.key_averages()
+    out.write(averages.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    out.write("\n")
+    out.write(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    stats = pstats.Stats(host, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(out.getvalue())
+    print(out.getvalue()[:6000], flush=True)
+
+
 def render(info: dict, rows: list[dict]) -> str:
     lines = [
         f"# Fitting on one GPU: random weights at the published configs ({info['date']})",
@@ -169,6 +211,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a few narrow layers per model, on CPU")
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="each fit again under the profilers")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -211,6 +254,9 @@ def main() -> None:
                 row = {"pair": pair, "method": method, "error": f"{type(e).__name__}: {e}"[:500]}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.profile and device.type == "cuda":
+                slug = f"{source_name}-{target_name}-{method}".lower()
+                profile_fit(source, target, tok, method, args, device, args.out / f"profile-{slug}.txt")
             (args.out / "results.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
             (args.out / "report.md").write_text(render(info, rows))
         del source, target
