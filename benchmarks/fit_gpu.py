@@ -19,7 +19,8 @@ give each pair its own call where calls are time-limited. Writes results.json an
 under --out after every fit (a run cut short keeps what it
 finished). The random-weight models say nothing of quality; benchmarks/reports/quality.md does.
 
---profile: each fit once more under torch.profiler and cProfile after its timed run: per phase
+--profile: each fit once more (--profile-seqs sequences) under torch.profiler and cProfile after
+its timed run: per phase
 the kernels and the GPU's busy share, the top operators by GPU time and by host time, and the
 top Python functions (written to profile-<pair>-<method>.txt under --out).
 """
@@ -109,6 +110,7 @@ def fit_one(source, target, tok, method: str, args, device) -> dict:
         "construction_s": round(sum(seconds.get(p, 0.0) for p in ("probes", "statistics", "solve")), 2),
         "phases": phases,
         "statistics_passes": bridge.calibration.get("statistics_passes"),
+        "batch_sequences": bridge.calibration.get("batch_sequences"),
         "rows": bridge.calibration.get("rows"),
         "heldout_cosine_mean": (bridge.calibration.get("heldout_scores") or {}).get("mean"),
         "heldout_scores_error": bridge.calibration.get("heldout_scores_error"),
@@ -135,7 +137,7 @@ def profile_fit(source, target, tok, method: str, args, device, path: Path) -> N
     from bridgecache.fitting import FitConfig, fit_bridge
     from bridgecache.fitting.phases import PhaseClock
 
-    config = FitConfig(method=method, num_sequences=args.seqs, seq_len=args.seq_len, domain="mixed")
+    config = FitConfig(method=method, num_sequences=args.profile_seqs, seq_len=args.seq_len, domain="mixed")
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     clock = PhaseClock(device)
     host = cProfile.Profile()
@@ -172,9 +174,9 @@ def render(info: dict, rows: list[dict]) -> str:
         f"{info['where']}; command: `{info['command']}`",
         "",
         "| pair | method | whole fit s | construction s (probes + statistics + solve) | text s | forwards s "
-        "| probes s | statistics s | solve s | scoring s | forward tok/s | statistics passes | models GiB "
-        "| peak GiB | fit's own GiB | held-out cosine |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| probes s | statistics s | solve s | scoring s | forward tok/s | statistics passes | batch "
+        "| models GiB | peak GiB | fit's own GiB | held-out cosine |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
@@ -186,7 +188,8 @@ def render(info: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['pair']} | {r['method']} | {r['whole_fit_s']:.1f} | {r['construction_s']:.2f} "
             f"| {' | '.join(s[name] for name in PHASES)} | {rate or '-'} "
-            f"| {r['statistics_passes']} | {r.get('models_GiB', '-')} | {r.get('peak_GiB', '-')} "
+            f"| {r['statistics_passes']} | {r.get('batch_sequences', '-')} | {r.get('models_GiB', '-')} "
+            f"| {r.get('peak_GiB', '-')} "
             f"| {r.get('fit_own_peak_GiB', '-')} | {r['heldout_cosine_mean']} |"
         )
     lines += [
@@ -212,6 +215,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--profile", action="store_true", help="each fit again under the profilers")
+    ap.add_argument("--profile-seqs", type=int, default=64, help="sequences of the profiled fits")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 

@@ -95,6 +95,9 @@ class FitConfig:
         fitting device (None: on CUDA 90% of what is free when the fit starts, less 4 GiB for the
         forwards; on CPU no limit). Statistics beyond it take more passes over the text; probes beyond it are
         refused before any forward. Changes no map, so the recipe leaves it out.
+    batch_sequences: calibration sequences per forward pass of each model (None: as many as make
+        about 8,192 tokens, their KV within 3 GiB; bridgecache.fitting.fit.calibration_batch).
+        Changes no map beyond float rounding, so the recipe leaves it out.
     """
 
     method: str = "fullhead"
@@ -118,6 +121,7 @@ class FitConfig:
     identity_if_same: bool = True
     score_heldout: bool = True
     memory_budget_gb: float | None = None
+    batch_sequences: int | None = None
 
     def __post_init__(self):
         """Raise FitOptionError for the first field outside its range (before any model loads)."""
@@ -134,7 +138,7 @@ class FitConfig:
         _int_at_least("seed", self.seed, 0, high=MAX_SEED)
         for name in ("heldout_every", "boundaries"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("layers_k", "probe_subset"):
+        for name in ("layers_k", "probe_subset", "batch_sequences"):
             if getattr(self, name) is not None:
                 high = SPEC_LIMITS["num_layers"] if name == "layers_k" else None
                 _int_at_least(name, getattr(self, name), 1, high=high)
@@ -230,9 +234,9 @@ CHOICES = {
 }
 _NONE_ALLOWED = ("weighting", "alignment_policy")  # None: the method's / tokenalign's default
 MAX_SEED = 2**63 - 1  # the bridge file reader's bound
-# Every field but those that change no map (score_heldout, memory_budget_gb) or are not kept
-# (text_column: the text is recorded by its digest).
-_NOT_RECORDED = ("score_heldout", "memory_budget_gb", "text_column")
+# Every field but those that change no map (score_heldout, memory_budget_gb, batch_sequences) or
+# are not kept (text_column: the text is recorded by its digest).
+_NOT_RECORDED = ("score_heldout", "memory_budget_gb", "batch_sequences", "text_column")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(FitConfig) if f.name not in _NOT_RECORDED)
 # Field -> `bridgecache fit` flag (its name with dashes, but one).
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(FitConfig)}

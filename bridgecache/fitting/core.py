@@ -22,18 +22,19 @@ from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
 from bridgecache.fitting.support import ProbeRows
 
-__all__ = ["PairedKV", "Shift", "add_probe", "LayerAccumulator"]
+__all__ = ["PairedKV", "Shift", "add_probe", "row_matrix", "LayerAccumulator"]
 
 
 @dataclass
 class PairedKV:
     """One calibration sequence as the core sees it.
 
-    source_keys[l], source_values[l]: [1, src_heads, src_tokens, src_dim], keys un-rotated.
-    target_keys[l], target_values[l]: [1, tgt_heads, tgt_tokens, tgt_dim], keys un-rotated.
-    src_rows, tgt_rows: int64 [n], the pairs to fit (target rows < native_head already dropped).
-    key_weights[l], value_weights[l]: [1, tgt_heads, tgt_tokens] raw attention weights, or None.
-    heldout: whether this sequence scores the maps instead of fitting them.
+    source_keys[l], source_values[l]: [batch, src_heads, src_tokens, src_dim], keys un-rotated.
+    target_keys[l], target_values[l]: [batch, tgt_heads, tgt_tokens, tgt_dim], keys un-rotated.
+    src_rows, tgt_rows: int64 [n] (batch 1) or [batch, n], the pairs to fit (target rows <
+        native_head already dropped); -1 in both pads a batch's shorter sequences.
+    key_weights[l], value_weights[l]: [batch, tgt_heads, tgt_tokens] raw attention weights, or None.
+    heldout: whether these sequences score the maps instead of fitting them.
     """
 
     source_keys: list[torch.Tensor]
@@ -45,6 +46,16 @@ class PairedKV:
     heldout: bool = False
     key_weights: list[torch.Tensor] | None = None
     value_weights: list[torch.Tensor] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """The pairs to fit, padding not counted."""
+        return int((self.tgt_rows >= 0).sum())
+
+
+def row_matrix(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as [batch, n] (one sequence's [n] as a batch of one)."""
+    return rows if rows.dim() == 2 else rows[None]
 
 
 @dataclass
@@ -64,10 +75,12 @@ class Shift:
 
     @classmethod
     def of(cls, seq: PairedKV) -> Shift:
-        src, tgt = seq.src_rows, seq.tgt_rows
+        """The means of the first sequence's paired rows."""
+        src, tgt = row_matrix(seq.src_rows)[0], row_matrix(seq.tgt_rows)[0]
+        src, tgt = src[src >= 0], tgt[tgt >= 0]
 
         def means(layers, idx):
-            return [x[:, :, idx.to(x.device)].mean(2, keepdim=True) for x in layers]
+            return [x[:1, :, idx.to(x.device)].mean(2, keepdim=True) for x in layers]
 
         return cls(
             means(seq.source_keys, src), means(seq.source_values, src),
@@ -75,8 +88,11 @@ class Shift:
         )  # fmt: skip
 
     def apply(self, seq: PairedKV) -> PairedKV:
+        """`seq` shifted, each side's layers views of one buffer [layers, batch, heads, tokens, d]:
+        the statistics kernel then finds every batch's layers at the same offsets (no table copy)."""
+
         def sub(layers, shifts):
-            return [x - c for x, c in zip(layers, shifts)]
+            return list(torch.stack(layers).sub_(torch.stack(shifts)).unbind(0))
 
         return replace(
             seq,
@@ -88,11 +104,13 @@ class Shift:
 
 
 def add_probe(probe: ProbeRows, seq: PairedKV) -> None:
-    """Add one sequence's rows to the single-layer probes' rows."""
-    src, tgt = seq.src_rows.to(seq.source_keys[0].device), seq.tgt_rows.to(seq.target_keys[0].device)
+    """Add the rows of one sequence (or a batch) to the single-layer probes' rows."""
+    src, tgt = row_matrix(seq.src_rows), row_matrix(seq.tgt_rows)
+    src = [r[r >= 0].to(seq.source_keys[0].device) for r in src]  # per sequence, padding dropped
+    tgt = [r[r >= 0].to(seq.target_keys[0].device) for r in tgt]
 
-    def rows(layers, idx):  # [1, heads, tokens, d] -> [n, heads, d]
-        return [x[0][:, idx].transpose(0, 1) for x in layers]
+    def rows(layers, idx):  # [batch, heads, tokens, d] -> [n, heads, d]
+        return [torch.cat([x[b][:, i] for b, i in enumerate(idx)], 1).transpose(0, 1) for x in layers]
 
     probe.update(
         rows(seq.source_keys, src), rows(seq.source_values, src),
@@ -141,15 +159,17 @@ class LayerAccumulator:
         return out
 
     def add(self, seq: PairedKV) -> None:
+        """Add the rows of one sequence (or a batch); its tensors should be on this accumulator's
+        device already (fit_layer_maps moves them once for every layer)."""
         device = self.heads.device
-        rows = seq.src_rows.to(device)[None]
-        tgt = seq.tgt_rows.to(device)
+        rows = row_matrix(seq.src_rows).to(device)  # [batch, n], -1: padding (skipped)
+        tgt = row_matrix(seq.tgt_rows).to(device).clamp_min(0)
         for kind, src_layers, tgt_layers, weights in (
             ("k", seq.source_keys, seq.target_keys, seq.key_weights),
             ("v", seq.source_values, seq.target_values, seq.value_weights),
         ):
             src = [src_layers[s].to(device) for s in self.used]  # stacked on the head axis
-            y = tgt_layers[self.layer][:, :, tgt].to(device)  # [1, Ht, n, Dt]
+            y = _gather(tgt_layers[self.layer].to(device), tgt)  # [batch, Ht, n, Dt]
             if seq.heldout:
                 accumulate(self.heldout[kind], src, rows, self.heads, y, precision=self.precision)
             elif not self.weighted:
@@ -157,7 +177,7 @@ class LayerAccumulator:
             elif weights is None:
                 raise ValueError("attention-weighted fitting needs key_weights and value_weights")
             else:
-                r = weights[self.layer][:, :, tgt].to(device)
+                r = _gather(weights[self.layer].to(device), tgt) * (rows >= 0)[:, None]  # 0 on padding
                 self.train[kind].add(src, rows, self.heads, y, r, precision=self.precision)
 
     def training_moments(self, kind: str) -> SufficientStats:
@@ -208,3 +228,9 @@ class LayerAccumulator:
         ).to(w)  # [Ht, p]
         cy = tgt[self.layer][0, :, 0].to(w)  # [Ht, Dt]
         return cy - (cx.unsqueeze(1) @ w).squeeze(1)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [batch, heads, tokens, ...] at the tokens index [batch, n] names: [batch, heads, n, ...]."""
+    index = index[:, None, :] if x.dim() == 3 else index[:, None, :, None]
+    return torch.take_along_dim(x, index, dim=2)

@@ -42,7 +42,7 @@ from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import model_spec
 from bridgecache.text import Digest, UserText
 
-__all__ = ["fit_bridge", "fit_layer_maps"]
+__all__ = ["fit_bridge", "fit_layer_maps", "calibration_batch"]
 
 # sequences(with_weights) -> a fresh iterable over the calibration sequences' PairedKV (called
 # once for the probes and once per statistics pass: more than one pass only when the statistics
@@ -125,10 +125,10 @@ def fit_layer_maps(
         rows = {"train": 0, "heldout": 0}
         shift = None
         clock.passes += 1
-        stream = clock.timed(sequences(weighted), "forwards", lambda seq: int(seq.tgt_rows.numel()))
+        stream = clock.timed(sequences(weighted), "forwards", lambda seq: seq.num_rows)
         for seq in stream:
-            rows["heldout" if seq.heldout else "train"] += int(seq.tgt_rows.numel())
-            with clock.phase("statistics", int(seq.tgt_rows.numel())):
+            rows["heldout" if seq.heldout else "train"] += seq.num_rows
+            with clock.phase("statistics", seq.num_rows):
                 seq = _on(seq, device)
                 shift = shift or Shift.of(seq)
                 seq = shift.apply(seq)
@@ -154,8 +154,8 @@ def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress)
     per_row = ProbeRows.bytes_per_row(*shape, torch.empty((), dtype=dtype).element_size())
     shift = None
     clock.passes += 1
-    for seq in clock.timed(sequences(False), "forwards", lambda seq: int(seq.tgt_rows.numel())):
-        with clock.phase("probes", int(seq.tgt_rows.numel())):
+    for seq in clock.timed(sequences(False), "forwards", lambda seq: seq.num_rows):
+        with clock.phase("probes", seq.num_rows):
             seq = _on(seq, device)
             shift = shift or Shift.of(seq)
             add_probe(heldout if seq.heldout else train, shift.apply(seq))
@@ -177,8 +177,8 @@ def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress)
 
 def memory_budget(config: FitConfig, device) -> int | None:
     """Bytes the fit's own buffers may take: config.memory_budget_gb, else on CUDA 90% of what is
-    free (PyTorch's cached blocks counted free) less 4 GiB for one sequence's forwards and KV, at
-    least half of what is free; else None (no limit)."""
+    free (PyTorch's cached blocks counted free) less 4 GiB for one batch's forwards and KV
+    (`calibration_batch`), at least half of what is free; else None (no limit)."""
     if config.memory_budget_gb is not None:
         return int(config.memory_budget_gb * _GiB)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -187,6 +187,21 @@ def memory_budget(config: FitConfig, device) -> int | None:
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return max(int(0.9 * free) - 4 * _GiB, free // 2)
+
+
+_BATCH_TOKENS = 8192  # target tokens per forward: enough to keep a GPU's kernels busy
+_BATCH_KV_BYTES = 3 * _GiB  # a batch's KV as captured, un-rotated and shifted (within the 4 GiB reserve)
+
+
+def calibration_batch(config: FitConfig, source_spec, target_spec) -> int:
+    """Sequences per forward: config.batch_sequences, else as many as make about 8,192 target
+    tokens whose KV (both models' keys and values: as captured, in float32, and shifted, 10 bytes
+    a value) stay within 3 GiB; at least 1."""
+    if config.batch_sequences is not None:
+        return config.batch_sequences
+    widths = sum(spec.num_layers * spec.num_kv_heads * spec.head_dim for spec in (source_spec, target_spec))
+    per_sequence = config.seq_len * 2 * widths * 10
+    return max(1, min(_BATCH_TOKENS // config.seq_len, _BATCH_KV_BYTES // per_sequence))
 
 
 def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int | None) -> list[list[int]]:
@@ -215,7 +230,8 @@ def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int 
 
 
 def _on(seq: PairedKV, device) -> PairedKV:
-    """`seq` with every tensor on `device` (one copy per sequence, not one per target layer)."""
+    """`seq` with every tensor on `device`, its rows included (one copy per batch, not one per
+    target layer: a copy from the host waits for the GPU)."""
     if device is None:
         return seq
     move = lambda xs: None if xs is None else [x.to(device) for x in xs]  # noqa: E731
@@ -224,6 +240,7 @@ def _on(seq: PairedKV, device) -> PairedKV:
         source_keys=move(seq.source_keys), source_values=move(seq.source_values),
         target_keys=move(seq.target_keys), target_values=move(seq.target_values),
         key_weights=move(seq.key_weights), value_weights=move(seq.value_weights),
+        src_rows=seq.src_rows.to(device), tgt_rows=seq.tgt_rows.to(device),
     )  # fmt: skip
 
 
@@ -291,10 +308,13 @@ def fit_bridge(
         )  # fmt: skip
     _check_lengths(seqs, source_spec, target_spec)
 
+    batch = calibration_batch(c, source_spec, target_spec)
+
     def sequences(with_weights: bool):
         return paired_kv(
-            source_model, target_model, seqs, with_weights, c.boundaries, c.native_head, progress, "fit"
-        )
+            source_model, target_model, seqs, with_weights, c.boundaries, c.native_head, progress,
+            "fit", batch,
+        )  # fmt: skip
 
     probe_seqs = seqs if c.probe_subset is None else seqs[: c.probe_subset]
     if not any(s.heldout for s in probe_seqs):
@@ -302,8 +322,9 @@ def fit_bridge(
 
     def probes(with_weights: bool):
         return paired_kv(
-            source_model, target_model, probe_seqs, False, c.boundaries, c.native_head, progress, "probes"
-        )
+            source_model, target_model, probe_seqs, False, c.boundaries, c.native_head, progress,
+            "probes", batch,
+        )  # fmt: skip
 
     layers, info = fit_layer_maps(
         sequences,
@@ -329,6 +350,7 @@ def fit_bridge(
         "heldout_every": c.heldout_every,
         "boundaries": c.boundaries if info["weighting"] == "attention" else None,
         "probe_sequences": len(probe_seqs) if "layer_scores" in info else 0,
+        "batch_sequences": batch,
         **info,
         # Exactly the config this call was given: `bridgecache fit --recipe` fits again from it.
         "recipe": c.recipe(source_spec.name, target_spec.name, digest.value if user_text else None),

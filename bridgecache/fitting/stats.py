@@ -78,11 +78,12 @@ class WeightedMoments:
         return cls(zeros(heads, p, d, shared, device), zeros(heads, p, d, False, device), z(), z(), z())
 
     def add(self, src, rows, heads, y, r, precision: str = "tf32x3") -> None:
-        """Add a chunk (arguments as `accumulate`; r: [batch, heads, n] raw weights >= 0)."""
+        """Add a chunk (arguments as `accumulate`; r: [batch, heads, n] raw weights >= 0, 0 where
+        rows is -1)."""
         accumulate(self.plain, src, rows, heads, y, precision=precision)
         accumulate(self.by_r, src, rows, heads, y, r, precision=precision)
         r = r.double()
-        self.n += r.shape[0] * r.shape[2]
+        self.n += (rows >= 0).sum()
         self.sum_r += r.sum((0, 2))
         self.sum_r2 += (r * r).sum((0, 2))
 

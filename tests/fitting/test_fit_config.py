@@ -48,6 +48,7 @@ BAD = [  # (field, value, what the message expects)
     ("text_column", "", r"a column name"),
     ("memory_budget_gb", 0, r"None or a finite number of GiB > 0"),
     ("memory_budget_gb", float("inf"), r"None or a finite number of GiB > 0"),
+    ("batch_sequences", 0, r"an integer >= 1"),
     # The bridge file reader's upper bounds (bridgecache.bridge.format): a config that fits loads.
     ("seed", 2**63, r"an integer of at most 9,223,372,036,854,775,807"),
     ("num_sequences", 2**31 + 1, r"an integer of at most 2,147,483,648"),
