@@ -103,7 +103,8 @@ def test_mean_policy_pools_each_sequence_of_a_batch(pair):
     tok, target_tok = byte_tokenizer(extra="the"), byte_tokenizer()
     seqs, policy = calibration_sequences(tok, target_tok, 4, 40, policy="mean", heldout_every=8)
     assert policy == "mean" and len({int(s.source_ids.numel()) for s in seqs}) > 1
-    same_length = [s for s in seqs if (s.heldout, s.target_ids.numel()) == (False, seqs[0].target_ids.numel())]
+    length = seqs[0].target_ids.numel()
+    same_length = [s for s in seqs if not s.heldout and s.target_ids.numel() == length]
     assert len({int(s.source_ids.numel()) for s in same_length}) > 1
     (batched,) = paired_kv(source, target, same_length, progress=False, batch=len(same_length))
     for b, seq in enumerate(same_length):
