@@ -123,10 +123,13 @@ class LayerAccumulator:
 
     inputs: int64 [tgt_heads, n_in, 2] (source layer, source head) per input slot.
     weighted: accumulate attention-aligned (r-weighted) training statistics as well.
+    statistics: ({kind: SufficientStats} of training, of held-out rows) accumulated elsewhere, to
+        be solved only (Full-Head's shared statistics, bridgecache.fitting.gram).
     """
 
     def __init__(self, layer: int, inputs: torch.Tensor, src_heads: int, src_dim: int, tgt_dim: int,
-                 weighted: bool, device=None, *, precision: str = "tf32x3"):  # fmt: skip
+                 weighted: bool, device=None, *, precision: str = "tf32x3",
+                 statistics: tuple[dict, dict] | None = None):  # fmt: skip
         self.layer = layer
         self.precision = precision  # of the fused statistics kernel (CUDA)
         self.inputs = inputs
@@ -139,11 +142,14 @@ class LayerAccumulator:
         shared = bool((inputs == inputs[:1]).all())  # full-head: one Gram matrix for the layer
         h, p = inputs.shape[0], inputs.shape[1] * src_dim
         self.weighted = weighted
-        if weighted:
+        if statistics is not None:  # accumulated elsewhere (bridgecache.fitting.gram): only solved here
+            self.train, self.heldout = statistics
+        elif weighted:
             self.train = {kind: WeightedMoments.zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
         else:
             self.train = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
-        self.heldout = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
+        if statistics is None:
+            self.heldout = {kind: zeros(h, p, tgt_dim, shared, device) for kind in "kv"}
         self.alphas: dict[str, list[float]] = {}
 
     def buffers(self) -> list[torch.Tensor]:

@@ -18,6 +18,10 @@ from bridgecache.models.spec import model_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# Calibration text of our own (the built-in text differs between Python versions): "the" every
+# 2nd to 5th word, so a source that reads "the" as one token reads windows of other lengths.
+DOCS = [" ".join("the" if j % (i % 4 + 2) == 0 else f"w{j}" for j in range(80)) for i in range(8)]
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -84,13 +88,15 @@ def test_a_fit_in_batches_equals_a_fit_one_sequence_at_a_time(pair, method, acro
     source, target = pair
     target_tok = byte_tokenizer()
     tok = byte_tokenizer(extra="the") if across else target_tok  # "the" one token: sources of other lengths
-    config = FitConfig(method=method, num_sequences=8, seq_len=40, heldout_every=4, probe_subset=4)
+    config = FitConfig(
+        method=method, num_sequences=8, seq_len=40, heldout_every=4, probe_subset=4, text=DOCS
+    )  # fmt: skip
     one = fit_bridge(source, target, tok, target_tok, config.replace(batch_sequences=1), progress=False)
     many = fit_bridge(source, target, tok, target_tok, config.replace(batch_sequences=3), progress=False)
     assert one.calibration["batch_sequences"] == 1 and many.calibration["batch_sequences"] == 3
     assert one.calibration["rows"] == many.calibration["rows"]
     if across:
-        seqs, _ = calibration_sequences(tok, target_tok, 8, 40, heldout_every=4)
+        seqs, _ = calibration_sequences(tok, target_tok, 8, 40, heldout_every=4, text=config.text)
         assert len({int(s.source_ids.numel()) for s in seqs}) > 1  # the batches were padded
     assert [m.source_layers for m in one.layers] == [m.source_layers for m in many.layers]
     for a, b in zip(_maps(one), _maps(many)):
@@ -101,7 +107,8 @@ def test_a_fit_in_batches_equals_a_fit_one_sequence_at_a_time(pair, method, acro
 def test_mean_policy_pools_each_sequence_of_a_batch(pair):
     source, target = pair
     tok, target_tok = byte_tokenizer(extra="the"), byte_tokenizer()
-    seqs, policy = calibration_sequences(tok, target_tok, 4, 40, policy="mean", heldout_every=8)
+    text = FitConfig(text=DOCS).text
+    seqs, policy = calibration_sequences(tok, target_tok, 4, 40, policy="mean", heldout_every=8, text=text)
     assert policy == "mean" and len({int(s.source_ids.numel()) for s in seqs}) > 1
     length = seqs[0].target_ids.numel()
     same_length = [s for s in seqs if not s.heldout and s.target_ids.numel() == length]

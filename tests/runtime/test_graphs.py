@@ -128,7 +128,8 @@ def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
     for _ in range(3):  # new contexts through the same captured graph
         ids = torch.randint(3, 300, (1, 40), device="cuda")
         kv = capture_kv(model, ids)
-        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))))
+        # route="handoff": the cost gate's timing would capture a graph of its own (at its length)
+        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
         outputs = []
         for graphs in (False, True):
             cache = BridgedCache(

@@ -1,0 +1,96 @@
+"""Full-Head's shared statistics as float64 GEMMs, each block once for all the layers that need it.
+
+Full-Head Mapping regresses every head of target layer t on the same inputs: all heads of its
+source layers S_t. So its Gram matrix X^T X is one per target layer, made of blocks X_a^T X_b
+for source layers a <= b in S_t, and target layers whose supports overlap need the same blocks
+(the shipped bridges' 24 target layers need 240 blocks, 98-100 of them distinct). `SharedGram`
+adds each distinct block once per chunk of rows with one float64 GEMM (`addmm_`, exact where
+the fused kernel forms float32 products), the cross moments X_a^T Y_t once per (source layer,
+target layer), and assembles each target layer's `SufficientStats` for the solver.
+
+Memory: the distinct blocks and cross moments (never more than one `SufficientStats` per target
+layer would hold) plus one chunk of gathered rows, [<= 4,096 rows, used source layers x width].
+
+Knows nothing about models, tokenizers or how the statistics are solved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bridgecache.fitting.stats import SufficientStats
+
+__all__ = ["SharedGram"]
+
+_CHUNK_ROWS = 4096  # rows gathered (in float64) at once
+
+
+class SharedGram:
+    """Float64 moments of one split (training or held-out) for a group of Full-Head target layers.
+
+    supports: {target layer: its source layers, ascending}; widths: source heads x head dim (the
+    inputs of one source layer), target heads x head dim (the outputs of one target layer).
+    """
+
+    def __init__(self, supports: dict[int, list[int]], src_heads: int, src_dim: int, tgt_heads: int,
+                 tgt_dim: int, device=None):  # fmt: skip
+        self.supports = {t: list(s) for t, s in supports.items()}
+        self.src_heads, self.tgt_heads, self.tgt_dim = src_heads, tgt_heads, tgt_dim
+        self.used = sorted({a for s in self.supports.values() for a in s})
+        self.pairs = sorted({(a, b) for s in self.supports.values() for i, a in enumerate(s) for b in s[i:]})
+        w, q = src_heads * src_dim, tgt_heads * tgt_dim
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+        self.xx = {pair: z(w, w) for pair in self.pairs}  # X_a^T X_b
+        self.sx = {a: z(w) for a in self.used}
+        self.xy = {(a, t): z(w, q) for t, s in self.supports.items() for a in s}  # X_a^T Y_t
+        self.sy = {t: z(q) for t in self.supports}
+        self.syy = {t: z(q) for t in self.supports}
+        self.n = 0
+
+    def add(self, sources: list[torch.Tensor], targets: list[torch.Tensor], src_rows: torch.Tensor,
+            tgt_rows: torch.Tensor) -> None:  # fmt: skip
+        """Add a batch: sources[a] [batch, src_heads, src_tokens, src_dim], targets[t] [batch,
+        tgt_heads, tgt_tokens, tgt_dim] (shifted; keys un-rotated); src_rows, tgt_rows [batch, n]
+        int64 on their device, -1 where a row pads."""
+        batch, pos = (src_rows >= 0).nonzero(as_tuple=True)  # one wait for the GPU per batch
+        for start in range(0, batch.numel(), _CHUNK_ROWS):
+            b, i = batch[start : start + _CHUNK_ROWS], pos[start : start + _CHUNK_ROWS]
+            self._add_rows(sources, targets, b, src_rows[b, i], tgt_rows[b, i])
+
+    def _add_rows(self, sources, targets, b, s, t) -> None:
+        m = b.numel()
+        # [m, heads, d] -> [m, heads * d]: a source layer's heads side by side, as full_inputs orders them
+        x = {a: sources[a][b, :, s].reshape(m, -1).double() for a in self.used}
+        for a, c in self.pairs:
+            self.xx[(a, c)].addmm_(x[a].T, x[c])
+        for a in self.used:
+            self.sx[a] += x[a].sum(0)
+        for layer, support in self.supports.items():
+            y = targets[layer][b, :, t].reshape(m, -1).double()
+            for a in support:
+                self.xy[(a, layer)].addmm_(x[a].T, y)
+            self.sy[layer] += y.sum(0)
+            self.syy[layer] += (y * y).sum(0)
+        self.n += m
+
+    def stats(self, layer: int) -> SufficientStats:
+        """Target `layer`'s statistics as the solver reads them: xtx [1, p, p], xty [heads, p, d]."""
+        support = self.supports[layer]
+        w = self.xx[self.pairs[0]].shape[0]
+        p, device = len(support) * w, self.xx[self.pairs[0]].device
+        xtx = torch.empty(1, p, p, dtype=torch.float64, device=device)
+        for i, a in enumerate(support):
+            for j, c in enumerate(support[i:], i):
+                block = self.xx[(a, c)]
+                xtx[0, i * w : (i + 1) * w, j * w : (j + 1) * w] = block
+                xtx[0, j * w : (j + 1) * w, i * w : (i + 1) * w] = block.T
+        xy = torch.cat([self.xy[(a, layer)] for a in support])  # [p, heads * d]
+        h, d = self.tgt_heads, self.tgt_dim
+        return SufficientStats(
+            xtx=xtx,
+            xty=xy.view(p, h, d).transpose(0, 1).contiguous(),
+            sum_x=torch.cat([self.sx[a] for a in support])[None],
+            sum_y=self.sy[layer].view(h, d).clone(),
+            sum_yy=self.syy[layer].view(h, d).clone(),
+            sum_w=torch.full((1,), float(self.n), dtype=torch.float64, device=device),
+        )

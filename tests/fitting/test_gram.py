@@ -1,0 +1,91 @@
+"""Full-Head's shared statistics (float64 GEMMs over distinct blocks) equal the per-layer
+statistics of the reference accumulator, padding and chunking included, and a Full-Head fit
+takes them by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
+from bridgecache.fitting import gram as gram_module
+from bridgecache.fitting.core import LayerAccumulator
+from bridgecache.fitting.gram import SharedGram
+from bridgecache.fitting.support import full_inputs
+
+HS, DS, HT, DT = 2, 8, 3, 4
+SUPPORTS = {0: [0, 2], 1: [1, 2, 3], 2: [0, 2], 3: [3]}  # overlapping: blocks (0,2), (2,2), ... shared
+
+
+def _batch(seed: int, batch: int = 3, tokens: int = 30, n: int = 25):
+    g = torch.Generator().manual_seed(seed)
+    src = [torch.randn(batch, HS, tokens, DS, generator=g, dtype=torch.float64) for _ in range(4)]
+    tgt = [torch.randn(batch, HT, tokens, DT, generator=g, dtype=torch.float64) for _ in range(4)]
+    src_rows = torch.stack([torch.randperm(tokens, generator=g)[:n] for _ in range(batch)])
+    tgt_rows = torch.stack([torch.randperm(tokens, generator=g)[:n] for _ in range(batch)])
+    src_rows[1, n - 7 :] = tgt_rows[1, n - 7 :] = -1  # a shorter sequence, padded
+    return src, tgt, src_rows, tgt_rows
+
+
+@pytest.mark.parametrize("chunk", [4096, 16])
+def test_shared_blocks_equal_each_layers_own_statistics(monkeypatch, chunk):
+    monkeypatch.setattr(gram_module, "_CHUNK_ROWS", chunk)  # 16: rows added in several chunks
+    shared = SharedGram(SUPPORTS, HS, DS, HT, DT)
+    inputs = full_inputs([SUPPORTS[t] for t in range(4)], HS, HT)
+    own = [LayerAccumulator(t, inputs[t], HS, DS, DT, False) for t in range(4)]
+    batches = [_batch(seed) for seed in range(2)]
+    for src, tgt, src_rows, tgt_rows in batches:
+        shared.add(src, tgt, src_rows, tgt_rows)
+        seq = PairedKV(src, src, tgt, tgt, src_rows, tgt_rows)
+        for acc in own:
+            acc.add(seq)
+    assert len(shared.pairs) == 8 < sum(len(s) * (len(s) + 1) // 2 for s in SUPPORTS.values())
+    for t, acc in enumerate(own):
+        got, kernel = shared.stats(t), acc.train["k"]
+        want = _brute_force(t, batches)
+        assert float(got.sum_w) == float(kernel.sum_w) == 2 * (3 * 25 - 7)
+        for name in ("xtx", "xty", "sum_x", "sum_y", "sum_yy"):
+            torch.testing.assert_close(getattr(got, name), want[name], rtol=1e-12, atol=1e-10)
+            # the accumulator's reference forms float32 products
+            torch.testing.assert_close(getattr(kernel, name), want[name], rtol=1e-4, atol=1e-3)
+
+
+def _brute_force(t: int, batches) -> dict:
+    """Target layer t's moments from its materialised rows X [m, p] and Y [m, HT * DT], float64."""
+    xs, ys = [], []
+    for src, tgt, src_rows, tgt_rows in batches:
+        b, i = (src_rows >= 0).nonzero(as_tuple=True)
+        s, r = src_rows[b, i], tgt_rows[b, i]
+        xs.append(torch.cat([src[a][b, :, s].reshape(len(b), -1) for a in SUPPORTS[t]], 1))
+        ys.append(tgt[t][b, :, r].reshape(len(b), HT, DT))
+    x, y = torch.cat(xs), torch.cat(ys)
+    return {
+        "xtx": (x.T @ x)[None],
+        "xty": torch.einsum("mp,mhd->hpd", x, y),
+        "sum_x": x.sum(0)[None],
+        "sum_y": y.sum(0),
+        "sum_yy": (y * y).sum(0),
+    }
+
+
+def test_full_head_fits_through_the_shared_blocks_unless_the_kernel_precision_is_asked_for():
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(6):
+        src = [torch.randn(1, HS, 40, DS, generator=g) + 3.0 for _ in range(4)]
+        noise = [0.1 * torch.randn(1, HT, 40, DT, generator=g) for _ in src]
+        tgt = [s[:, :1].expand(1, HT, 40, DS)[..., :DT] * 2 - 1 + e for s, e in zip(src, noise)]
+        rows = torch.arange(1, 40)
+        seqs.append(PairedKV(src, src, tgt, tgt, rows, rows, heldout=i % 3 == 2))
+    config = FitConfig(layers_k=2, lam=1e-4)
+    maps, info = fit_layer_maps(lambda w: seqs, (4, HS, DS), (4, HT, DT), config)
+    assert info["statistics"] == "shared float64 GEMMs"
+    ref, ref_info = fit_layer_maps(
+        lambda w: seqs, (4, HS, DS), (4, HT, DT), config.replace(stats_precision="tf32")
+    )
+    assert ref_info["statistics"] == "fused kernel (tf32)"  # on the CPU: the float64 reference
+    for a, b in zip(maps, ref):
+        assert a.source_layers == b.source_layers
+        for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-5)
+        assert a.r2_key == pytest.approx(b.r2_key, abs=1e-6) and a.r2_key > 0.9
