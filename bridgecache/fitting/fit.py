@@ -27,7 +27,7 @@ from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig, FitOptionError
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe, row_matrix
-from bridgecache.fitting.gram import SharedGram
+from bridgecache.fitting.gram import SharedGram, shared_groups
 from bridgecache.fitting.phases import PhaseClock
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
@@ -114,8 +114,11 @@ def fit_layer_maps(
         inputs = match_heads(support, hs, ht, None if scores is None else scores.head)
 
     weighted = weighting == "attention"
-    groups = layer_groups(inputs, hs, ds, dt, weighted, budget)
     supports = shared_supports(inputs, hs) if _gram_path(weighted, config.stats_precision) else None
+    if supports:  # two splits x two kinds of shared blocks
+        groups = shared_groups(supports, hs * ds, ht * dt, 4, budget)
+    else:
+        groups = layer_groups(inputs, hs, ds, dt, weighted, budget)
     info["statistics_passes"] = len(groups)
     info["statistics"] = "shared float64 GEMMs" if supports else f"fused kernel ({config.stats_precision})"
     layers: list[LayerMap] = []

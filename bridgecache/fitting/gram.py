@@ -20,7 +20,7 @@ import torch
 
 from bridgecache.fitting.stats import SufficientStats
 
-__all__ = ["SharedGram"]
+__all__ = ["SharedGram", "shared_groups"]
 
 _CHUNK_ROWS = 4096  # rows gathered (in float64) at once
 
@@ -46,6 +46,16 @@ class SharedGram:
         self.sy = {t: z(q) for t in self.supports}
         self.syy = {t: z(q) for t in self.supports}
         self.n = 0
+
+    @staticmethod
+    def bytes_of(supports: dict[int, list[int]], width: int, out_width: int) -> int:
+        """What a SharedGram of these supports holds (float64), for inputs and outputs of one
+        source and one target layer `width` and `out_width` wide."""
+        pairs = {(a, b) for s in supports.values() for i, a in enumerate(s) for b in s[i:]}
+        used = {a for s in supports.values() for a in s}
+        cross = sum(len(s) for s in supports.values())
+        return 8 * (len(pairs) * width * width + len(used) * width + cross * width * out_width
+                    + 2 * len(supports) * out_width)  # fmt: skip
 
     def add(self, sources: list[torch.Tensor], targets: list[torch.Tensor], src_rows: torch.Tensor,
             tgt_rows: torch.Tensor) -> None:  # fmt: skip
@@ -94,3 +104,25 @@ class SharedGram:
             sum_yy=self.syy[layer].view(h, d).clone(),
             sum_w=torch.full((1,), float(self.n), dtype=torch.float64, device=device),
         )
+
+
+def shared_groups(supports: dict[int, list[int]], width: int, out_width: int, copies: int,
+                  budget: int | None) -> list[list[int]]:  # fmt: skip
+    """Target layers in consecutive groups whose `copies` SharedGrams (splits x kinds) fit the
+    budget together (one group: one pass over the text); MemoryError if one layer alone does not."""
+    layers = sorted(supports)
+    if budget is None:
+        return [layers]
+    groups: list[list[int]] = [[]]
+    for layer in layers:
+        alone = copies * SharedGram.bytes_of({layer: supports[layer]}, width, out_width)
+        if alone > budget:
+            raise MemoryError(
+                f"target layer {layer}'s statistics need {alone / 2**30:.2f} GiB, over the memory budget "
+                f"of {budget / 2**30:.2f} GiB; raise memory_budget_gb or lower layers_k"
+            )
+        trial = {t: supports[t] for t in [*groups[-1], layer]}
+        if groups[-1] and copies * SharedGram.bytes_of(trial, width, out_width) > budget:
+            groups.append([])
+        groups[-1].append(layer)
+    return groups

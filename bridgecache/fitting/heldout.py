@@ -23,6 +23,7 @@ from bridgecache.kv.capture import capture_kv
 from bridgecache.models.layout import layer_window
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.engine import HandoffEngine
 
 __all__ = ["attention_cosine", "score_bridge"]
 
@@ -57,41 +58,57 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     """
     modules = attention_modules(target)
     device = target.get_input_embeddings().weight.device
-    totals = torch.zeros(len(modules), dtype=torch.float64)
+    # On the target's device: a copy to the host per layer would wait for the GPU every time.
+    totals = torch.zeros(len(modules), dtype=torch.float64, device=device)
     counts = torch.zeros(len(modules), dtype=torch.float64)
-    for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
-        target_ids = target_ids.to(device)
-        # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
-        source_kv = capture_kv(source, source_ids)
-        # The maps alone: no refresh (the native head, as every handoff computes it, included).
-        cache = BridgedCache(bridge, source_kv, target, target_ids, alignment=alignment, config=_MAPS_ONLY)
-        cache.materialize()
-        prefix, first = cache.get_seq_length(), int(cache.translator.head_end[0])
-        if prefix - first < 2:
-            continue
-        count = min(rows_per_context, prefix - first - 1)
-        rows = torch.linspace(first + 1, prefix - 1, count, device=device).round().long().unique()
-        native = DynamicCache()
-        with QueryRecorder(target, rows) as recorder:
-            decoder = target.get_decoder()
-            decoder(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(decoder, native))
-        for i, module in enumerate(modules):
-            bridged_k, bridged_v = cache.layers[i].keys, cache.layers[i].values
-            columns = torch.arange(prefix - bridged_k.shape[2], prefix, device=bridged_k.device)
-            layer_rows = rows.to(bridged_k.device)
-            keep = layer_rows >= columns[0]  # a sliding layer holds only its window's rows
-            if not bool(keep.any()):
-                continue
-            queries = recorder.queries[i][:, :, keep.to(recorder.queries[i].device)].to(bridged_k.device)
-            start = prefix - bridged_k.shape[2]
-            native_k = native.layers[i].keys[:, :, start:].to(bridged_k.device)
-            native_v = native.layers[i].values[:, :, start:].to(bridged_k.device)
-            a = _outputs(queries, native_k, native_v, layer_rows[keep], columns, module)
-            b = _outputs(queries, bridged_k, bridged_v, layer_rows[keep], columns, module)
-            cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # [q_heads, rows]
-            totals[i] += cosine.double().sum().cpu()
-            counts[i] += cosine.numel()
+    # One engine for every context: the target's views and plans are made once, not per context.
+    with HandoffEngine(bridge, source, target, config=_MAPS_ONLY) as engine:
+        for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
+            _score_context(bridge, source, target, engine, modules, source_ids, target_ids.to(device),
+                           alignment, rows_per_context, totals, counts)  # fmt: skip
+    totals = totals.cpu()
     return [round(float(t / c), 4) if c else float("nan") for t, c in zip(totals, counts)]
+
+
+def _score_context(bridge, source, target, engine, modules, source_ids, target_ids, alignment,
+                   rows_per_context, totals, counts) -> None:  # fmt: skip
+    """Add one context's per-layer cosine sums to `totals` and their counts to `counts`."""
+    device = target_ids.device
+    # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
+    source_kv = capture_kv(source, source_ids)
+    # The maps alone: no refresh (the native head, as every handoff computes it, included).
+    cache = BridgedCache(
+        bridge, source_kv, target, target_ids, alignment=alignment, config=_MAPS_ONLY, engine=engine
+    )
+    cache.materialize()
+    prefix, first = cache.get_seq_length(), int(cache.translator.head_end[0])
+    if prefix - first < 2:
+        return
+    count = min(rows_per_context, prefix - first - 1)
+    host_rows = torch.linspace(first + 1, prefix - 1, count).round().long().unique()  # [rows], ascending
+    rows = host_rows.to(device)
+    native = DynamicCache()
+    with QueryRecorder(target, rows) as recorder:
+        decoder = target.get_decoder()
+        decoder(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(decoder, native))
+    for i, module in enumerate(modules):
+        bridged_k, bridged_v = cache.layers[i].keys, cache.layers[i].values
+        start = prefix - bridged_k.shape[2]
+        columns = torch.arange(start, prefix, device=bridged_k.device)
+        # A sliding layer holds only its window's rows: skip the rows before it (counted on the
+        # host, the rows ascending, so no GPU wait)
+        skip = int((host_rows < start).sum())
+        if skip == len(host_rows):
+            continue
+        layer_rows = rows[skip:].to(bridged_k.device)
+        queries = recorder.queries[i][:, :, skip:].to(bridged_k.device)
+        native_k = native.layers[i].keys[:, :, start:].to(bridged_k.device)
+        native_v = native.layers[i].values[:, :, start:].to(bridged_k.device)
+        a = _outputs(queries, native_k, native_v, layer_rows, columns, module)
+        b = _outputs(queries, bridged_k, bridged_v, layer_rows, columns, module)
+        cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # [q_heads, rows]
+        totals[i] += cosine.double().sum().to(device)
+        counts[i] += cosine.numel()
 
 
 def score_bridge(

@@ -10,7 +10,7 @@ import torch
 from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
 from bridgecache.fitting import gram as gram_module
 from bridgecache.fitting.core import LayerAccumulator
-from bridgecache.fitting.gram import SharedGram
+from bridgecache.fitting.gram import SharedGram, shared_groups
 from bridgecache.fitting.support import full_inputs
 
 HS, DS, HT, DT = 2, 8, 3, 4
@@ -89,3 +89,15 @@ def test_full_head_fits_through_the_shared_blocks_unless_the_kernel_precision_is
         for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
             torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-5)
         assert a.r2_key == pytest.approx(b.r2_key, abs=1e-6) and a.r2_key > 0.9
+
+
+def test_groups_of_layers_keep_their_shared_blocks_within_the_budget():
+    one = {t: SharedGram.bytes_of({t: s}, HS * DS, HT * DT) for t, s in SUPPORTS.items()}
+    assert shared_groups(SUPPORTS, HS * DS, HT * DT, 4, None) == [[0, 1, 2, 3]]
+    budget = 4 * max(one.values()) + 1
+    groups = shared_groups(SUPPORTS, HS * DS, HT * DT, 4, budget)
+    assert len(groups) > 1 and sorted(t for g in groups for t in g) == [0, 1, 2, 3]
+    for group in groups:
+        assert 4 * SharedGram.bytes_of({t: SUPPORTS[t] for t in group}, HS * DS, HT * DT) <= budget
+    with pytest.raises(MemoryError, match=r"target layer 1's statistics need .* raise memory_budget_gb"):
+        shared_groups(SUPPORTS, HS * DS, HT * DT, 4, 4 * one[0])  # layer 1 reads three layers
