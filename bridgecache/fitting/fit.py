@@ -17,7 +17,7 @@ Method defaults (each overridable):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig, FitOptionError
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
-from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe, row_matrix
-from bridgecache.fitting.gram import SharedGram, shared_groups
+from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
+from bridgecache.fitting.gram import shared_groups
+from bridgecache.fitting.group import GroupStatistics, gram_path, shared_supports
 from bridgecache.fitting.phases import PhaseClock
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
@@ -114,7 +115,7 @@ def fit_layer_maps(
         inputs = match_heads(support, hs, ht, None if scores is None else scores.head)
 
     weighted = weighting == "attention"
-    supports = shared_supports(inputs, hs) if _gram_path(weighted, config.stats_precision) else None
+    supports = shared_supports(inputs, hs) if gram_path(weighted, config.stats_precision) else None
     if supports:  # two splits x two kinds of shared blocks
         groups = shared_groups(supports, hs * ds, ht * dt, 4, budget)
     else:
@@ -233,71 +234,6 @@ def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int 
         groups[-1].append(layer)
         used += size
     return groups
-
-
-def _gram_path(weighted: bool, precision: str) -> bool:
-    """Whether shared statistics run as float64 GEMMs (SharedGram): uniform weights (one Gram
-    matrix per layer) at the default precision; "tf32" and "bf16" ask for the fused kernel's
-    faster, coarser products."""
-    return not weighted and precision == "tf32x3"
-
-
-def shared_supports(inputs: list[torch.Tensor], src_heads: int) -> dict[int, list[int]] | None:
-    """{target layer: source layers} when every layer's heads all read every head of its source
-    layers in full_inputs' order (Full-Head); else None."""
-    out = {}
-    for t, x in enumerate(inputs):
-        layers = sorted({int(a) for a in x[..., 0].flatten()})
-        full = torch.tensor([(a, h) for a in layers for h in range(src_heads)], dtype=x.dtype)
-        if x.shape[1] != full.shape[0] or not bool((x == full).all()):
-            return None
-        out[t] = layers
-    return out
-
-
-class GroupStatistics:
-    """One pass's statistics for a group of target layers: Full-Head's shared blocks (one
-    SharedGram per split and kind, when `supports` is given) or one LayerAccumulator per layer.
-
-    shape: (source heads, source dim, target heads, target dim).
-    """
-
-    def __init__(self, group, inputs, supports, shape, weighted: bool, device, precision: str):
-        hs, ds, ht, dt = shape
-        self.group, self.inputs, self.shape = group, inputs, shape
-        if supports:
-            mine = {t: supports[t] for t in group}
-            self.grams = {s: {k: SharedGram(mine, hs, ds, ht, dt, device) for k in "kv"} for s in _SPLITS}
-        else:
-            self.grams = None
-            self.accs = [
-                LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device, precision=precision)
-                for t in group
-            ]
-
-    def add(self, seq: PairedKV) -> None:
-        """Add a (shifted) batch of rows."""
-        if self.grams is None:
-            for acc in self.accs:
-                acc.add(seq)
-            return
-        grams = self.grams["heldout" if seq.heldout else "train"]
-        src_rows, tgt_rows = row_matrix(seq.src_rows), row_matrix(seq.tgt_rows)
-        grams["k"].add(seq.source_keys, seq.target_keys, src_rows, tgt_rows)
-        grams["v"].add(seq.source_values, seq.target_values, src_rows, tgt_rows)
-
-    def accumulators(self) -> Iterator[LayerAccumulator]:
-        """Each layer's accumulator, ready to solve (shared blocks assembled one layer at a time)."""
-        if self.grams is None:
-            yield from self.accs
-            return
-        hs, ds, _, dt = self.shape
-        for t in self.group:
-            stats = tuple({k: self.grams[s][k].stats(t) for k in "kv"} for s in _SPLITS)
-            yield LayerAccumulator(t, self.inputs[t], hs, ds, dt, False, statistics=stats)
-
-
-_SPLITS = ("train", "heldout")
 
 
 def _on(seq: PairedKV, device) -> PairedKV:
