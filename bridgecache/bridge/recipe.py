@@ -83,10 +83,10 @@ class FitConfig:
     probe_subset: layer probes read only the first this many sequences (plus a held-out one if
         none is among them), each a forward of both models (None, or "all" on the command line:
         every sequence).
-    stats_precision: products of the statistics on CUDA: "tf32x3" (at least float32: Full-Head's
-        shared statistics as float64 GEMMs, the rest in the fused kernel at about float32), "tf32"
-        or "bf16" (the fused kernel's faster, less exact products for every statistic:
-        benchmarks/reports/gpu-kernels.md); the CPU path computes in float64 whatever it says.
+    stats_precision: products of the maps' statistics: "tf32x3" (the default: float64 GEMMs on
+        the gathered rows, bridgecache.fitting.gram), "tf32" or "bf16" (the fused kernel's
+        coarser products on CUDA without materialising the rows: benchmarks/reports/gpu-kernels.md;
+        its PyTorch reference on the CPU forms float32 products).
     identity_if_same: the same model (or bit-identical weights and tokenizer) on both sides gives
         the exact identity bridge, without any regression.
     score_heldout: measure each target layer's attention-output cosine on the held-out sequences

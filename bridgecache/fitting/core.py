@@ -18,8 +18,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from bridgecache.bridge.maps import LayerMap
+from bridgecache.fitting.gram import chunks, head_rows
 from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
-from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, zeros
+from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, add_moments, zeros
 from bridgecache.fitting.support import ProbeRows
 
 __all__ = ["PairedKV", "Shift", "add_probe", "row_matrix", "LayerAccumulator"]
@@ -138,7 +139,9 @@ class LayerAccumulator:
         layer_pos = torch.tensor(
             [[position[int(s)] for s in row] for row in inputs[..., 0]], dtype=torch.long
         )
-        self.heads = (layer_pos * src_heads + inputs[..., 1]).to(device)  # index into stacked source heads
+        slots = layer_pos * src_heads + inputs[..., 1]  # index into stacked source heads
+        self.slots, self.src_heads = slots.tolist(), src_heads
+        self.heads = slots.to(device)
         shared = bool((inputs == inputs[:1]).all())  # full-head: one Gram matrix for the layer
         h, p = inputs.shape[0], inputs.shape[1] * src_dim
         self.weighted = weighted
@@ -166,25 +169,44 @@ class LayerAccumulator:
 
     def add(self, seq: PairedKV) -> None:
         """Add the rows of one sequence (or a batch); its tensors should be on this accumulator's
-        device already (fit_layer_maps moves them once for every layer)."""
+        device already (fit_layer_maps moves them once for every layer). At precision "tf32x3"
+        float64 GEMMs on the gathered rows (bridgecache.fitting.gram), else the fused kernel."""
         device = self.heads.device
         rows = row_matrix(seq.src_rows).to(device)  # [batch, n], -1: padding (skipped)
         tgt = row_matrix(seq.tgt_rows).to(device).clamp_min(0)
+        # [heads, rows, p] float64 per chunk, gathered once for all of a kind's statistics
+        row_bytes = 8 * self.heads.numel() * seq.source_keys[0].shape[-1]
+        index = chunks(rows, row_bytes) if self.precision == "tf32x3" else None
         for kind, src_layers, tgt_layers, weights in (
             ("k", seq.source_keys, seq.target_keys, seq.key_weights),
             ("v", seq.source_values, seq.target_values, seq.value_weights),
         ):
             src = [src_layers[s].to(device) for s in self.used]  # stacked on the head axis
             y = _gather(tgt_layers[self.layer].to(device), tgt)  # [batch, Ht, n, Dt]
-            if seq.heldout:
+            if self.weighted and not seq.heldout and weights is None:
+                raise ValueError("attention-weighted fitting needs key_weights and value_weights")
+            r = None
+            if self.weighted and not seq.heldout:
+                r = _gather(weights[self.layer].to(device), tgt) * (rows >= 0)[:, None]  # 0 on padding
+            if index is not None:
+                self._add_rows(kind, src, index, rows, y, r, seq.heldout)
+            elif seq.heldout:
                 accumulate(self.heldout[kind], src, rows, self.heads, y, precision=self.precision)
             elif not self.weighted:
                 accumulate(self.train[kind], src, rows, self.heads, y, precision=self.precision)
-            elif weights is None:
-                raise ValueError("attention-weighted fitting needs key_weights and value_weights")
             else:
-                r = _gather(weights[self.layer].to(device), tgt) * (rows >= 0)[:, None]  # 0 on padding
                 self.train[kind].add(src, rows, self.heads, y, r, precision=self.precision)
+
+    def _add_rows(self, kind: str, src, index, rows, y, r, heldout: bool) -> None:
+        """The float64 GEMM path: each chunk's rows gathered once for every statistic of `kind`."""
+        for part in index:
+            x, yy, w = head_rows(src, self.src_heads, self.slots, part, rows, y, r)
+            if heldout:
+                add_moments(self.heldout[kind], x, yy, None)
+            elif not self.weighted:
+                add_moments(self.train[kind], x, yy, None)
+            else:
+                self.train[kind].add_rows(x, yy, w)
 
     def training_moments(self, kind: str) -> SufficientStats:
         """The statistics the map is solved from (attention-weighted when asked for)."""

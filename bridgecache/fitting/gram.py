@@ -1,4 +1,5 @@
-"""Full-Head's shared statistics as float64 GEMMs, each block once for all the layers that need it.
+"""The maps' statistics as float64 GEMMs: Full-Head's shared blocks once for all the layers that
+need them (`SharedGram`), and per-head statistics from rows gathered once (`add_head_rows`).
 
 Full-Head Mapping regresses every head of target layer t on the same inputs: all heads of its
 source layers S_t. So its Gram matrix X^T X is one per target layer, made of blocks X_a^T X_b
@@ -9,7 +10,13 @@ the fused kernel forms float32 products), the cross moments X_a^T Y_t once per (
 target layer), and assembles each target layer's `SufficientStats` for the solver.
 
 Memory: the distinct blocks and cross moments (never more than one `SufficientStats` per target
-layer would hold) plus one chunk of gathered rows, [<= 4,096 rows, used source layers x width].
+layer would hold) plus one chunk of gathered rows (at most 256 MiB of them).
+
+Per-head statistics (CacheBridge's matched heads, attention-weighted rows): `head_rows` gathers
+each head's rows X [heads, rows, p] once per chunk in float64, and `stats.add_moments` adds
+their (optionally weighted) moments with batched GEMMs; the unweighted and the r-weighted
+statistics of `WeightedMoments` share one gather. The fused kernel (bridgecache.kernels.stats)
+does the same without materialising X, at float32 or coarser products.
 
 Knows nothing about models, tokenizers or how the statistics are solved.
 """
@@ -20,9 +27,9 @@ import torch
 
 from bridgecache.fitting.stats import SufficientStats
 
-__all__ = ["SharedGram", "shared_groups"]
+__all__ = ["SharedGram", "shared_groups", "head_rows", "chunks"]
 
-_CHUNK_ROWS = 4096  # rows gathered (in float64) at once
+_CHUNK_BYTES = 256 * 2**20  # gathered float64 rows held at once
 
 
 class SharedGram:
@@ -62,9 +69,8 @@ class SharedGram:
         """Add a batch: sources[a] [batch, src_heads, src_tokens, src_dim], targets[t] [batch,
         tgt_heads, tgt_tokens, tgt_dim] (shifted; keys un-rotated); src_rows, tgt_rows [batch, n]
         int64 on their device, -1 where a row pads."""
-        batch, pos = (src_rows >= 0).nonzero(as_tuple=True)  # one wait for the GPU per batch
-        for start in range(0, batch.numel(), _CHUNK_ROWS):
-            b, i = batch[start : start + _CHUNK_ROWS], pos[start : start + _CHUNK_ROWS]
+        width = sources[self.used[0]].shape[1] * sources[self.used[0]].shape[-1]
+        for b, i in chunks(src_rows, 8 * width * len(self.used)):
             self._add_rows(sources, targets, b, src_rows[b, i], tgt_rows[b, i])
 
     def _add_rows(self, sources, targets, b, s, t) -> None:
@@ -126,3 +132,29 @@ def shared_groups(supports: dict[int, list[int]], width: int, out_width: int, co
             groups.append([])
         groups[-1].append(layer)
     return groups
+
+
+def chunks(rows: torch.Tensor, row_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(batch index, position) of the valid rows of `rows` [batch, n] (-1: padding), in chunks
+    whose gathered rows (`row_bytes` each) take at most 256 MiB (one wait for the GPU per call)."""
+    batch, pos = (rows >= 0).nonzero(as_tuple=True)
+    size = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    return [(batch[i : i + size], pos[i : i + size]) for i in range(0, batch.numel(), size)]
+
+
+def head_rows(src: list[torch.Tensor], src_heads: int, slots: list[list[int]], index, rows: torch.Tensor,
+              y: torch.Tensor, weights: torch.Tensor | None = None):  # fmt: skip
+    """One chunk of each target head's regression rows, float64.
+
+    src: layers [batch, src_heads, tokens, d] stacked on the head axis (slot v: layer v //
+    src_heads, head v % src_heads); slots[h]: head h's input slots, in order; index: (batch,
+    position) of the chunk (`chunks`); rows [batch, n]: source row per position; y [batch,
+    heads, n, dt]; weights [batch, heads, n] or None.
+    Returns x [heads, m, p], y [heads, m, dt], w [heads, m] (None without weights).
+    """
+    b, i = index
+    s = rows[b, i]
+    column = {v: src[v // src_heads][b, v % src_heads, s].double() for v in {v for row in slots for v in row}}
+    x = torch.stack([torch.cat([column[v] for v in row], 1) for row in slots])
+    w = None if weights is None else weights[b, :, i].T.double()
+    return x, y[b, :, i].transpose(0, 1).double(), w

@@ -27,12 +27,34 @@ import torch
 from bridgecache.kernels.stats import SufficientStats
 from bridgecache.kernels.stats import accumulate_stats as accumulate
 
-__all__ = ["SufficientStats", "WeightedMoments", "accumulate", "zeros", "per_head", "shrinkage"]
+__all__ = [
+    "SufficientStats",
+    "WeightedMoments",
+    "accumulate",
+    "add_moments",
+    "zeros",
+    "per_head",
+    "shrinkage",
+]
 
 
 def zeros(heads: int, p: int, d: int, shared: bool, device=None) -> SufficientStats:
     """Empty float64 statistics of `heads` heads, inputs [p], targets [d]."""
     return SufficientStats.zeros(heads, p, d, shared=shared, dtype=torch.float64, device=device)
+
+
+def add_moments(stats: SufficientStats, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
+    """Add the moments of rows x [heads, m, p], y [heads, m, dt] with weights w [heads, m] (None:
+    1) to `stats` (float64; a shared Gram matrix, G = 1, takes head 0's rows)."""
+    g = stats.xtx.shape[0]
+    xw = x if w is None else x * w[..., None]
+    stats.xtx.baddbmm_(xw[:g].transpose(1, 2), x[:g])
+    stats.sum_x += xw[:g].sum(1)
+    stats.sum_w += float(x.shape[1]) if w is None else w[:g].sum(1)
+    stats.xty.baddbmm_(xw.transpose(1, 2), y)
+    yw = y if w is None else y * w[..., None]
+    stats.sum_y += yw.sum(1)
+    stats.sum_yy += (yw * y).sum(1)
 
 
 def per_head(m: SufficientStats) -> SufficientStats:
@@ -86,6 +108,15 @@ class WeightedMoments:
         self.n += (rows >= 0).sum()
         self.sum_r += r.sum((0, 2))
         self.sum_r2 += (r * r).sum((0, 2))
+
+    def add_rows(self, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> None:
+        """Add gathered float64 rows: x [heads, m, p], y [heads, m, d], r [heads, m] raw weights
+        (bridgecache.fitting.gram's GEMM path; one gather for both statistics)."""
+        add_moments(self.plain, x, y, None)
+        add_moments(self.by_r, x, y, r)
+        self.n += x.shape[1]
+        self.sum_r += r.sum(1)
+        self.sum_r2 += (r * r).sum(1)
 
     def combine(self) -> tuple[SufficientStats, list[float]]:
         """The w-weighted statistics, w_i = 1 + alpha (r_i / mean r - 1), and alpha per head.

@@ -27,9 +27,9 @@ def _batch(seed: int, batch: int = 3, tokens: int = 30, n: int = 25):
     return src, tgt, src_rows, tgt_rows
 
 
-@pytest.mark.parametrize("chunk", [4096, 16])
+@pytest.mark.parametrize("chunk", [2**28, 4096])
 def test_shared_blocks_equal_each_layers_own_statistics(monkeypatch, chunk):
-    monkeypatch.setattr(gram_module, "_CHUNK_ROWS", chunk)  # 16: rows added in several chunks
+    monkeypatch.setattr(gram_module, "_CHUNK_BYTES", chunk)  # 4096: rows added in several chunks
     shared = SharedGram(SUPPORTS, HS, DS, HT, DT)
     inputs = full_inputs([SUPPORTS[t] for t in range(4)], HS, HT)
     own = [LayerAccumulator(t, inputs[t], HS, DS, DT, False) for t in range(4)]
@@ -101,3 +101,40 @@ def test_groups_of_layers_keep_their_shared_blocks_within_the_budget():
         assert 4 * SharedGram.bytes_of({t: SUPPORTS[t] for t in group}, HS * DS, HT * DT) <= budget
     with pytest.raises(MemoryError, match=r"target layer 1's statistics need .* raise memory_budget_gb"):
         shared_groups(SUPPORTS, HS * DS, HT * DT, 4, 4 * one[0])  # layer 1 reads three layers
+
+
+@pytest.mark.parametrize("chunk", [2**28, 4096])
+def test_per_head_rows_give_the_weighted_statistics_of_their_materialised_rows(monkeypatch, chunk):
+    """CacheBridge's statistics at the default precision (float64 GEMMs on rows gathered once):
+    each head's plain, r-weighted and held-out moments equal those of its rows written out."""
+    monkeypatch.setattr(gram_module, "_CHUNK_BYTES", chunk)
+    inputs = torch.tensor([[[0, 1], [2, 0]], [[3, 1], [2, 1]], [[0, 0], [3, 0]]])  # [HT, 2 slots, 2]
+    acc = LayerAccumulator(1, inputs, HS, DS, DT, True)
+    batches = [_batch(seed) for seed in range(3)]
+    g = torch.Generator().manual_seed(9)
+    weights = [[torch.rand(3, HT, 30, generator=g, dtype=torch.float64) for _ in range(4)] for _ in batches]
+    for (src, tgt, src_rows, tgt_rows), r in zip(batches, weights):
+        acc.add(
+            PairedKV(src, src, tgt, tgt, src_rows, tgt_rows, heldout=False, key_weights=r, value_weights=r)
+        )
+    src, tgt, src_rows, tgt_rows = batches[0]
+    acc.add(PairedKV(src, src, tgt, tgt, src_rows, tgt_rows, heldout=True))
+    for h in range(HT):
+        x, y, r = [], [], []
+        for (src, tgt, src_rows, tgt_rows), w in zip(batches, weights):
+            b, i = (src_rows >= 0).nonzero(as_tuple=True)
+            s, t = src_rows[b, i], tgt_rows[b, i]
+            x.append(torch.cat([src[int(a)][b, int(hd), s] for a, hd in inputs[h]], 1))
+            y.append(tgt[1][b, h, t])
+            r.append(w[1][b, h, t])
+        x, y, r = torch.cat(x), torch.cat(y), torch.cat(r)
+        moments = acc.train["k"]
+        torch.testing.assert_close(moments.plain.xtx[h], x.T @ x, rtol=1e-12, atol=1e-10)
+        torch.testing.assert_close(moments.by_r.xtx[h], (x * r[:, None]).T @ x, rtol=1e-12, atol=1e-10)
+        torch.testing.assert_close(moments.by_r.xty[h], (x * r[:, None]).T @ y, rtol=1e-12, atol=1e-10)
+        torch.testing.assert_close(
+            moments.by_r.sum_yy[h], (r[:, None] * y * y).sum(0), rtol=1e-12, atol=1e-10
+        )
+        assert float(moments.n[h]) == len(r) and float(moments.sum_r[h]) == pytest.approx(float(r.sum()))
+        assert float(moments.sum_r2[h]) == pytest.approx(float((r * r).sum()))
+        assert float(acc.heldout["k"].sum_w[h]) == 3 * 25 - 7
