@@ -132,7 +132,7 @@ class LayerAccumulator:
                  weighted: bool, device=None, *, precision: str = "tf32x3",
                  statistics: tuple[dict, dict] | None = None):  # fmt: skip
         self.layer = layer
-        self.precision = precision  # of the fused statistics kernel (CUDA)
+        self.precision = precision  # "tf32x3": float64 GEMMs; "tf32", "bf16": the fused kernel (CUDA)
         self.inputs = inputs
         self.used = sorted({int(s) for s in inputs[..., 0].flatten()})
         position = {s: i for i, s in enumerate(self.used)}
@@ -167,16 +167,23 @@ class LayerAccumulator:
             out += [getattr(m, f.name) for m in parts for f in fields(m)]
         return out
 
-    def add(self, seq: PairedKV) -> None:
+    def row_bytes(self, src_dim: int) -> int:
+        """Bytes of one row of every head's gathered inputs, float64 (the GEMM path's chunks)."""
+        return 8 * self.heads.numel() * src_dim
+
+    def add(self, seq: PairedKV, index: list | None = None) -> None:
         """Add the rows of one sequence (or a batch); its tensors should be on this accumulator's
         device already (fit_layer_maps moves them once for every layer). At precision "tf32x3"
-        float64 GEMMs on the gathered rows (bridgecache.fitting.gram), else the fused kernel."""
+        float64 GEMMs on the gathered rows (bridgecache.fitting.gram), in the chunks `index` (from
+        `gram.chunks`, made once for every layer of a batch: each making waits for the GPU; None:
+        made here), else the fused kernel."""
         device = self.heads.device
         rows = row_matrix(seq.src_rows).to(device)  # [batch, n], -1: padding (skipped)
         tgt = row_matrix(seq.tgt_rows).to(device).clamp_min(0)
-        # [heads, rows, p] float64 per chunk, gathered once for all of a kind's statistics
-        row_bytes = 8 * self.heads.numel() * seq.source_keys[0].shape[-1]
-        index = chunks(rows, row_bytes) if self.precision == "tf32x3" else None
+        if self.precision != "tf32x3":
+            index = None
+        elif index is None:  # [heads, rows, p] float64 per chunk, gathered once for a kind's statistics
+            index = chunks(rows, self.row_bytes(seq.source_keys[0].shape[-1]))
         for kind, src_layers, tgt_layers, weights in (
             ("k", seq.source_keys, seq.target_keys, seq.key_weights),
             ("v", seq.source_values, seq.target_values, seq.value_weights),

@@ -1,5 +1,5 @@
 """The maps' statistics as float64 GEMMs: Full-Head's shared blocks once for all the layers that
-need them (`SharedGram`), and per-head statistics from rows gathered once (`add_head_rows`).
+need them (`SharedGram`), and per-head statistics from rows gathered once (`head_rows`).
 
 Full-Head Mapping regresses every head of target layer t on the same inputs: all heads of its
 source layers S_t. So its Gram matrix X^T X is one per target layer, made of blocks X_a^T X_b

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, row_matrix
-from bridgecache.fitting.gram import SharedGram
+from bridgecache.fitting.gram import SharedGram, chunks
 
 __all__ = ["GroupStatistics", "gram_path", "shared_supports"]
 
@@ -59,8 +59,12 @@ class GroupStatistics:
     def add(self, seq: PairedKV) -> None:
         """Add a (shifted) batch of rows."""
         if self.grams is None:
+            index = None
+            if self.accs[0].precision == "tf32x3":  # the GEMM path's chunks: one wait for the GPU per batch
+                width = max(acc.row_bytes(seq.source_keys[0].shape[-1]) for acc in self.accs)
+                index = chunks(row_matrix(seq.src_rows).to(self.accs[0].heads.device), width)
             for acc in self.accs:
-                acc.add(seq)
+                acc.add(seq, index)
             return
         grams = self.grams["heldout" if seq.heldout else "train"]
         src_rows, tgt_rows = row_matrix(seq.src_rows), row_matrix(seq.tgt_rows)
