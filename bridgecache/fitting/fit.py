@@ -200,14 +200,16 @@ _BATCH_TOKENS = 8192  # target tokens per forward: enough to keep a GPU's kernel
 _BATCH_KV_BYTES = 3 * _GiB  # a batch's KV as captured, un-rotated and shifted (within the 4 GiB reserve)
 
 
-def calibration_batch(config: FitConfig, source_spec, target_spec) -> int:
+def calibration_batch(config: FitConfig, source_spec, target_spec, source_tokens: int | None = None) -> int:
     """Sequences per forward: config.batch_sequences, else as many as make about 8,192 target
     tokens whose KV (both models' keys and values: as captured, in float32, and shifted, 10 bytes
-    a value) stay within 3 GiB; at least 1."""
+    a value) stay within 3 GiB; at least 1. source_tokens: the longest source sequence (across
+    tokenizers the source may read more tokens than seq_len; default seq_len)."""
     if config.batch_sequences is not None:
         return config.batch_sequences
-    widths = sum(spec.num_layers * spec.num_kv_heads * spec.head_dim for spec in (source_spec, target_spec))
-    per_sequence = config.seq_len * 2 * widths * 10
+    width = lambda spec: spec.num_layers * spec.num_kv_heads * spec.head_dim  # noqa: E731
+    tokens = source_tokens or config.seq_len
+    per_sequence = 2 * 10 * (tokens * width(source_spec) + config.seq_len * width(target_spec))
     return max(1, min(_BATCH_TOKENS // config.seq_len, _BATCH_KV_BYTES // per_sequence))
 
 
@@ -315,7 +317,7 @@ def fit_bridge(
         )  # fmt: skip
     _check_lengths(seqs, source_spec, target_spec)
 
-    batch = calibration_batch(c, source_spec, target_spec)
+    batch = calibration_batch(c, source_spec, target_spec, max(int(s.source_ids.numel()) for s in seqs))
 
     def sequences(with_weights: bool):
         return paired_kv(

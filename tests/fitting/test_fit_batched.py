@@ -127,3 +127,5 @@ def test_the_default_batch_holds_about_8k_tokens_within_3_gib():
     wide = spec.__class__(**{**spec.__dict__, "num_layers": 32, "num_kv_heads": 8, "head_dim": 128})
     # 32 layers x 8 heads x 128 on each side: 1,024 tokens of KV take 1.34 GB at 10 bytes a value
     assert calibration_batch(FitConfig(seq_len=1024), wide, wide) == 2
+    # a source that reads three times the target's tokens holds twice the KV counted above
+    assert calibration_batch(FitConfig(seq_len=1024), wide, wide, source_tokens=3072) == 1
