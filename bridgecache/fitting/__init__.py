@@ -9,7 +9,7 @@ Modules, one job each:
     runner       run both models over the calibration sequences, in batches -> PairedKV
     core         per-target-layer accumulation and solve (model- and tokenizer-free)
     gram         Full-Head's shared statistics: each distinct block once, float64 GEMMs
-    group        one statistics pass over a group of target layers (shared blocks or accumulators)
+    group        one statistics pass over a group of target layers; the groups within the budget
     fit          fit_layer_maps (engine) and fit_bridge (models -> Bridge)
     heldout      attention-output cosine of a bridge on its held-out sequences
     refit        fit again from a bridge's recorded recipe

@@ -167,6 +167,11 @@ class LayerAccumulator:
             out += [getattr(m, f.name) for m in parts for f in fields(m)]
         return out
 
+    @property
+    def uses_gemm(self) -> bool:
+        """Whether rows are added as float64 GEMMs on gathered rows (precision "tf32x3")."""
+        return self.precision == "tf32x3"
+
     def row_bytes(self, src_dim: int) -> int:
         """Bytes of one row of every head's gathered inputs, float64 (the GEMM path's chunks)."""
         return 8 * self.heads.numel() * src_dim
@@ -180,7 +185,7 @@ class LayerAccumulator:
         device = self.heads.device
         rows = row_matrix(seq.src_rows).to(device)  # [batch, n], -1: padding (skipped)
         tgt = row_matrix(seq.tgt_rows).to(device).clamp_min(0)
-        if self.precision != "tf32x3":
+        if not self.uses_gemm:
             index = None
         elif index is None:  # [heads, rows, p] float64 per chunk, gathered once for a kind's statistics
             index = chunks(rows, self.row_bytes(seq.source_keys[0].shape[-1]))

@@ -27,8 +27,14 @@ from bridgecache.bridge.maps import Bridge, LayerMap
 from bridgecache.bridge.recipe import DEFAULT_K, DEFAULT_WEIGHTING, FitConfig, FitOptionError
 from bridgecache.fitting.calibration import calibration_sequences, same_tokenizer
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, Shift, add_probe
-from bridgecache.fitting.gram import shared_groups
-from bridgecache.fitting.group import GroupStatistics, gram_path, shared_supports
+from bridgecache.fitting.group import (
+    GroupStatistics,
+    gram_path,
+    layer_groups,
+    shared_groups,
+    shared_supports,
+    statistics_label,
+)
 from bridgecache.fitting.phases import PhaseClock
 from bridgecache.fitting.runner import paired_kv
 from bridgecache.fitting.support import (
@@ -121,7 +127,7 @@ def fit_layer_maps(
     else:
         groups = layer_groups(inputs, hs, ds, dt, weighted, budget)
     info["statistics_passes"] = len(groups)
-    info["statistics"] = "shared float64 GEMMs" if supports else f"fused kernel ({config.stats_precision})"
+    info["statistics"] = statistics_label(supports is not None, config.stats_precision)
     layers: list[LayerMap] = []
     rows, accs_done = {"train": 0, "heldout": 0}, []
     for number, group in enumerate(groups, 1):
@@ -211,31 +217,6 @@ def calibration_batch(config: FitConfig, source_spec, target_spec, source_tokens
     tokens = source_tokens or config.seq_len
     per_sequence = 2 * 10 * (tokens * width(source_spec) + config.seq_len * width(target_spec))
     return max(1, min(_BATCH_TOKENS // config.seq_len, _BATCH_KV_BYTES // per_sequence))
-
-
-def layer_groups(inputs, hs: int, ds: int, dt: int, weighted: bool, budget: int | None) -> list[list[int]]:
-    """Target layers in consecutive groups whose statistics fit the budget together (one group:
-    one pass over the text). The sizes come from accumulators built on the meta device."""
-    sizes = [
-        sum(t.nbytes for t in LayerAccumulator(i, x, hs, ds, dt, weighted, "meta").buffers())
-        for i, x in enumerate(inputs)
-    ]
-    if budget is None:
-        return [list(range(len(inputs)))]
-    groups: list[list[int]] = [[]]
-    used = 0
-    for layer, size in enumerate(sizes):
-        if size > budget:
-            raise MemoryError(
-                f"target layer {layer}'s statistics need {size / _GiB:.2f} GiB, over the memory budget of "
-                f"{budget / _GiB:.2f} GiB; raise memory_budget_gb or lower layers_k"
-            )
-        if used + size > budget and groups[-1]:
-            groups.append([])
-            used = 0
-        groups[-1].append(layer)
-        used += size
-    return groups
 
 
 def _on(seq: PairedKV, device) -> PairedKV:

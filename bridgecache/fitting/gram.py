@@ -27,7 +27,7 @@ import torch
 
 from bridgecache.fitting.stats import SufficientStats
 
-__all__ = ["SharedGram", "shared_groups", "head_rows", "chunks"]
+__all__ = ["SharedGram", "head_rows", "chunks"]
 
 _CHUNK_BYTES = 256 * 2**20  # gathered float64 rows held at once
 
@@ -64,13 +64,17 @@ class SharedGram:
         return 8 * (len(pairs) * width * width + len(used) * width + cross * width * out_width
                     + 2 * len(supports) * out_width)  # fmt: skip
 
+    def row_bytes(self, width: int) -> int:
+        """Bytes of one gathered row of every source layer read, float64 (`chunks`' row_bytes)."""
+        return 8 * width * len(self.used)
+
     def add(self, sources: list[torch.Tensor], targets: list[torch.Tensor], src_rows: torch.Tensor,
-            tgt_rows: torch.Tensor) -> None:  # fmt: skip
+            tgt_rows: torch.Tensor, index: list) -> None:  # fmt: skip
         """Add a batch: sources[a] [batch, src_heads, src_tokens, src_dim], targets[t] [batch,
         tgt_heads, tgt_tokens, tgt_dim] (shifted; keys un-rotated); src_rows, tgt_rows [batch, n]
-        int64 on their device, -1 where a row pads."""
-        width = sources[self.used[0]].shape[1] * sources[self.used[0]].shape[-1]
-        for b, i in chunks(src_rows, 8 * width * len(self.used)):
+        int64 on their device, -1 where a row pads; index: its chunks (`chunks`, made once for
+        keys and values)."""
+        for b, i in index:
             self._add_rows(sources, targets, b, src_rows[b, i], tgt_rows[b, i])
 
     def _add_rows(self, sources, targets, b, s, t) -> None:
@@ -110,28 +114,6 @@ class SharedGram:
             sum_yy=self.syy[layer].view(h, d).clone(),
             sum_w=torch.full((1,), float(self.n), dtype=torch.float64, device=device),
         )
-
-
-def shared_groups(supports: dict[int, list[int]], width: int, out_width: int, copies: int,
-                  budget: int | None) -> list[list[int]]:  # fmt: skip
-    """Target layers in consecutive groups whose `copies` SharedGrams (splits x kinds) fit the
-    budget together (one group: one pass over the text); MemoryError if one layer alone does not."""
-    layers = sorted(supports)
-    if budget is None:
-        return [layers]
-    groups: list[list[int]] = [[]]
-    for layer in layers:
-        alone = copies * SharedGram.bytes_of({layer: supports[layer]}, width, out_width)
-        if alone > budget:
-            raise MemoryError(
-                f"target layer {layer}'s statistics need {alone / 2**30:.2f} GiB, over the memory budget "
-                f"of {budget / 2**30:.2f} GiB; raise memory_budget_gb or lower layers_k"
-            )
-        trial = {t: supports[t] for t in [*groups[-1], layer]}
-        if groups[-1] and copies * SharedGram.bytes_of(trial, width, out_width) > budget:
-            groups.append([])
-        groups[-1].append(layer)
-    return groups
 
 
 def chunks(rows: torch.Tensor, row_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,7 +10,8 @@ import torch
 from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
 from bridgecache.fitting import gram as gram_module
 from bridgecache.fitting.core import LayerAccumulator
-from bridgecache.fitting.gram import SharedGram, shared_groups
+from bridgecache.fitting.gram import SharedGram, chunks
+from bridgecache.fitting.group import shared_groups
 from bridgecache.fitting.support import full_inputs
 
 HS, DS, HT, DT = 2, 8, 3, 4
@@ -35,7 +36,7 @@ def test_shared_blocks_equal_each_layers_own_statistics(monkeypatch, chunk):
     own = [LayerAccumulator(t, inputs[t], HS, DS, DT, False) for t in range(4)]
     batches = [_batch(seed) for seed in range(2)]
     for src, tgt, src_rows, tgt_rows in batches:
-        shared.add(src, tgt, src_rows, tgt_rows)
+        shared.add(src, tgt, src_rows, tgt_rows, chunks(src_rows, shared.row_bytes(HS * DS)))
         seq = PairedKV(src, src, tgt, tgt, src_rows, tgt_rows)
         for acc in own:
             acc.add(seq)
