@@ -32,11 +32,15 @@ each until the first new token:
 - translation only: `HandoffConfig(refresh=None)` (loses facts; the floor of the handoff);
 - native route: `HandoffConfig(route="native")` through the same BridgedCache and generate(): the
   cost gate's other side (the cache starts empty; generate()'s first forward is the target's own
-  prefill), checked against "native";
+  prefill, replayed from a CUDA graph from a shape's second request on), checked against "native";
+- native route, forward: the same, its first token from one forward (no generate()): beside
+  "native, graph";
 - default, route auto: `HandoffConfig()`, the default as users get it: the cost gate
   (bridgecache.runtime.route) times both routes on the engine's first request at a length (in the
   row's warm-up, not timed) and takes the faster; the route it took (`report().route`, and
-  `route_reason`) is printed under the table; "route auto / best native" is what it costs.
+  `route_reason`) is printed under the table; "route auto / best native" is what it costs;
+- route auto, forward: the same, its first token from one forward (no generate()): "route auto,
+  forward / best native" is the compiled-vs-compiled cost of the gate's choice;
 - refresh r, given: the same choice made beforehand (no source reading): translation + the one
   forward; minus the translation-only row, it is what the refresh costs.
 "best native" is the faster of native and native, graph. --fresh-native also measures the native
@@ -366,12 +370,16 @@ def handoff_rows(
         given = HANDOFF.replace(refresh=RefreshConfig(r, GivenScores(scores)))
         row(f"refresh {r}, given", lambda: bridged(given))  # noqa: B023
     row("native route", lambda: bridged(HANDOFF.replace(route="native")))
+    row("native route, forward", lambda: bridged_forward(HANDOFF.replace(route="native")))
     row("default, route auto", lambda: bridged(HandoffConfig()))
+    row("route auto, forward", lambda: bridged_forward(HandoffConfig()))
     route = last["default, route auto"].route
     pairs = [("default, forward", "default"), ("default, eager", "default"), ("native route", "native")]
+    pairs.append(("native route, forward", "native"))
     taken = route.split(":")[0]  # the row of the route it took: "handoff" is the default row
     if taken in ("handoff", "native"):
         pairs.append(("default, route auto", "default" if taken == "handoff" else "native"))
+        pairs.append(("route auto, forward", "default" if taken == "handoff" else "native"))
     for name, other in pairs:  # the last runs: no forward beyond the timed ones
         checks[name][f"vs {other}"] = check(last[name], [last[other]], f"{what}, {name!r} vs {other!r}")
     return {"seconds": rows, "checks": checks, "route auto took": route, "last": last}
@@ -505,38 +513,48 @@ def profile(source, target, bridge, n: int, device) -> None:
 
 @torch.no_grad()
 def host_profile(source, target, bridge, n: int, device, repeats: int = 10) -> None:
-    """The host's share of default handoffs at n tokens: cProfile, by own time and by total time."""
+    """The host's share of the target's own generate(), the native route and default handoffs at
+    n tokens: wall time per run, then cProfile by total and by own time."""
     import cProfile
     import pstats
 
     context, question, full, kv = random_request(source, target, 1, n, device)
     gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
 
-    def handoff():
+    def handoff(config):
         cache = BridgedCache(
             bridge,
             kv,
             target,
             context,
-            config=HANDOFF,
+            config=config,
             source_model=source,
             prompt_ids=question,
             engine=engine_of(bridge, source, target),
         )
         generate(target, cache, full, **gen)
-        sync(device)
 
-    handoff()
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in range(repeats):
-        handoff()
-    profiler.disable()
-    print(f"host profile at {n} tokens: {(time.perf_counter() - start) / repeats * 1e3:.1f} ms per handoff")
-    stats = pstats.Stats(profiler)
-    stats.sort_stats("cumulative").print_stats(40)
-    stats.sort_stats("tottime").print_stats(25)
+    runs = {
+        "native (generate)": lambda: target.generate(full, **gen),
+        "native route": lambda: handoff(HANDOFF.replace(route="native")),
+        "default handoff": lambda: handoff(HANDOFF),
+    }
+    for name, run in runs.items():
+        for _ in range(2):  # warm-ups: a shape's second request captures its graphs
+            run()
+        sync(device)
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        for _ in range(repeats):
+            run()
+            sync(device)
+        profiler.disable()
+        ms = (time.perf_counter() - start) / repeats * 1e3
+        print(f"\nhost profile at {n} tokens, {name}: {ms:.1f} ms per run (under cProfile)")
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(15)
 
 
 def free(device) -> None:
@@ -723,6 +741,7 @@ def main() -> None:
                 header = ["context tokens", "native ms"] + ["fresh process: native (graph) ms"] * bool(fresh)
                 header += [f"{k} (x native)" for k in rows if k != "native"] + ["default / best native"]
                 header += ["default, forward / native, graph"] * graph + ["route auto / best native"]
+                header += ["route auto, forward / best native"]
                 print(f"\nQwen2.5-1.5B -> Qwen2.5-{target_name.upper()} shapes: time to the first token")
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             cells = [str(n), f"{rows['native'] * 1e3:.1f}"]
@@ -736,6 +755,7 @@ def main() -> None:
             if graph:
                 cells.append(f"{rows['default, forward'] / rows['native, graph']:.2f}")
             cells.append(f"{rows['default, route auto'] / best:.2f}")
+            cells.append(f"{rows['route auto, forward'] / best:.2f}")
             print("| " + " | ".join(cells) + " |", flush=True)
         print("per length: the route auto took; memory; the checks")
         for n, rows in table.items():

@@ -20,7 +20,9 @@ How the pass joins a forward: the engine's `generate()` runs on a view of the ta
 (bridgecache.runtime.interop.views.generate_view) whose forward is `forward_with_pass`: a forward
 over a BridgedCache with pending work runs the pass, through the target's `ModelView` (our attention),
 every other forward goes to the user's model as it is. The cache is left untouched if the forward
-raises. A read of the cache before any such forward (the first layer's update in a user's own
+raises. On the native route (an empty cache, no pending work) the first forward is the target's own
+prefill, replayed from a CUDA graph where one fits (bridgecache.runtime.native_work.prefill).
+A read of the cache before any such forward (the first layer's update in a user's own
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
 with no new tokens.
 
@@ -35,6 +37,7 @@ import torch
 from bridgecache.compat import cache_keyword
 from bridgecache.runtime.interop.attention import KEYWORD, ColumnMask
 from bridgecache.runtime.interop.graphs import PassGraph, bucket
+from bridgecache.runtime.native_work import prefill
 
 __all__ = ["NativePass", "forward_with_pass", "pass_bytes", "run_alone"]
 
@@ -202,6 +205,13 @@ def forward_with_pass(target, *args, **kwargs):
     keyword = cache_keyword(target)
     cache = kwargs.get(keyword, kwargs.get("past_key_values"))
     if getattr(cache, "pending_work", None) is None:
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.is_cuda and not args:  # the native route: a graph's prefill
+            rest = {k: v for k, v in kwargs.items() if k not in (keyword, "past_key_values", "input_ids")}
+            if prefill.replays(cache, input_ids, rest):
+                output = prefill.run(cache, target, input_ids)
+                if output is not None:
+                    return output
         return target(*args, **kwargs)
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("input_ids", None)

@@ -1,0 +1,141 @@
+"""The native route's prefill, replayed from a CUDA graph.
+
+On the native route (the cost gate or the quality gate leaves the whole context to the target) a
+`BridgedCache` starts empty and generate()'s first forward is the target's own prefill of context
+and prompt. At short contexts that forward is launch-bound: a 0.5B target launches about a
+thousand small kernels, and on an H100 its eager prefill of 256 tokens takes several times a
+replay of the same forward (benchmarks/reports/route-gate-2026-12-05.md). A serving engine
+replays its prefill from CUDA graphs; so does the native route on CUDA:
+
+    PrefillGraph   the target's own forward (its own attention, not our view's) over a fresh
+                   transformers DynamicCache, captured once per (batch, length bucket) with the
+                   ids right-padded to the bucket; per request: copy the ids in, replay, copy
+                   every layer's first m columns into the cache and take the logits at m - 1.
+
+Causal attention: the padding after the last real token changes nothing before it, so the rows
+[0, m) of every layer's KV and the logits at m - 1 are what an eager forward of the m tokens
+computes (up to the kernels' sums at another shape). Used only where that holds and the forward
+is what generate() asks of a first forward (`replays`): an empty cache on the native route, CUDA,
+`HandoffConfig(cuda_graphs)` not False, full-attention layers only (a sliding layer would keep the
+padded tail), rows without padding (mask all ones, positions 0..m-1), the last token's logits
+only, no other outputs. Anything else runs the target's forward as it is. A shape is captured on
+its second request, within the engine's graph budget (`EngineState.graphs`); `captured=False`
+runs the same buffers eagerly (the CPU tests' path).
+
+Knows transformers' forward and cache conventions; nothing about bridges or tokenizers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from bridgecache.compat import cache_kwargs
+from bridgecache.runtime.interop.graphs import bucket, capture
+
+__all__ = ["PrefillGraph", "prefill_bytes", "replays", "run"]
+
+# The forward's own keywords a replay reproduces; any other (output_attentions, inputs_embeds,
+# a 4D mask ...) runs the target's forward as it is.
+_PLAIN = {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
+
+
+class PrefillGraph:
+    """The target's forward over `length` token slots of `batch` rows (see the module docstring).
+
+    Buffers: ids [batch, length]; last [1], the index of the last real token; after a run the
+    captured cache holds per layer [batch, kv_heads, length, head_dim] and logits [batch, 1, vocab].
+    """
+
+    def __init__(self, target, batch: int, length: int, captured: bool = True):
+        device = target.get_input_embeddings().weight.device
+        self.target = target
+        self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph = None
+        if captured:
+            self.graph, (self.logits, self.kv) = capture(self._forward)
+
+    @torch.no_grad()
+    def _forward(self):
+        kv = DynamicCache(config=self.target.config)
+        kwargs = cache_kwargs(self.target, kv)
+        out = self.target(input_ids=self.ids, use_cache=True, logits_to_keep=self.last, **kwargs)
+        return out.logits, kv
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """(logits [batch, 1, vocab] of the last of `input_ids` [batch, m], a copy; per layer
+        (keys, values) [batch, kv_heads, m, head_dim], views of the buffers: read them before
+        the next run, which overwrites them)."""
+        m = input_ids.shape[1]
+        self.ids[:, :m].copy_(input_ids)
+        self.ids[:, m:].copy_(input_ids[:, -1:].expand(-1, self.ids.shape[1] - m))  # any token: unseen
+        self.last.fill_(m - 1)
+        if self.graph is not None:
+            self.graph.replay()
+            logits, kv = self.logits, self.kv
+        else:
+            logits, kv = self._forward()
+        return logits.clone(), [(layer.keys[:, :, :m], layer.values[:, :, :m]) for layer in kv.layers]
+
+
+def prefill_bytes(target, batch: int, length: int) -> int:
+    """Device bytes a PrefillGraph of `length` slots holds, estimated before its capture: every
+    layer's keys and values, and the widest activations of one layer (hidden states, the MLP's
+    inner width) that the capture pool keeps."""
+    config = target.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = target.get_input_embeddings().weight.element_size()
+    kv = 2 * config.num_hidden_layers * heads * dim
+    inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
+    activations = 6 * config.hidden_size + 3 * inner
+    return batch * length * (kv + activations) * size
+
+
+def replays(cache, input_ids, kwargs: dict) -> bool:
+    """Whether this forward (`input_ids` [batch, m], its other keywords `kwargs`) is one a
+    PrefillGraph reproduces (see the module docstring; the device is the caller's to check).
+    Costs one device sync when the cheap conditions hold (mask and positions checked there)."""
+    if not getattr(cache, "native_route", False) or cache.get_seq_length() != 0:
+        return False
+    if cache.handoff_config.cuda_graphs is False or input_ids.shape[1] == 0:
+        return False
+    if any(window is not None for window in cache.translator.windows):
+        return False
+    if set(kwargs) - _PLAIN or kwargs.get("logits_to_keep") != 1:
+        return False
+    checks = []
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or mask.shape != input_ids.shape:
+            return False
+        checks.append(mask.bool().all())
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        expected = torch.arange(input_ids.shape[1], device=positions.device)
+        checks.append((positions == expected).all())
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+def run(cache, target, input_ids: torch.Tensor):
+    """The native route's first forward from a captured graph when the engine's graph budget has
+    one for this shape (captured on a shape's second request), else None (run it eagerly).
+    Returns the forward's output: logits of the last token, the cache (now holding the context)."""
+    batch, m = input_ids.shape
+    length = bucket(m, 256)
+    state = cache.state
+    graph = state.graphs.get(
+        ("prefill", batch, length),
+        lambda: PrefillGraph(target, batch, length),
+        prefill_bytes(target, batch, length),
+    )
+    if graph is None:
+        return None
+    with state.replay_lock:  # the buffers serve one request at a time
+        logits, layers = graph.run(input_ids)
+        for idx, (keys, values) in enumerate(layers):
+            cache.update(keys, values, idx)  # a copy: the cache's own tensors
+    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)

@@ -1,0 +1,118 @@
+"""The native route's prefill from a CUDA graph (bridgecache.runtime.native_work.prefill).
+
+A right-padded prefill computes, for the real tokens, what the eager prefill of those tokens
+computes; the forwards generate() sends on the native route are the ones a graph may replay, and
+nothing else is. On the CPU the same buffers run eagerly (`captured=False`); the capture and its
+replay through an engine run on CUDA machines only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny_models import byte_tokenizer, random_bridge, tiny_model
+from transformers import DynamicCache
+
+from bridgecache import BridgedCache, HandoffConfig, HandoffEngine, capture_kv
+from bridgecache.compat import cache_kwargs
+from bridgecache.runtime.engine import generate
+from bridgecache.runtime.interop.views import generate_view
+from bridgecache.runtime.native_work import prefill
+from bridgecache.runtime.native_work.forward import forward_with_pass
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_right_padded_prefill_computes_what_the_exact_prefill_computes(family):
+    model = tiny_model(family)
+    graph = prefill.PrefillGraph(model, batch=2, length=64, captured=False)
+    for m in (37, 64, 5):  # a later, shorter run over the same buffers: nothing stale leaks in
+        ids = torch.randint(3, 300, (2, m))
+        exact = model(ids, use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config)))
+        logits, layers = graph.run(ids)
+        assert logits.shape == (2, 1, model.config.vocab_size)
+        assert torch.allclose(logits[:, 0], exact.logits[:, -1], atol=1e-5)
+        assert len(layers) == model.config.num_hidden_layers
+        for (keys, values), own in zip(layers, exact.past_key_values.layers):
+            assert keys.shape == own.keys.shape and values.shape == own.values.shape
+            assert torch.allclose(keys, own.keys, atol=1e-5) and torch.allclose(values, own.values, atol=1e-5)
+
+
+def _first_forward(model, cache, full, **gen):
+    """The keywords generate() gives the first forward over `cache` (the installed transformers)."""
+    seen = []
+
+    def record(*args, **kwargs):
+        if not seen:
+            seen.append(dict(kwargs))
+        return forward_with_pass(model, *args, **kwargs)
+
+    record = functools.update_wrapper(record, model.forward)  # as the engine's: the model's signature
+    generate_view(model, record).generate(input_ids=full, **cache_kwargs(model, cache), **gen)
+    kwargs = dict(seen[0])
+    ids = kwargs.pop("input_ids")
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    return ids, kwargs
+
+
+def _cache(model, ids, **config):
+    kv = capture_kv(model, ids)
+    return BridgedCache(random_bridge(model), kv, model, ids, config=HandoffConfig(**config), source_model=model)
+
+
+def test_generate_s_first_forward_on_the_native_route_is_one_a_graph_replays():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (1, 40))
+    full = torch.cat([ids, torch.randint(3, 300, (1, 4))], 1)
+    cache = _cache(model, ids, route="native")
+    first, kwargs = _first_forward(model, cache, full, attention_mask=torch.ones_like(full), **GREEDY)
+    assert first.shape == full.shape
+    fresh = _cache(model, ids, route="native")
+    assert prefill.replays(fresh, first, kwargs)  # else the graph would never run under generate()
+
+
+def test_no_other_forward_is_replayed():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (2, 40))
+    full = torch.cat([ids, torch.randint(3, 300, (2, 4))], 1)
+    plain = {"attention_mask": torch.ones_like(full), "logits_to_keep": 1, "use_cache": True}
+    assert prefill.replays(_cache(model, ids, route="native"), full, plain)
+    padded = dict(plain, attention_mask=torch.ones_like(full))
+    padded["attention_mask"][1, :3] = 0  # a left-padded row: its positions start later
+    assert not prefill.replays(_cache(model, ids, route="native"), full, padded)
+    moved = dict(plain, position_ids=torch.arange(full.shape[1])[None] + 1)
+    assert not prefill.replays(_cache(model, ids, route="native"), full, moved)
+    assert not prefill.replays(_cache(model, ids, route="native"), full, dict(plain, logits_to_keep=0))
+    assert not prefill.replays(_cache(model, ids, route="native"), full, dict(plain, output_attentions=True))
+    assert not prefill.replays(_cache(model, ids, route="native", cuda_graphs=False), full, plain)
+    assert not prefill.replays(_cache(model, ids, route="handoff"), full, plain)  # not empty: translated
+    sliding = tiny_model("gemma3")  # a sliding layer would keep the padded tail
+    assert not prefill.replays(_cache(sliding, ids, route="native"), full, plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_tokens_on_cuda():
+    model = tiny_model("qwen2", head_dim=32, max_position_embeddings=4096).cuda()
+    bridge, tok = random_bridge(model), byte_tokenizer()
+    gen = dict(GREEDY, output_logits=True, return_dict_in_generate=True)
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        for m in (300, 290, 300, 600):  # 300 and 290 share a bucket: captured on its second request
+            ids = torch.randint(3, 300, (1, m), device="cuda")
+            full = torch.cat([ids, torch.randint(3, 300, (1, 4), device="cuda")], 1)
+            own = model.generate(full, **gen)
+            config = HandoffConfig(route="native")
+            cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config, engine=engine)
+            out = engine.generate(cache, full, torch.ones_like(full), **gen)
+            assert torch.equal(out.sequences, own.sequences)
+            assert float((out.logits[0] - own.logits[0]).abs().max()) < 1e-4
+            exact = model(full, use_cache=True).past_key_values
+            for layer, mine in zip(exact.layers, cache.layers):  # the cache holds the context too
+                assert torch.allclose(layer.keys, mine.keys[:, :, : layer.keys.shape[2]], atol=1e-4)
+        assert ("prefill", 1, 512) in engine.state.graphs._graphs  # 300 and 290 tokens: replayed
+        assert ("prefill", 1, 1024) not in engine.state.graphs._graphs  # requested once: eager
