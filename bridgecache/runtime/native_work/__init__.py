@@ -4,4 +4,5 @@ plan        NativePlan: the gate, native layers, the selection's budget and colu
 pending     PendingWork / PendingPlan: the pending columns per row and the refresh budget
 layers      the target's own KV of whole layers (quality gate, selection rules that need them)
 forward     the one forward that computes the pending columns with the target's next tokens
+prefill     the native route's prefill (the target's own forward), replayed from a CUDA graph
 """
