@@ -114,7 +114,8 @@ class _LazyLayerMixin:
         (the native-work pass hands over its buffers this way)."""
         self._translator = None
         self._batch_index = None
-        self.device = keys.device
+        self.device, self.dtype = keys.device, keys.dtype
+        self.is_initialized = True  # an unbound layer (the native route) too: update() appends
         self._keys, self._values = keys, values
 
     def update(self, key_states, value_states, *args, **kwargs):

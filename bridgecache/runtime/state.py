@@ -19,6 +19,7 @@ Knows the runtime's plans, views and graphs; nothing about requests or tokenizer
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -38,7 +39,9 @@ class GraphStore:
     bytes of device memory in all (each graph's buffers and its capture pool, as measured when it
     was captured). A shape is captured on its second request (a capture costs about three eager
     forwards: a shape seen once runs eagerly), and only when its buffers take at most a quarter of
-    the budget (long contexts, where launches matter least, run eagerly rather than evict)."""
+    the budget (long contexts, where launches matter least, run eagerly rather than evict). A
+    capture that fails (a forward that cannot be captured, such as a user's model that builds a
+    tensor on the host) is reported once as a RuntimeWarning and its shape runs eagerly from then on."""
 
     SEEN = 1024  # shapes remembered as requested once
 
@@ -46,6 +49,7 @@ class GraphStore:
         self.budget = budget
         self._graphs: OrderedDict = OrderedDict()  # key -> (graph, bytes)
         self._seen: OrderedDict = OrderedDict()  # keys requested once, not captured
+        self._failed: set = set()  # keys whose capture raised: eager from then on
         self._lock = threading.Lock()
 
     @property
@@ -62,7 +66,7 @@ class GraphStore:
             if key in self._graphs:
                 self._graphs.move_to_end(key)
                 return self._graphs[key][0]
-            if expected_bytes * 4 > self.budget:
+            if expected_bytes * 4 > self.budget or key in self._failed:
                 return None
             if key not in self._seen:
                 self._seen[key] = None
@@ -73,7 +77,14 @@ class GraphStore:
             self._make_room(expected_bytes)
         device = torch.cuda.current_device()
         before = torch.cuda.memory_reserved(device)
-        graph = make()
+        try:
+            graph = make()
+        except RuntimeError as error:  # the same forward runs eagerly: the request is not lost
+            with self._lock:
+                self._failed.add(key)
+            message = f"CUDA graph capture of {key} failed, running it eagerly: {error}"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return None
         size = max(expected_bytes, torch.cuda.memory_reserved(device) - before)
         with self._lock:
             self._make_room(size)
@@ -88,6 +99,7 @@ class GraphStore:
         with self._lock:
             self._graphs.clear()
             self._seen.clear()
+            self._failed.clear()
 
 
 class EngineState:

@@ -17,7 +17,6 @@ from transformers import DynamicCache
 
 from bridgecache import BridgedCache, HandoffConfig, HandoffEngine, capture_kv
 from bridgecache.compat import cache_kwargs
-from bridgecache.runtime.engine import generate
 from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work import prefill
 from bridgecache.runtime.native_work.forward import forward_with_pass
@@ -62,43 +61,47 @@ def _first_forward(model, cache, full, **gen):
 
 
 def _cache(model, ids, **config):
-    kv = capture_kv(model, ids)
-    return BridgedCache(random_bridge(model), kv, model, ids, config=HandoffConfig(**config), source_model=model)
+    kv, config = capture_kv(model, ids), HandoffConfig(**config)
+    return BridgedCache(random_bridge(model), kv, model, ids, config=config, source_model=model)
 
 
 def test_generate_s_first_forward_on_the_native_route_is_one_a_graph_replays():
-    model = tiny_model("qwen2")
+    model = tiny_model("qwen2", _attn_implementation="sdpa")
     ids = torch.randint(3, 300, (1, 40))
     full = torch.cat([ids, torch.randint(3, 300, (1, 4))], 1)
     cache = _cache(model, ids, route="native")
     first, kwargs = _first_forward(model, cache, full, attention_mask=torch.ones_like(full), **GREEDY)
     assert first.shape == full.shape
     fresh = _cache(model, ids, route="native")
-    assert prefill.replays(fresh, first, kwargs)  # else the graph would never run under generate()
+    assert prefill.replays(fresh, model, first, kwargs)  # else the graph would never run under generate()
 
 
 def test_no_other_forward_is_replayed():
-    model = tiny_model("qwen2")
+    model = tiny_model("qwen2", _attn_implementation="sdpa")
     ids = torch.randint(3, 300, (2, 40))
     full = torch.cat([ids, torch.randint(3, 300, (2, 4))], 1)
     plain = {"attention_mask": torch.ones_like(full), "logits_to_keep": 1, "use_cache": True}
-    assert prefill.replays(_cache(model, ids, route="native"), full, plain)
-    padded = dict(plain, attention_mask=torch.ones_like(full))
-    padded["attention_mask"][1, :3] = 0  # a left-padded row: its positions start later
-    assert not prefill.replays(_cache(model, ids, route="native"), full, padded)
-    moved = dict(plain, position_ids=torch.arange(full.shape[1])[None] + 1)
-    assert not prefill.replays(_cache(model, ids, route="native"), full, moved)
-    assert not prefill.replays(_cache(model, ids, route="native"), full, dict(plain, logits_to_keep=0))
-    assert not prefill.replays(_cache(model, ids, route="native"), full, dict(plain, output_attentions=True))
-    assert not prefill.replays(_cache(model, ids, route="native", cuda_graphs=False), full, plain)
-    assert not prefill.replays(_cache(model, ids, route="handoff"), full, plain)  # not empty: translated
-    sliding = tiny_model("gemma3")  # a sliding layer would keep the padded tail
-    assert not prefill.replays(_cache(sliding, ids, route="native"), full, plain)
+
+    def replays(model=model, route="native", **changes):
+        cache = _cache(model, ids, route=route, **changes.pop("config", {}))
+        return prefill.replays(cache, model, full, plain | changes)
+
+    assert replays()
+    padded = torch.ones_like(full)
+    padded[1, :3] = 0  # a left-padded row: its positions start later
+    assert not replays(attention_mask=padded)
+    assert not replays(position_ids=torch.arange(full.shape[1])[None] + 1)
+    assert not replays(logits_to_keep=0)
+    assert not replays(output_attentions=True)
+    assert not replays(config={"cuda_graphs": False})
+    assert not replays(route="handoff")  # not empty: translated
+    assert not replays(tiny_model("gemma3", _attn_implementation="sdpa"))  # a sliding layer keeps the tail
+    assert not replays(tiny_model("qwen2"))  # eager attention builds its mask from a host scalar: no capture
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
 def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_tokens_on_cuda():
-    model = tiny_model("qwen2", head_dim=32, max_position_embeddings=4096).cuda()
+    model = tiny_model("qwen2", head_dim=32, max_position_embeddings=4096, _attn_implementation="sdpa").cuda()
     bridge, tok = random_bridge(model), byte_tokenizer()
     gen = dict(GREEDY, output_logits=True, return_dict_in_generate=True)
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
@@ -114,5 +117,23 @@ def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_toke
             exact = model(full, use_cache=True).past_key_values
             for layer, mine in zip(exact.layers, cache.layers):  # the cache holds the context too
                 assert torch.allclose(layer.keys, mine.keys[:, :, : layer.keys.shape[2]], atol=1e-4)
-        assert ("prefill", 1, 512) in engine.state.graphs._graphs  # 300 and 290 tokens: replayed
-        assert ("prefill", 1, 1024) not in engine.state.graphs._graphs  # requested once: eager
+        graphs = engine.state.graphs._graphs
+        assert ("prefill", 1, 320) in graphs  # 304 and 294 tokens with the prompt: one bucket, replayed
+        assert ("prefill", 1, 640) not in graphs  # requested once: eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_capture_that_fails_runs_eagerly_from_then_on():
+    from bridgecache.runtime.state import GraphStore
+
+    store, calls = GraphStore(1 << 30), []
+
+    def make():
+        calls.append(1)
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    assert store.get("shape", make, 1) is None  # seen once: eager
+    with pytest.warns(RuntimeWarning, match="capture of shape failed, running it eagerly"):
+        assert store.get("shape", make, 1) is None
+    assert store.get("shape", make, 1) is None and calls == [1]  # not tried again
+    assert len(store) == 0

@@ -208,7 +208,7 @@ def forward_with_pass(target, *args, **kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is not None and input_ids.is_cuda and not args:  # the native route: a graph's prefill
             rest = {k: v for k, v in kwargs.items() if k not in (keyword, "past_key_values", "input_ids")}
-            if prefill.replays(cache, input_ids, rest):
+            if prefill.replays(cache, target, input_ids, rest):
                 output = prefill.run(cache, target, input_ids)
                 if output is not None:
                     return output

@@ -17,10 +17,10 @@ Causal attention: the padding after the last real token changes nothing before i
 computes (up to the kernels' sums at another shape). Used only where that holds and the forward
 is what generate() asks of a first forward (`replays`): an empty cache on the native route, CUDA,
 `HandoffConfig(cuda_graphs)` not False, full-attention layers only (a sliding layer would keep the
-padded tail), rows without padding (mask all ones, positions 0..m-1), the last token's logits
-only, no other outputs. Anything else runs the target's forward as it is. A shape is captured on
-its second request, within the engine's graph budget (`EngineState.graphs`); `captured=False`
-runs the same buffers eagerly (the CPU tests' path).
+padded tail), sdpa or flash attention, rows without padding (mask all ones, positions 0..m-1),
+the last token's logits only, no other outputs. Anything else runs the target's forward as it is.
+A shape is captured on its second request, within the engine's graph budget (`EngineState.graphs`);
+`captured=False` runs the same buffers eagerly (the CPU tests' path).
 
 Knows transformers' forward and cache conventions; nothing about bridges or tokenizers.
 """
@@ -38,6 +38,10 @@ __all__ = ["PrefillGraph", "prefill_bytes", "replays", "run"]
 
 # The forward's own keywords a replay reproduces; any other (output_attentions, inputs_embeds,
 # a 4D mask ...) runs the target's forward as it is.
+# Attention implementations whose forward without a padding mask builds no mask on the host (the
+# eager one makes its additive mask from a host scalar: no capture). Any other capture that fails
+# runs eagerly from then on (GraphStore).
+_CAPTURABLE = {"sdpa", "flash_attention_2", "flash_attention_3"}
 _PLAIN = {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
 
 
@@ -95,8 +99,8 @@ def prefill_bytes(target, batch: int, length: int) -> int:
     return batch * length * (kv + activations) * size
 
 
-def replays(cache, input_ids, kwargs: dict) -> bool:
-    """Whether this forward (`input_ids` [batch, m], its other keywords `kwargs`) is one a
+def replays(cache, target, input_ids, kwargs: dict) -> bool:
+    """Whether this forward of `target` (`input_ids` [batch, m], its other keywords `kwargs`) is one a
     PrefillGraph reproduces (see the module docstring; the device is the caller's to check).
     Costs one device sync when the cheap conditions hold (mask and positions checked there)."""
     if not getattr(cache, "native_route", False) or cache.get_seq_length() != 0:
@@ -104,6 +108,8 @@ def replays(cache, input_ids, kwargs: dict) -> bool:
     if cache.handoff_config.cuda_graphs is False or input_ids.shape[1] == 0:
         return False
     if any(window is not None for window in cache.translator.windows):
+        return False
+    if getattr(target.config, "_attn_implementation", None) not in _CAPTURABLE:
         return False
     if set(kwargs) - _PLAIN or kwargs.get("logits_to_keep") != 1:
         return False
@@ -136,6 +142,18 @@ def run(cache, target, input_ids: torch.Tensor):
         return None
     with state.replay_lock:  # the buffers serve one request at a time
         logits, layers = graph.run(input_ids)
-        for idx, (keys, values) in enumerate(layers):
-            cache.update(keys, values, idx)  # a copy: the cache's own tensors
+        held = _copies([t for pair in layers for t in pair])
+    for idx, layer in enumerate(cache.layers):
+        layer.settle(held[2 * idx], held[2 * idx + 1])
     return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (one allocation and one batched copy where their shapes agree)."""
+    first = tensors[0]
+    if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors):
+        return [t.clone() for t in tensors]
+    block = first.new_empty(len(tensors), *first.shape)
+    copies = list(block)
+    torch._foreach_copy_(copies, tensors)
+    return copies
