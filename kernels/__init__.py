@@ -6,11 +6,13 @@
 - `SufficientStats` / `accumulate_stats`: weighted ridge statistics without materialising X.
 - `column_attention(query, key, value, query_columns, key_columns, first_column, ...)`: attention
   of queries at scattered context columns to the keys up to each one's column (block-skipping).
+- `use_backend("torch")`: a block whose kernel calls (this thread only) take that backend.
 
 Ships as `bridgecache.kernels` (the folder `kernels/` at the repository top). Knows nothing about
 models, tokenizers, caches or bridges, and imports nothing else from bridgecache.
 """
 
+from ._dispatch import use_backend
 from .attention import column_attention
 from .map_fullhead import map_fullhead
 from .map_heads import map_heads, map_layers
@@ -23,4 +25,5 @@ __all__ = [
     "map_fullhead",
     "map_heads",
     "map_layers",
+    "use_backend",
 ]

@@ -1,7 +1,8 @@
 """Shared plumbing of the kernels: backend choice, lazy Triton compilation, source-layer tables.
 
 - `resolve_backend`: "triton" on CUDA tensors, "torch" elsewhere; a call's `backend=` argument,
-  then the environment variable BRIDGECACHE_KERNELS ("auto" | "triton" | "torch"), override it.
+  then a `use_backend(...)` block around it (this thread or task only), then the environment
+  variable BRIDGECACHE_KERNELS ("auto" | "triton" | "torch") override it.
 - `LazyKernel`: a Triton kernel decorated on first launch; Triton itself is imported then, not
   when bridgecache.kernels is. Triton reads TRITON_INTERPRET when it is imported (its own
   library functions) and when a kernel is decorated, so importing bridgecache never fixes that
@@ -15,6 +16,7 @@ Knows nothing about models, tokenizers or what the kernels compute.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -32,6 +34,7 @@ __all__ = [
     "resolve_backend",
     "source_view",
     "triton_available",
+    "use_backend",
 ]
 
 ENV_VAR = "BRIDGECACHE_KERNELS"
@@ -49,9 +52,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+_SCOPED: contextvars.ContextVar[str | None] = contextvars.ContextVar("bridgecache_kernels", default=None)
+
+
+@contextlib.contextmanager
+def use_backend(choice: str):
+    """Within the block, kernel calls that pass no `backend=` use `choice` ("auto" | "triton" |
+    "torch"); other threads and the process environment are untouched."""
+    if choice not in _CHOICES:
+        raise ValueError(f"backend must be one of {_CHOICES}, got {choice!r}")
+    token = _SCOPED.set(choice)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """ "triton" or "torch" for tensors on `device`; see the module docstring for the order."""
-    choice = (backend or os.environ.get(ENV_VAR) or "auto").lower()
+    choice = (backend or _SCOPED.get() or os.environ.get(ENV_VAR) or "auto").lower()
     if choice not in _CHOICES:
         raise ValueError(f"backend must be one of {_CHOICES}, got {choice!r} (argument or ${ENV_VAR})")
     if choice == "auto":

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from bridgecache.compat import cache_kwargs
 from bridgecache.fitting.attention import QueryRecorder, attention_modules
 from bridgecache.fitting.calibration import calibration_sequences
+from bridgecache.kernels import use_backend
 from bridgecache.kv.capture import capture_kv
 from bridgecache.models.layout import layer_window
 from bridgecache.runtime.cache import BridgedCache
@@ -49,6 +50,10 @@ def _outputs(queries, keys, values, rows, columns, module) -> torch.Tensor:
 # cost more than they save: on an H100, 500 x 1,024 tokens of Qwen2.5-7B -> 1.5B, the scoring took
 # 43.7 s through an engine that captured them, 26.4 s through a private state per sequence).
 _MAPS_ONLY = HandoffConfig(refresh=None, route="handoff", cuda_graphs=False)
+# ... and through the kernels' PyTorch references: on a machine whose Triton cache is cold, the
+# Triton kernels' compilation and autotuning outweigh the scoring itself (H100, 64 x 1,024 tokens of
+# Qwen2.5-7B -> 1.5B: the scoring took 27.7 s in a fresh process, 2.9 s when run again after it).
+_SCORING_KERNELS = "torch"
 
 
 @torch.no_grad()
@@ -65,7 +70,8 @@ def attention_cosine(bridge, source, target, contexts, rows_per_context: int = 3
     totals = torch.zeros(len(modules), dtype=torch.float64, device=device)
     counts = torch.zeros(len(modules), dtype=torch.float64)
     # One engine for every context: the target's views and plans are made once, not per context.
-    with HandoffEngine(bridge, source, target, config=_MAPS_ONLY, graph_bytes=0) as engine:
+    engine = HandoffEngine(bridge, source, target, config=_MAPS_ONLY, graph_bytes=0)
+    with engine, use_backend(_SCORING_KERNELS):
         for source_ids, target_ids, alignment in tqdm(contexts, desc="held-out scores", disable=not progress):
             _score_context(bridge, source, target, engine, modules, source_ids, target_ids.to(device),
                            alignment, rows_per_context, totals, counts)  # fmt: skip

@@ -79,6 +79,27 @@ def test_backend_choice(monkeypatch):
         resolve_backend("triton", cpu)
 
 
+def test_a_use_backend_block_chooses_for_its_own_thread_only(monkeypatch):
+    import threading
+
+    from bridgecache.kernels import use_backend
+
+    cuda = torch.device("cuda")  # resolve_backend only reads the device's type
+    monkeypatch.setenv(ENV_VAR, "auto")
+    outside = resolve_backend(None, cuda)
+    seen = []
+    with use_backend("torch"):
+        assert resolve_backend(None, cuda) == "torch"
+        thread = threading.Thread(target=lambda: seen.append(resolve_backend(None, cuda)))
+        thread.start()
+        thread.join()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert resolve_backend("triton", torch.device("cpu")) == "triton"  # an argument still wins
+    assert seen == [outside] and resolve_backend(None, cuda) == outside
+    with pytest.raises(ValueError, match="backend must be one of"), use_backend("fast"):
+        pass
+
+
 def test_torch_backend_is_the_cpu_default(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     args = small_inputs()
@@ -103,8 +124,8 @@ def test_argument_checks(monkeypatch):
 
 def test_imports_stay_below_bridgecache():
     """kernels/ knows no models or tokenizers: it imports torch, triton and the standard library only."""
-    allowed = {"torch", "triton", "__future__", "collections", "contextlib", "dataclasses", "functools",
-               "importlib", "logging", "os"}  # fmt: skip
+    allowed = {"torch", "triton", "__future__", "collections", "contextlib", "contextvars", "dataclasses",
+               "functools", "importlib", "logging", "os"}  # fmt: skip
     for path in KERNELS_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
