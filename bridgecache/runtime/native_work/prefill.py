@@ -39,10 +39,12 @@ __all__ = ["PrefillGraph", "prefill_bytes", "replays", "run"]
 # Attention implementations whose forward without a padding mask builds no mask on the host (the
 # eager one makes its additive mask from a host scalar: no capture). Any other capture that fails
 # runs eagerly from then on (GraphStore).
-_CAPTURABLE = {"sdpa", "flash_attention_2", "flash_attention_3"}
+_CAPTURABLE = frozenset({"sdpa", "flash_attention_2", "flash_attention_3"})
 # The forward's own keywords a replay reproduces; any other (output_attentions, inputs_embeds,
 # a 4D mask ...) runs the target's forward as it is.
-_PLAIN = {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
+_PLAIN = frozenset(
+    {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
+)
 
 
 class PrefillGraph:
