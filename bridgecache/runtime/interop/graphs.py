@@ -26,7 +26,7 @@ import torch
 from bridgecache.runtime.interop.attention import KEYWORD, NAME, ReadingMask, layers_read, read_without_logits
 from bridgecache.runtime.interop.views import ModelView
 
-__all__ = ["ReadingGraph", "PassGraph", "as_view", "bucket", "capture", "reading_bytes"]
+__all__ = ["ReadingGraph", "PassGraph", "as_view", "bucket", "capture", "kv_bytes", "reading_bytes"]
 
 
 def as_view(model) -> ModelView:
@@ -78,13 +78,20 @@ def bucket(n: int, smallest: int = 16) -> int:
     return max(smallest, -(-n // step) * step)
 
 
-def reading_bytes(model, batch: int, capacity: int, layers: int | None) -> int:
-    """Bytes of a ReadingGraph's KV buffers (before its capture pool) for `model`."""
+def kv_bytes(model, batch: int, columns: int, layers: int | None = None) -> int:
+    """Bytes of `layers` (None: all) of `model`'s layers' keys and values, `batch` rows of `columns`
+    columns each, in the model's dtype: what a captured forward's KV buffers hold."""
     config = model.config.get_text_config()
     heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     size = model.get_input_embeddings().weight.element_size()
-    return 2 * layers_read(model, layers) * batch * heads * capacity * dim * size
+    layers = config.num_hidden_layers if layers is None else layers
+    return 2 * layers * batch * heads * columns * dim * size
+
+
+def reading_bytes(model, batch: int, capacity: int, layers: int | None) -> int:
+    """Bytes of a ReadingGraph's KV buffers (before its capture pool) for `model`."""
+    return kv_bytes(model, batch, capacity, layers_read(model, layers))
 
 
 class ReadingGraph:

@@ -36,7 +36,7 @@ import torch
 
 from bridgecache.compat import cache_keyword
 from bridgecache.runtime.interop.attention import KEYWORD, ColumnMask
-from bridgecache.runtime.interop.graphs import PassGraph, bucket
+from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
 from bridgecache.runtime.native_work import prefill
 
 __all__ = ["NativePass", "forward_with_pass", "pass_bytes", "run_alone"]
@@ -154,11 +154,7 @@ def _slots(work, new_tokens: int) -> int:
 
 def pass_bytes(target, batch: int, capacity: int) -> int:
     """Bytes of a NativePass's buffers (every layer's keys and values over `capacity` columns)."""
-    config = target.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    size = target.get_input_embeddings().weight.element_size()
-    return 2 * config.num_hidden_layers * batch * heads * capacity * dim * size
+    return kv_bytes(target, batch, capacity)
 
 
 def _graphs(cache, keep, extra: dict) -> bool:
@@ -206,7 +202,8 @@ def forward_with_pass(target, *args, **kwargs):
     cache = kwargs.get(keyword, kwargs.get("past_key_values"))
     if getattr(cache, "pending_work", None) is None:
         input_ids = kwargs.get("input_ids")
-        if input_ids is not None and input_ids.is_cuda and not args:  # the native route: a graph's prefill
+        native = getattr(cache, "native_route", False)  # checked first: every decode step comes here
+        if native and not args and input_ids is not None and input_ids.is_cuda:  # a graph's prefill
             rest = {k: v for k, v in kwargs.items() if k not in (keyword, "past_key_values", "input_ids")}
             if prefill.replays(cache, target, input_ids, rest):
                 output = prefill.run(cache, target, input_ids)

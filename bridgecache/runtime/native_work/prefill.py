@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bridgecache.compat import cache_kwargs
-from bridgecache.runtime.interop.graphs import bucket, capture
+from bridgecache.runtime.interop.graphs import bucket, capture, kv_bytes
 
 __all__ = ["PrefillGraph", "prefill_bytes", "replays", "run"]
 
@@ -92,13 +92,10 @@ def prefill_bytes(target, batch: int, length: int) -> int:
     layer's keys and values, and the widest activations of one layer (hidden states, the MLP's
     inner width) that the capture pool keeps."""
     config = target.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     size = target.get_input_embeddings().weight.element_size()
-    kv = 2 * config.num_hidden_layers * heads * dim
     inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
-    activations = 6 * config.hidden_size + 3 * inner
-    return batch * length * (kv + activations) * size
+    activations = batch * length * (6 * config.hidden_size + 3 * inner) * size
+    return kv_bytes(target, batch, length) + activations
 
 
 def replays(cache, target, input_ids, kwargs: dict) -> bool:
