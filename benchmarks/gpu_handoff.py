@@ -3,6 +3,7 @@
     python benchmarks/gpu_handoff.py --out DIR            # a CUDA machine (bf16, sdpa): every table
     python benchmarks/gpu_handoff.py --smoke              # tiny shapes on the CPU, to check the script
     python benchmarks/gpu_handoff.py --profile 4096       # where one default handoff's time goes
+    python benchmarks/gpu_handoff.py --reading-profile 16384   # the source's reading alone
 
 Random-weight models at real configs (no download): the source is Qwen2.5-1.5B-shaped, the
 targets Qwen2.5-0.5B- and Qwen2.5-7B-shaped; a Full-Head-shaped random bridge (each target head
@@ -52,6 +53,10 @@ handoff (route="handoff"; source prefill excluded, and included) and the handoff
 --profile N: torch.profiler over one default handoff (route="handoff") at N tokens: kernel
 launches, GPU busy time, the top operators. --host-profile N: cProfile over default handoffs at N
 tokens (where the host's milliseconds go once the forwards replay from CUDA graphs).
+--profile also prints the native route's stages (the cache's set-up, its one forward) beside a
+bare graph replay, and each run's top operators by GPU time. --reading-profile N: the source's
+reading of the question alone at N tokens, eager and replayed from a graph (scores checked
+against each other), then the eager reading under torch.profiler.
 Each row's result is checked before its time is recorded: every timed run returns its first-token
 logits, which must be finite and, at the same inputs, within TOLERANCE (relative L2) of an earlier
 run of the row that refreshed the same context tokens (the warm-up runs a new shape eagerly, the
@@ -75,6 +80,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -483,6 +489,36 @@ def profile(source, target, bridge, n: int, device) -> None:
         sync(device)
         return built - start, time.perf_counter() - built
 
+    def native_stages() -> tuple[float, float]:  # the native route: set-up, then its one forward
+        sync(device)
+        start = time.perf_counter()
+        cache = BridgedCache(
+            bridge, kv, target, context, config=HANDOFF.replace(route="native"), source_model=source,
+            prompt_ids=question, engine=engine_of(bridge, source, target),
+        )  # fmt: skip
+        sync(device)
+        built = time.perf_counter()
+        forward_with_pass(target, input_ids=full, logits_to_keep=1, **cache_kwargs(target, cache))
+        sync(device)
+        return built - start, time.perf_counter() - built
+
+    for _ in range(3):  # a shape's second request captures its graph
+        native_stages()
+    runs = [native_stages() for _ in range(7)]
+    bare = [math.nan]
+    if device.type == "cuda":
+        replay = native_graph(target, full)
+        replay()
+        bare = []
+    for _ in range(7 if device.type == "cuda" else 0):
+        sync(device)
+        start = time.perf_counter()
+        replay()
+        sync(device)
+        bare.append(time.perf_counter() - start)
+    build_ms, forward_ms = (statistics.median(r[i] for r in runs) * 1e3 for i in range(2))
+    print(f"native route at {n} tokens: BridgedCache {build_ms:.2f} ms, its forward {forward_ms:.2f} ms; "
+          f"native, graph {statistics.median(bare) * 1e3:.2f} ms")  # fmt: skip
     handoff()
     runs = [stages() for _ in range(5)]
     # not named `generate`: that would shadow the function the nested handoffs call
@@ -494,7 +530,8 @@ def profile(source, target, bridge, n: int, device) -> None:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     runs = (("native", native), ("default handoff", handoff), ("translation only", translation_only))
     for name, fn in runs:
-        fn()
+        for _ in range(3):  # a shape's second request captures its graphs: not in the profile
+            fn()
         sync(device)
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
@@ -509,6 +546,72 @@ def profile(source, target, bridge, n: int, device) -> None:
         print(
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
         )
+        if device.type == "cuda":  # where the GPU's time goes
+            averages = prof.key_averages()
+            print(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
+
+
+@torch.no_grad()
+def reading_profile(source, target, n: int, device, repeats: int) -> None:
+    """The source's reading of the question alone at n context tokens (what the default's refresh
+    choice costs): eager, and replayed from a CUDA graph in a store whose budget admits it (the
+    engine's default budget refuses a graph whose buffers pass a quarter of it); the two scores
+    checked against each other; then torch.profiler over the eager reading."""
+    import threading
+
+    from bridgecache.runtime.interop.graphs import as_view
+    from bridgecache.runtime.selection.reading import attention_scores
+    from bridgecache.runtime.state import GraphStore
+
+    context, question, _, kv = random_request(source, target, 1, n, device)
+    view = as_view(source)  # the engine's own view of the source, as SourceReader reads through
+    first = (kv.attention_mask == 0).sum(1)
+    lock = threading.RLock()
+    stores = {"eager": None}
+    if device.type == "cuda":
+        stores["graph"] = GraphStore(64 * 2**30)
+
+    def read(store):
+        return attention_scores(
+            view, kv.keys, kv.values, kv.position_ids, first, question, n, graphs=store, replay_lock=lock
+        )
+
+    results, times = {}, {}
+    for name, store in stores.items():
+        for _ in range(3):  # the second request captures
+            read(store)
+        seconds = []
+        for _ in range(repeats):
+            sync(device)
+            start = time.perf_counter()
+            results[name] = read(store)
+            sync(device)
+            seconds.append(time.perf_counter() - start)
+        times[name] = statistics.median(seconds)
+        if not torch.isfinite(results[name]).all():
+            raise AssertionError(f"reading at {n} tokens, {name}: non-finite scores")
+    if "graph" in results:
+        gap = (results["graph"] - results["eager"]).abs().max().item()
+        scale = results["eager"].abs().max().item()
+        if gap > 0.05 * scale:
+            raise AssertionError(f"reading at {n} tokens: graph vs eager scores differ by {gap:.3g}")
+        print(f"reading at {n} tokens: graph vs eager scores differ by <= {gap:.3g} (scores <= {scale:.3g})")
+    print(f"reading at {n} tokens: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        read(None)
+        sync(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6
+    print(f"eager reading at {n} tokens, profiled: {wall * 1e3:.1f} ms wall, {len(kernels)} kernels, "
+          f"GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})")  # fmt: skip
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 @torch.no_grad()
@@ -677,6 +780,9 @@ def main() -> None:
     )
     parser.add_argument("--host-profile", type=int, nargs="+", help="cProfile default handoffs, then stop")
     parser.add_argument(
+        "--reading-profile", type=int, nargs="+", help="the source's reading alone (eager, graph), then stop"
+    )
+    parser.add_argument(
         "--reading-layers", type=int, nargs="+", default=[], help="rows where the source reads fewer layers"
     )
     parser.add_argument("--targets", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"])
@@ -711,7 +817,9 @@ def main() -> None:
             continue
         target = model(target_name)
         bridge = random_fullhead_bridge(source.config, target.config)
-        if args.profile or args.host_profile:
+        if args.profile or args.host_profile or args.reading_profile:
+            for n in args.reading_profile or []:
+                reading_profile(source, target, n, device, args.repeats)
             for n in args.profile or []:
                 profile(source, target, bridge, n, device)
             for n in args.host_profile or []:

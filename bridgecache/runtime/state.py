@@ -38,10 +38,13 @@ class GraphStore:
     """Captured CUDA graphs by key, least recently used dropped first, holding at most `budget`
     bytes of device memory in all (each graph's buffers and its capture pool, as measured when it
     was captured). A shape is captured on its second request (a capture costs about three eager
-    forwards: a shape seen once runs eagerly), and only when its buffers take at most a quarter of
-    the budget (long contexts, where launches matter least, run eagerly rather than evict). A
-    capture that fails (a forward that cannot be captured, such as a user's model that builds a
-    tensor on the host) is reported once as a RuntimeWarning and its shape runs eagerly from then on."""
+    forwards: a shape seen once runs eagerly), and only when its buffers take at most `share` of
+    the budget: a quarter by default (a long prefill or pass is bound by its arithmetic, not its
+    launches: it runs eagerly rather than evict); a reading asks for the whole budget (a few
+    query tokens: launches bound it at every length, 7-16% GPU busy at 4K-32K on an H100,
+    benchmarks/reports/route-gate-2026-12-05.md). A capture that fails (a forward that cannot be
+    captured, such as a user's model that builds a tensor on the host) is reported once as a
+    RuntimeWarning and its shape runs eagerly from then on."""
 
     SEEN = 1024  # shapes remembered as requested once
 
@@ -59,14 +62,14 @@ class GraphStore:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def get(self, key, make, expected_bytes: int):
+    def get(self, key, make, expected_bytes: int, share: float = 0.25):
         """The graph under `key`, made by `make()` the first time; None when `expected_bytes`
-        (its buffers, before capture) alone exceed the budget."""
+        (its buffers, before capture) exceed `share` of the budget."""
         with self._lock:
             if key in self._graphs:
                 self._graphs.move_to_end(key)
                 return self._graphs[key][0]
-            if expected_bytes * 4 > self.budget or key in self._failed:
+            if expected_bytes > share * self.budget or key in self._failed:
                 return None
             if key not in self._seen:
                 self._seen[key] = None

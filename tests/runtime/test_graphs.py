@@ -75,6 +75,36 @@ def test_a_captured_reading_replays_the_eager_scores_on_cuda():
     assert len(store) == 3  # one graph per layer count
 
 
+def test_a_graph_past_its_share_of_the_budget_is_never_made():
+    store, made = GraphStore(1000), []
+    for _ in range(3):  # a shape's second request would capture it: this one never is
+        assert store.get("long prefill", lambda: made.append(1), 251) is None
+    assert made == [] and len(store) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_long_reading_is_captured_past_a_quarter_of_the_budget_on_cuda():
+    """A reading's launches bound it at every length: its graph may take the whole budget (any
+    other graph only a quarter), and the replay scores what the eager reading scores."""
+    from bridgecache.runtime.interop.graphs import reading_bytes
+
+    model = tiny_model("llama", head_dim=32).cuda()
+    ids = torch.randint(3, 300, (1, 40), device="cuda")
+    kv = capture_kv(model, ids)
+    first = torch.zeros(1, dtype=torch.long, device="cuda")
+    buffers = reading_bytes(model, 1, bucket(40, 256), None)
+    store, lock, view = GraphStore(2 * buffers), threading.RLock(), as_view(model)  # half the budget
+    for _ in range(3):
+        prompt = torch.randint(3, 300, (1, 5), device="cuda")
+        eager = attention_scores(view, kv.keys, kv.values, kv.position_ids, first, prompt, 40)
+        replayed = attention_scores(
+            view, kv.keys, kv.values, kv.position_ids, first, prompt, 40, graphs=store, replay_lock=lock
+        )
+        assert torch.allclose(eager, replayed, atol=1e-5)
+    assert len(store) == 1
+    assert store.get("a prefill as large", lambda: None, buffers) is None  # the default share refuses it
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
     """The shapes a captured pass uses (placeholder slots, a longer buffer) change nothing: the
@@ -140,3 +170,32 @@ def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
     assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed
     engine.close()
     assert len(engine.state.graphs) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_a_pass_of_few_slots_is_captured_past_a_quarter_of_the_budget_on_cuda():
+    """A pass of a few query slots is bound by its launches at any length: its graph may take the
+    whole budget, and it generates what the eager pass generates."""
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
+    from bridgecache.bridge.maps import Bridge
+    from bridgecache.runtime.engine import generate
+    from bridgecache.runtime.native_work.forward import pass_bytes
+
+    model = tiny_model("llama", head_dim=32).cuda()
+    bridge = Bridge.identity(model)
+    bridge.method = "fullhead"
+    buffers = pass_bytes(model, 1, bucket(40 + 2, 256))
+    engine = HandoffEngine(bridge, model, model, graph_bytes=2 * buffers)  # half the budget
+    config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
+    for _ in range(3):
+        ids = torch.randint(3, 300, (1, 40), device="cuda")
+        kv = capture_kv(model, ids)
+        outputs = []
+        for graphs in (False, True):
+            cache = BridgedCache(
+                bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
+            )
+            outputs.append(generate(model, cache, ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        assert torch.equal(outputs[0], outputs[1])
+    assert len(engine.state.graphs) == 1
+    engine.close()

@@ -157,6 +157,12 @@ def pass_bytes(target, batch: int, capacity: int) -> int:
     return kv_bytes(target, batch, capacity)
 
 
+# A pass of this many query slots or fewer (the prompt, a small refresh) is bound by its launches
+# at any context length, as a reading is: its graph may take the whole graph budget, not a
+# quarter (translation only at 32K on an H100: 1,149 kernels, the GPU busy 46% of the time).
+_FEW_SLOTS = 512
+
+
 def _graphs(cache, keep, extra: dict) -> bool:
     """Whether this pass may replay a captured graph: CUDA, the config allows it, and the forward
     wants no more than the last token's logits (what the graph keeps)."""
@@ -178,7 +184,8 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
     if _graphs(cache, keep, extra):
         shape = (batch, bucket(_slots(work, m)), bucket(prefix + m + 1, 256))
         make = lambda: PassGraph(NativePass(view, *shape))  # noqa: E731
-        graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]))
+        share = 1.0 if shape[1] <= _FEW_SLOTS else 0.25
+        graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]), share)
     if graph is not None:
         with state.replay_lock:
             output = graph.run(cache, work, new_ids, new_positions)

@@ -71,6 +71,7 @@ def attention_scores(
             ("reading", *shape),
             lambda: ReadingGraph(view, *shape[:4], captured=True, layers=layers),
             reading_bytes(model, batch, shape[2], layers),
+            share=1.0,  # launches bound a reading at every length: a long one is worth its buffers
         )
         if graph is not None:
             with replay_lock:
