@@ -21,6 +21,9 @@ key_columns on the device (no host sync: CUDA-graph capturable) finds that range
 query sees; only key blocks inside it are visited, masked element-wise only at its edges. No
 [Nq, Nk] tensor exists. Launch configurations are timed once per shape bucket on the first CUDA
 call (warm up outside graph capture). Head dims 16..256 (padded to a power of two inside).
+Few queries over many keys (a prompt over a long context: fewer programs than multiprocessors)
+split each block's keys into shares (`split_count`), one program each, whose partial softmaxes
+(running max, sum, unnormalised output; float32) `_combine` merges exactly: flash-decoding.
 
 Reference (PyTorch, every device): `reference.attention_reference`, sdpa per block of queries over
 only the keys the block can see (memory: block x visible keys, never all queries x all keys).
@@ -121,13 +124,15 @@ def _attention_kernel(
     qc_ptr, qc_b, qc_m,
     kc_ptr, first_ptr,
     o_ptr, o_b, o_m, o_h,
+    part_ptr, stat_ptr, n_split,
     n_q, n_k, heads, group, search_iters, qk_mul, cap_mul, window, N_Q_KEY, N_K_KEY,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     FP32: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # axis 0 (fastest): (batch row, q head), so the heads sharing a kv head run side by side;
-    # axis 1: query block, the last (latest columns: most keys) first, so the longest run first
+    # axis 1: query block, the last (latest columns: most keys) first, so the longest run first;
+    # axis 2 (SPLIT): a share of the block's keys, its partial softmax written for `_combine`
     n_mb = tl.cdiv(n_q, BLOCK_M)
     m0 = (n_mb - 1 - tl.program_id(1)) * BLOCK_M
     b = (tl.program_id(0) // heads).to(tl.int64)
@@ -164,6 +169,11 @@ def _attention_kernel(
     none_full = u1 <= u0
     u0 = tl.where(none_full, start, u0)
     u1 = tl.where(none_full, start, u1)
+    end = hi
+    if SPLIT:  # this program's share of the key blocks: [start, end), aligned to BLOCK_N
+        share = tl.cdiv(tl.cdiv(hi - start, BLOCK_N), n_split) * BLOCK_N
+        start = start + tl.program_id(2) * share
+        end = tl.minimum(start + share, hi)
 
     q_ptrs = q_ptr + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
@@ -174,32 +184,38 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(start, u0, BLOCK_N):
+    for start_n in range(start, tl.minimum(u0, end), BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
             offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
-    for start_n in range(u0, u1, BLOCK_N):
+    for start_n in range(tl.maximum(u0, start), tl.minimum(u1, end), BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
             offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
-    for start_n in range(u1, hi, BLOCK_N):
+    for start_n in range(tl.maximum(u1, start), end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
             offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc = 0
-    if OUT_BF16 and INTERPRET:
-        # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
-        bits = o.to(tl.uint32, bitcast=True)
-        o = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    o_ptrs = o_ptr + b * o_b + offs_m[:, None] * o_m + h * o_h + offs_d[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    if SPLIT:  # unnormalised: [split, batch x q heads, queries, BLOCK_D] and (max, sum) per query
+        row = (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * n_q + offs_m
+        tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_mask[:, None])
+        tl.store(stat_ptr + row * 2, m_i, mask=m_mask)
+        tl.store(stat_ptr + row * 2 + 1, l_i, mask=m_mask)
+    else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc = 0
+        if OUT_BF16 and INTERPRET:
+            # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
+            bits = o.to(tl.uint32, bitcast=True)
+            o = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        o_ptrs = o_ptr + b * o_b + offs_m[:, None] * o_m + h * o_h + offs_d[None, :]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) the autotuner tries, per (padded head dim, float32 operands).
@@ -268,15 +284,34 @@ def _search_steps(n: int) -> int:
     return steps
 
 
+def split_count(programs: int, n_q: int, n_k: int, sms: int) -> int:
+    """Key shares per query block (1: no split). A few queries over many keys (the prompt's
+    tokens over a long context) make fewer programs than the GPU has multiprocessors, each walking
+    every key: a 32K-token pass of 17 queries used 14 programs (0.55 ms a layer on an H100). Split
+    the keys so that about two programs run per multiprocessor, each share at least 4 key blocks."""
+    if n_q > _SPLIT_MAX_QUERIES or programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), n_k // (4 * _SPLIT_BLOCK_N)))
+
+
 def launch_attention(
-    query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out
+    query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits=None
 ):
     """Run the Triton kernel into `out` [B, Nq, Hq, D] (every element written); arguments as in
-    `column_attention`, all last axes contiguous."""
+    `column_attention`, all last axes contiguous. splits: key shares per query block (None:
+    `split_count` on CUDA, 1 in the interpreter; > 1: partial softmaxes combined by `_combine`)."""
     bsz, hq, n_q, dim = query.shape
     n_k = key.shape[2]
     interp = query.device.type != "cuda" or interpreting()
     block_d = max(16, next_pow2(dim))
+    if splits is None:
+        sms = 0 if interp else torch.cuda.get_device_properties(query.device).multi_processor_count
+        splits = 1 if interp else split_count(bsz * hq, n_q, n_k, sms)
+    if splits > 1:
+        return _launch_split(
+            query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits,
+            interp,
+        )  # fmt: skip
     if softcap is None:
         qk_mul, cap_mul = scale * _LOG2E, 1.0
     else:
@@ -288,13 +323,14 @@ def launch_attention(
         query_columns, *query_columns.stride(),
         key_columns, first_column,
         out, *out.stride()[:3],
+        out, out, 1,  # no split: no partial buffers
         n_q, n_k, hq, hq // key.shape[1], _search_steps(n_k), qk_mul, cap_mul, window or 0,
         next_pow2(n_q), next_pow2(n_k),
     )  # fmt: skip
     meta = dict(
         D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp,
-        SEARCH_K=_SEARCH_K,
+        SEARCH_K=_SEARCH_K, SPLIT=False,
     )  # fmt: skip
 
     def grid(cfg):
@@ -317,6 +353,65 @@ def launch_attention(
 
 # Launch options per shape bucket, the autotuner's choice (state of the launcher, read by no one else).
 _RESOLVED: dict[tuple, dict] = {}
+
+# The split launch: few queries (one block of at most 64), keys in blocks of 64 (32 at head dims
+# above 128 or float32 operands), fixed rather than tuned: its shape is one kind of work.
+_SPLIT_MAX_QUERIES = 64
+_SPLIT_BLOCK_N = 64
+
+
+def _launch_split(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out,
+                  splits: int, interp: bool):  # fmt: skip
+    """Each query block's keys in `splits` shares, one program each, then `_combine`."""
+    bsz, hq, n_q, dim = query.shape
+    n_k = key.shape[2]
+    block_d = max(16, next_pow2(dim))
+    fp32 = query.dtype == torch.float32
+    if interp:
+        config = dict(_INTERPRET_CONFIG)
+    else:
+        wide = block_d > 128 or fp32
+        config = dict(BLOCK_M=max(16, min(64, next_pow2(n_q))), BLOCK_N=_SPLIT_BLOCK_N // (2 if wide else 1),
+                      num_warps=4, num_stages=2 if wide else 3)  # fmt: skip
+    blocks = -(-n_q // config["BLOCK_M"])
+    part = torch.empty(splits, bsz * hq, n_q, block_d, dtype=torch.float32, device=query.device)
+    stats = torch.empty(splits, bsz * hq, n_q, 2, dtype=torch.float32, device=query.device)
+    if softcap is None:
+        qk_mul, cap_mul = scale * _LOG2E, 1.0
+    else:
+        qk_mul, cap_mul = scale / softcap, softcap * _LOG2E
+    args = (
+        query, *query.stride()[:3],
+        key, *key.stride()[:3],
+        value, *value.stride()[:3],
+        query_columns, *query_columns.stride(),
+        key_columns, first_column,
+        out, *out.stride()[:3],
+        part, stats, splits,
+        n_q, n_k, hq, hq // key.shape[1], _search_steps(n_k), qk_mul, cap_mul, window or 0,
+        next_pow2(n_q), next_pow2(n_k),
+    )  # fmt: skip
+    meta = dict(
+        D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        FP32=fp32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=_SEARCH_K, SPLIT=True,
+    )  # fmt: skip
+    with device_of(query):
+        _KERNEL[(bsz * hq, blocks, splits)](*args, **meta, **config)
+    _combine(part, stats, out)
+
+
+def _combine(part: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> None:
+    """The softmax over every share from each share's partial one: part [S, B * Hq, Nq, BLOCK_D]
+    (unnormalised sums), stats [S, B * Hq, Nq, 2] (running max in log2 units, sum of exp2) ->
+    out [B, Nq, Hq, D]; a query that saw no key in any share gets zeros."""
+    bsz, n_q, hq, dim = out.shape
+    top, total = stats[..., 0], stats[..., 1]
+    best = top.amax(0)
+    best = torch.where(best == float("-inf"), 0.0, best)
+    weight = torch.exp2(top - best)  # 0 for a share that saw nothing (-inf)
+    norm = (weight * total).sum(0)
+    merged = (weight[..., None] * part).sum(0) / torch.where(norm > 0, norm, 1.0)[..., None]
+    out.copy_(merged[..., :dim].view(bsz, hq, n_q, dim).transpose(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------

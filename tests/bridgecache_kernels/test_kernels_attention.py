@@ -150,6 +150,42 @@ def test_kernel_matches_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap, 
     assert_blind_rows_zero(got, seen)
 
 
+# Few queries over many keys (the split launch): the keys of each query block in shares.
+SPLIT_CASES = [
+    (2, 2, 1, 64, 90, 5, None, None, torch.float32, 3),
+    (1, 4, 2, 128, 130, 17, None, None, torch.bfloat16, 4),
+    (2, 2, 2, 64, 100, 12, 20, 2.0, torch.bfloat16, 2),
+    (1, 2, 1, 96, 70, 1, None, None, torch.float32, 5),  # more shares than some blocks' keys fill
+]
+
+
+@pytest.mark.parametrize("batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype, splits", SPLIT_CASES)
+def test_split_keys_match_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype, splits):
+    """Partial softmaxes over shares of the keys, combined, are the softmax over all of them."""
+    from bridgecache.kernels.attention import launch_attention
+
+    seed = case_seed(batch, hq, hkv, dim, n_k, n_q, window, splits)
+    args, options, ref, seen = make_case(seed, batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype)
+    q, k, v, qc, kc, first = (x.to(DEVICE) for x in args)
+    got = torch.full((batch, n_q, hq, dim), float("nan"), dtype=dtype, device=DEVICE)
+    window, softcap = options["window"], options["softcap"]
+    launch_attention(q, k, v, qc, kc, first, options["scale"], window, softcap, got, splits=splits)
+    got = got.cpu()
+    want = run(args, options, "torch")
+    err_kernel, err_torch = rel_err(got, ref), rel_err(want, ref)
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    assert_blind_rows_zero(got, seen)
+
+
+def test_split_count_fills_the_multiprocessors_with_few_queries_only():
+    from bridgecache.kernels.attention import split_count
+
+    assert split_count(programs=14, n_q=17, n_k=32768, sms=132) == 19  # about 2 programs per SM
+    assert split_count(programs=14, n_q=17, n_k=300, sms=132) == 1  # too few keys to share
+    assert split_count(programs=14, n_q=6600, n_k=32768, sms=132) == 1  # many queries fill it
+    assert split_count(programs=264, n_q=17, n_k=32768, sms=132) == 1
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_every_column_a_query_is_causal_attention(backend):
     """query_columns == key_columns == arange: plain causal attention (sdpa is_causal)."""
