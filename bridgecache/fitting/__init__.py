@@ -8,7 +8,7 @@ Modules, one job each:
     calibration  calibration token sequences and the (source row, target row) pairing
     runner       run both models over the calibration sequences, in batches -> PairedKV
     core         per-target-layer accumulation and solve (model- and tokenizer-free)
-    gram         Full-Head's shared statistics: each distinct block once, float64 GEMMs
+    gram         float64 GEMM statistics: Full-Head's distinct blocks once, a group's heads stacked
     group        one statistics pass over a group of target layers; the groups within the budget
     fit          fit_layer_maps (engine) and fit_bridge (models -> Bridge)
     heldout      attention-output cosine of a bridge on its held-out sequences

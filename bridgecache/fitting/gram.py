@@ -1,5 +1,6 @@
 """The maps' statistics as float64 GEMMs: Full-Head's shared blocks once for all the layers that
-need them (`SharedGram`), and per-head statistics from rows gathered once (`head_rows`).
+need them (`SharedGram`), and per-head statistics of a whole group of target layers on one stacked
+head axis (`StackedHeads`).
 
 Full-Head Mapping regresses every head of target layer t on the same inputs: all heads of its
 source layers S_t. So its Gram matrix X^T X is one per target layer, made of blocks X_a^T X_b
@@ -9,14 +10,21 @@ adds each distinct block once per chunk of rows with one float64 GEMM (`addmm_`,
 the fused kernel forms float32 products), the cross moments X_a^T Y_t once per (source layer,
 target layer), and assembles each target layer's `SufficientStats` for the solver.
 
-Memory: the distinct blocks and cross moments (never more than one `SufficientStats` per target
-layer would hold) plus one chunk of gathered rows (at most 256 MiB of them).
+Per-head statistics (CacheBridge's matched heads, attention-weighted rows): `StackedHeads` puts
+every (target layer, target head) of a group on one head axis of size L * Ht. Per batch and kind
+it stacks the source layers read and the group's target layers once, and per chunk of rows
+gathers x [L * Ht, rows, p], y [L * Ht, rows, Dt] and the weights r [L * Ht, rows] with one
+index each, then adds each statistic with one batched GEMM (`stats.add_moments`; the plain and
+r-weighted statistics of `WeightedMoments` share the gather): a few dozen kernels per chunk for
+the whole group where one accumulator per layer launched as many per layer. Each layer's
+`LayerAccumulator` gets its slice to solve. `head_rows` gathers one layer's rows alone
+(LayerAccumulator's own GEMM path, for groups whose layers read different numbers of input
+slots). The fused kernel (bridgecache.kernels.stats) does the same without materialising X, at
+float32 or coarser products.
 
-Per-head statistics (CacheBridge's matched heads, attention-weighted rows): `head_rows` gathers
-each head's rows X [heads, rows, p] once per chunk in float64, and `stats.add_moments` adds
-their (optionally weighted) moments with batched GEMMs; the unweighted and the r-weighted
-statistics of `WeightedMoments` share one gather. The fused kernel (bridgecache.kernels.stats)
-does the same without materialising X, at float32 or coarser products.
+Memory: the statistics (never more than one `SufficientStats` per target layer would hold),
+one chunk of gathered float64 rows (at most 256 MiB of them) and, for `StackedHeads`, one
+batch's copy of the stacked layers of one kind.
 
 Knows nothing about models, tokenizers or how the statistics are solved.
 """
@@ -25,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.fitting.stats import SufficientStats
+from bridgecache.fitting.stats import SufficientStats, WeightedMoments, add_moments
 
-__all__ = ["SharedGram", "head_rows", "chunks"]
+__all__ = ["SharedGram", "StackedHeads", "head_rows", "chunks"]
 
 _CHUNK_BYTES = 256 * 2**20  # gathered float64 rows held at once
 
@@ -114,6 +122,127 @@ class SharedGram:
             sum_yy=self.syy[layer].view(h, d).clone(),
             sum_w=torch.full((1,), float(self.n), dtype=torch.float64, device=device),
         )
+
+
+class StackedHeads:
+    """Float64 per-head moments of a group of target layers (CacheBridge's matched heads), every
+    (target layer, target head) of the group one head of one stacked axis of size H = L * Ht.
+
+    inputs: {target layer: int64 [Ht, n_in, 2] (source layer, source head) per input slot}, the
+    same n_in for every layer (p = n_in * src_dim); weighted: the training split's statistics are
+    `WeightedMoments` (attention-aligned fitting), else `SufficientStats`.
+    train[kind], heldout[kind] (kind "k", "v"): xty [H, p, Dt], sum_y, sum_yy [H, Dt] (and by_r's
+    moments, n, sum_r, sum_r2 [H]); xtx [G, p, p], sum_x [G, p], sum_w [G] with G = H, less Ht - 1
+    per layer whose heads all read the same inputs (one Gram matrix, as `LayerAccumulator` keeps).
+    Axis order: first the heads that own a Gram matrix, layer by layer (a sharing layer's head 0),
+    then the sharing layers' other heads; `add_moments` takes the Gram matrices from x[:G].
+    `statistics(layer)` hands a layer its slice: views, copies only for a sharing layer's heads.
+    """
+
+    def __init__(self, inputs: dict[int, torch.Tensor], src_heads: int, src_dim: int, tgt_dim: int,
+                 weighted: bool, device=None):  # fmt: skip
+        self.layers, self.weighted = list(inputs), weighted
+        self.used = sorted({int(a) for x in inputs.values() for a in x[..., 0].flatten()})
+        owners, others, shared = [], [], []  # (layer's place in the group, head), in stacked-axis order
+        for i, x in enumerate(inputs.values()):
+            shared.append(bool((x == x[:1]).all()))  # every head reads the same inputs: one Gram matrix
+            owners += [(i, h) for h in range(1 if shared[i] else x.shape[0])]
+            others += [(i, h) for h in range(1, x.shape[0])] if shared[i] else []
+        order = owners + others
+        place = {pair: j for j, pair in enumerate(order)}
+        self.heads_at = {t: [place[(i, h)] for h in range(len(inputs[t]))] for i, t in enumerate(self.layers)}
+        self.grams_at = {t: self.heads_at[t][: 1 if shared[i] else None] for i, t in enumerate(self.layers)}
+        position = {a: u for u, a in enumerate(self.used)}
+        slots = [inputs[self.layers[i]][h].tolist() for i, h in order]  # [H][n_in] (source layer, head)
+        self.slot_layer = torch.tensor([[position[a] for a, _ in row] for row in slots], device=device)
+        self.slot_head = torch.tensor([[hd for _, hd in row] for row in slots], device=device)  # [H, n_in]
+        self.tgt_layer = torch.tensor([i for i, _ in order], device=device)  # [H] place in the group
+        self.tgt_head = torch.tensor([h for _, h in order], device=device)
+        self.device = self.tgt_head.device
+        heads, g, p = len(order), len(owners), len(slots[0]) * src_dim
+
+        def moments(g: int) -> SufficientStats:
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+            return SufficientStats(z(g, p, p), z(heads, p, tgt_dim), z(g, p), z(heads, tgt_dim),
+                                   z(heads, tgt_dim), z(g))  # fmt: skip
+
+        def train() -> SufficientStats | WeightedMoments:
+            if not weighted:
+                return moments(g)
+            z = lambda: torch.zeros(heads, dtype=torch.float64, device=device)  # noqa: E731
+            return WeightedMoments(moments(g), moments(heads), z(), z(), z())
+
+        self.train = {kind: train() for kind in "kv"}
+        self.heldout = {kind: moments(g) for kind in "kv"}
+
+    def row_bytes(self, src_dim: int) -> int:
+        """Bytes of one gathered row of every head's inputs, float64 (`chunks`' row_bytes)."""
+        return 8 * self.slot_layer.numel() * src_dim
+
+    def add(self, kind: str, sources: list[torch.Tensor], targets: list[torch.Tensor],
+            weights: list[torch.Tensor] | None, src_rows: torch.Tensor, tgt_rows: torch.Tensor,
+            index: list, heldout: bool) -> None:  # fmt: skip
+        """Add a batch of one kind: sources[a] [batch, Hs, src_tokens, Ds], targets[t] [batch, Ht,
+        tgt_tokens, Dt] (shifted; keys un-rotated), weights[t] [batch, Ht, tgt_tokens] raw attention
+        weights (a weighted fit's training rows; else None); src_rows, tgt_rows [batch, n] int64 on
+        this device, -1 where a row pads; index: their chunks (`chunks`, made once for both kinds)."""
+        on = self.device
+        src = torch.stack([sources[a].to(on) for a in self.used])  # [U, batch, Hs, Ts, Ds]
+        tgt = torch.stack([targets[t].to(on) for t in self.layers])  # [L, batch, Ht, Tt, Dt]
+        r = (
+            None if weights is None else torch.stack([weights[t].to(on) for t in self.layers])
+        )  # [L, batch, Ht, Tt]
+        _, batch, hs, ts, ds = src.shape
+        ht, tt = tgt.shape[2], tgt.shape[3]
+        # flat row numbers of src viewed [U * batch * Hs * Ts, Ds] and tgt viewed [L * batch * Ht * Tt, Dt]:
+        # a slot's (layer, head) part here, a row's (batch, token) part per chunk
+        x_at = (self.slot_layer * batch * hs + self.slot_head) * ts  # [H, n_in]
+        y_at = (self.tgt_layer * batch * ht + self.tgt_head) * tt  # [H]
+        src, tgt = src.view(-1, ds), tgt.view(-1, tgt.shape[-1])
+        for b, i in index:
+            s, t = src_rows[b, i], tgt_rows[b, i].clamp_min(0)
+            xi = x_at[:, None, :] + (b * (hs * ts) + s)[None, :, None]  # [H, m, n_in]
+            yi = y_at[:, None] + (b * (ht * tt) + t)[None, :]  # [H, m]
+            x, y = _rows(src, xi).flatten(2).double(), _rows(tgt, yi).double()  # [H, m, p], [H, m, Dt]
+            if heldout:
+                add_moments(self.heldout[kind], x, y, None)
+            elif r is None:
+                add_moments(self.train[kind], x, y, None)
+            else:
+                self.train[kind].add_rows(x, y, _rows(r.view(-1, 1), yi)[..., 0].double())
+
+    def statistics(self, layer: int) -> tuple[dict, dict]:
+        """Target `layer`'s ({kind: training statistics}, {kind: held-out statistics}), shaped as
+        its own `LayerAccumulator` would hold them."""
+        heads, grams = self.heads_at[layer], self.grams_at[layer]
+
+        def part(m: SufficientStats, g: list[int]) -> SufficientStats:
+            x, y = (m.xtx, m.sum_x, m.sum_w), (m.xty, m.sum_y, m.sum_yy)
+            (xtx, sum_x, sum_w), (xty, sum_y, sum_yy) = [_take(v, g) for v in x], [_take(v, heads) for v in y]
+            return SufficientStats(xtx, xty, sum_x, sum_y, sum_yy, sum_w)
+
+        def train(m):
+            if not self.weighted:
+                return part(m, grams)
+            n, sum_r, sum_r2 = (_take(v, heads) for v in (m.n, m.sum_r, m.sum_r2))
+            return WeightedMoments(part(m.plain, grams), part(m.by_r, heads), n, sum_r, sum_r2)
+
+        return (
+            {kind: train(m) for kind, m in self.train.items()},
+            {kind: part(m, grams) for kind, m in self.heldout.items()},
+        )
+
+
+def _rows(flat: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The rows of flat [rows, d] that `at` [...] names: [..., d] (one gather)."""
+    return flat.index_select(0, at.flatten()).view(*at.shape, flat.shape[-1])
+
+
+def _take(x: torch.Tensor, at: list[int]) -> torch.Tensor:
+    """x[at] on the first axis: a view where `at` is a run of consecutive places."""
+    if at == list(range(at[0], at[0] + len(at))):
+        return x[at[0] : at[0] + len(at)]
+    return x[torch.tensor(at, device=x.device)]
 
 
 def chunks(rows: torch.Tensor, row_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,17 +1,21 @@
 """Full-Head's shared statistics (float64 GEMMs over distinct blocks) equal the per-layer
 statistics of the reference accumulator, padding and chunking included, and a Full-Head fit
-takes them by default."""
+takes them by default. The per-head statistics of a group's layers on one stacked head axis
+equal each layer's own, and a CacheBridge fit through them gives the per-layer path's maps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import byte_tokenizer, tiny_model
 
-from bridgecache.fitting import FitConfig, PairedKV, fit_layer_maps
+from bridgecache.fitting import FitConfig, PairedKV, fit_bridge, fit_layer_maps
 from bridgecache.fitting import gram as gram_module
+from bridgecache.fitting import group as group_module
 from bridgecache.fitting.core import LayerAccumulator
 from bridgecache.fitting.gram import SharedGram, chunks
-from bridgecache.fitting.group import shared_groups
+from bridgecache.fitting.group import GroupStatistics, shared_groups
+from bridgecache.fitting.stats import WeightedMoments
 from bridgecache.fitting.support import full_inputs
 
 HS, DS, HT, DT = 2, 8, 3, 4
@@ -139,3 +143,91 @@ def test_per_head_rows_give_the_weighted_statistics_of_their_materialised_rows(m
         assert float(moments.n[h]) == len(r) and float(moments.sum_r[h]) == pytest.approx(float(r.sum()))
         assert float(moments.sum_r2[h]) == pytest.approx(float((r * r).sum()))
         assert float(acc.heldout["k"].sum_w[h]) == 3 * 25 - 7
+
+
+# [HT, 2 slots, 2] (source layer, source head) per target layer: matched heads differing by
+# layer and head, a layer reading one source layer twice, and one whose heads all read the same
+# inputs (one Gram matrix, G = 1)
+MATCHED = [
+    torch.tensor([[[0, 1], [2, 0]], [[3, 1], [2, 1]], [[0, 0], [3, 0]]]),
+    torch.tensor([[[1, 0], [3, 1]]] * HT),
+    torch.tensor([[[2, 1], [2, 0]], [[2, 0], [0, 1]], [[1, 1], [0, 1]]]),
+    torch.tensor([[[3, 0], [1, 1]], [[0, 1], [1, 0]], [[3, 1], [1, 1]]]),
+]
+
+
+def _statistics(group, weighted, stacked, monkeypatch):
+    """GroupStatistics over three training batches (attention weights when `weighted`) and one
+    held-out batch, on the stacked head axis or layer by layer."""
+    monkeypatch.setattr(group_module, "stacks_heads", lambda inputs, precision, device: stacked)
+    stats = GroupStatistics(group, MATCHED, None, (HS, DS, HT, DT), weighted, None, "tf32x3")
+    assert (stats.heads is not None) == stacked
+    g = torch.Generator().manual_seed(7)
+    for seed in range(4):
+        src, tgt, src_rows, tgt_rows = _batch(seed)
+        heldout = seed == 3
+        r = None if heldout else [torch.rand(3, HT, 30, generator=g, dtype=torch.float64) for _ in range(4)]
+        stats.add(PairedKV(src, src, tgt, tgt, src_rows, tgt_rows, heldout, r, r))
+    return list(stats.accumulators())
+
+
+def _fields(moments) -> dict:
+    """Every tensor of SufficientStats or WeightedMoments, by name."""
+    names = ("xtx", "xty", "sum_x", "sum_y", "sum_yy", "sum_w")
+    if not isinstance(moments, WeightedMoments):
+        return {name: getattr(moments, name) for name in names}
+    out = {
+        f"{part}.{name}": getattr(getattr(moments, part), name)
+        for part in ("plain", "by_r")
+        for name in names
+    }
+    return out | {"n": moments.n, "sum_r": moments.sum_r, "sum_r2": moments.sum_r2}
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("group", [[0, 1, 2, 3], [1, 3]])
+def test_stacked_heads_equal_each_layers_own_statistics(monkeypatch, weighted, group):
+    monkeypatch.setattr(gram_module, "_CHUNK_BYTES", 4096)  # several chunks per batch on both paths
+    stacked = _statistics(group, weighted, True, monkeypatch)
+    own = _statistics(group, weighted, False, monkeypatch)
+    assert [a.layer for a in stacked] == [a.layer for a in own] == group
+    for a, b in zip(stacked, own):
+        for split in ("train", "heldout"):
+            for kind in "kv":
+                got, want = _fields(getattr(a, split)[kind]), _fields(getattr(b, split)[kind])
+                assert got.keys() == want.keys()
+                for name in want:
+                    assert got[name].shape == want[name].shape, (a.layer, split, kind, name)
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10)
+        assert float(a.heldout["k"].sum_w.min()) == 3 * 25 - 7
+        for kind in "kv":  # the weighted combination (alpha per head) and the maps it solves
+            combined, alphas = a.training_moments(kind), a.alphas.get(kind)
+            ref, ref_alphas = b.training_moments(kind), b.alphas.get(kind)
+            assert alphas == pytest.approx(ref_alphas, rel=1e-10)
+            for name, value in _fields(ref).items():
+                torch.testing.assert_close(_fields(combined)[name], value, rtol=1e-10, atol=1e-10)
+        got, want = a.solve(1e-3), b.solve(1e-3)
+        for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["attention", "uniform"])
+def test_cachebridge_fit_through_stacked_heads_gives_the_per_layer_maps(monkeypatch, weighting):
+    """Matched heads (4 source KV heads -> 2 target heads), two source layers per target layer."""
+    src, tgt = tiny_model("qwen2", seed=1, num_key_value_heads=4), tiny_model("llama", seed=2)
+    tok = byte_tokenizer()
+    config = FitConfig(method="cachebridge", num_sequences=6, seq_len=40, layers_k=2, weighting=weighting)
+    bridges = {}
+    for stacked in (True, False):
+        monkeypatch.setattr(group_module, "stacks_heads", lambda inputs, precision, device, on=stacked: on)
+        bridges[stacked] = fit_bridge(src, tgt, tok, tok, config, progress=False)
+    new, old = bridges[True], bridges[False]
+    assert new.calibration["statistics"] == old.calibration["statistics"] == "per-head float64 GEMMs"
+    assert new.calibration.get("alpha") == old.calibration.get("alpha")
+    assert any(len({tuple(h) for h in layer.inputs[:, :, 1].tolist()}) > 1 for layer in new.layers)
+    for a, b in zip(new.layers, old.layers):
+        assert a.source_layers == b.source_layers and torch.equal(a.inputs, b.inputs)
+        for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-8, atol=1e-8)
+        assert a.r2_key == pytest.approx(b.r2_key, rel=1e-8)
+        assert a.r2_value == pytest.approx(b.r2_value, rel=1e-8)
