@@ -22,8 +22,8 @@ query sees; only key blocks inside it are visited, masked element-wise only at i
 [Nq, Nk] tensor exists. Launch configurations are timed once per shape bucket on the first CUDA
 call (warm up outside graph capture). Head dims 16..256 (padded to a power of two inside).
 Few queries over many keys (a prompt over a long context: fewer programs than multiprocessors)
-split each block's keys into shares (`split_count`), one program each, whose partial softmaxes
-(running max, sum, unnormalised output; float32) `_combine` merges exactly: flash-decoding.
+split each block's keys into shares, one program each, whose partial softmaxes (running max,
+sum, unnormalised output; float32) merge exactly: flash-decoding (`attention_launch`).
 
 Reference (PyTorch, every device): `reference.attention_reference`, sdpa per block of queries over
 only the keys the block can see (memory: block x visible keys, never all queries x all keys).
@@ -42,6 +42,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend
+from .attention_launch import configs, merge_shares, prune, split_config, split_count
 from .checks import FLOATS, expect, last_contiguous
 from .reference import attention_reference
 
@@ -132,7 +133,7 @@ def _attention_kernel(
 ):  # fmt: skip
     # axis 0 (fastest): (batch row, q head), so the heads sharing a kv head run side by side;
     # axis 1: query block, the last (latest columns: most keys) first, so the longest run first;
-    # axis 2 (SPLIT): a share of the block's keys, its partial softmax written for `_combine`
+    # axis 2 (SPLIT): a share of the block's keys, its partial softmax written for `merge_shares`
     n_mb = tl.cdiv(n_q, BLOCK_M)
     m0 = (n_mb - 1 - tl.program_id(1)) * BLOCK_M
     b = (tl.program_id(0) // heads).to(tl.int64)
@@ -218,49 +219,9 @@ def _attention_kernel(
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) the autotuner tries, per (padded head dim, float32 operands).
-# Chosen from offline sm_90 builds (Triton 3.9, ptxas): 16-bit lists hold no register spills except
-# the last entry at 256; float32 ones fit 100 KB of shared memory (they spill: a correctness path).
-_CONFIGS = {
-    (16, False): ((64, 64, 4, 3), (128, 64, 8, 3)),
-    (32, False): ((64, 64, 4, 3), (128, 64, 8, 3)),
-    (64, False): ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
-    (128, False): ((128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 8, 3)),
-    (256, False): ((32, 32, 8, 2), (64, 16, 4, 2), (64, 32, 8, 2)),
-    (16, True): ((32, 32, 4, 2),),
-    (32, True): ((32, 32, 4, 2),),
-    (64, True): ((32, 32, 4, 2),),
-    (128, True): ((32, 32, 4, 2),),
-    (256, True): ((32, 16, 4, 2),),
-}
-
-
-def _configs():
-    import triton
-
-    listed = dict.fromkeys(c for options in _CONFIGS.values() for c in options)
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=nw, num_stages=ns)
-        for bm, bn, nw, ns in listed
-    ]
-
-
-def _prune(configs, named_args, **kwargs):
-    """Keep the configurations listed for this launch's padded head dim and operand type."""
-
-    def arg(name):
-        return named_args[name] if name in named_args else kwargs[name]
-
-    listed = set(_CONFIGS[arg("BLOCK_D"), bool(arg("FP32"))])
-    kept = [
-        c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in listed
-    ]
-    return kept or configs[:1]
-
-
 _KERNEL = LazyKernel(
-    _attention_kernel, _configs,
-    key=["N_Q_KEY", "N_K_KEY", "BLOCK_D", "HAS_WINDOW", "HAS_SOFTCAP", "FP32", "OUT_BF16"], prune=_prune,
+    _attention_kernel, configs,
+    key=["N_Q_KEY", "N_K_KEY", "BLOCK_D", "HAS_WINDOW", "HAS_SOFTCAP", "FP32", "OUT_BF16"], prune=prune,
     helpers=(_lower_bounds, _attend_block),
     # query and key counts change per call: one compiled variant for all of them
     do_not_specialize=["n_q", "n_k", "search_iters", "window"],
@@ -284,98 +245,24 @@ def _search_steps(n: int) -> int:
     return steps
 
 
-def split_count(programs: int, n_q: int, n_k: int, sms: int) -> int:
-    """Key shares per query block (1: no split). A few queries over many keys (the prompt's
-    tokens over a long context) make fewer programs than the GPU has multiprocessors, each walking
-    every key: a 32K-token pass of 17 queries used 14 programs (0.55 ms a layer on an H100). Split
-    the keys so that about two programs run per multiprocessor, each share at least 4 key blocks."""
-    if n_q > _SPLIT_MAX_QUERIES or programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // programs), n_k // (4 * _SPLIT_BLOCK_N)))
-
-
 def launch_attention(
     query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits=None
 ):
     """Run the Triton kernel into `out` [B, Nq, Hq, D] (every element written); arguments as in
     `column_attention`, all last axes contiguous. splits: key shares per query block (None:
-    `split_count` on CUDA, 1 in the interpreter; > 1: partial softmaxes combined by `_combine`)."""
+    `split_count` on CUDA, 1 in the interpreter; > 1: partial softmaxes merged by `merge_shares`)."""
     bsz, hq, n_q, dim = query.shape
     n_k = key.shape[2]
     interp = query.device.type != "cuda" or interpreting()
     block_d = max(16, next_pow2(dim))
+    fp32 = query.dtype == torch.float32
     if splits is None:
         sms = 0 if interp else torch.cuda.get_device_properties(query.device).multi_processor_count
         splits = 1 if interp else split_count(bsz * hq, n_q, n_k, sms)
+    part = stats = out  # partial sums and (max, sum) per share: only a split launch writes them
     if splits > 1:
-        return _launch_split(
-            query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits,
-            interp,
-        )  # fmt: skip
-    if softcap is None:
-        qk_mul, cap_mul = scale * _LOG2E, 1.0
-    else:
-        qk_mul, cap_mul = scale / softcap, softcap * _LOG2E
-    args = (
-        query, *query.stride()[:3],
-        key, *key.stride()[:3],
-        value, *value.stride()[:3],
-        query_columns, *query_columns.stride(),
-        key_columns, first_column,
-        out, *out.stride()[:3],
-        out, out, 1,  # no split: no partial buffers
-        n_q, n_k, hq, hq // key.shape[1], _search_steps(n_k), qk_mul, cap_mul, window or 0,
-        next_pow2(n_q), next_pow2(n_k),
-    )  # fmt: skip
-    meta = dict(
-        D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        FP32=query.dtype == torch.float32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp,
-        SEARCH_K=_SEARCH_K, SPLIT=False,
-    )  # fmt: skip
-
-    def grid(cfg):
-        return (bsz * hq, -(-n_q // cfg["BLOCK_M"]))
-
-    with device_of(query):
-        if interp:
-            _KERNEL[grid(_INTERPRET_CONFIG)](*args, **meta, **_INTERPRET_CONFIG)
-            return
-        bucket = (query.device, query.dtype, next_pow2(n_q), next_pow2(n_k), *meta.values())
-        config = _RESOLVED.get(bucket)
-        if config is None:  # the autotuner times the listed configurations once per bucket
-            tuner = _KERNEL.autotuned
-            tuner[grid](*args, **meta)
-            best = tuner.best_config
-            _RESOLVED[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
-        else:
-            _KERNEL[grid(config)](*args, **meta, **config)
-
-
-# Launch options per shape bucket, the autotuner's choice (state of the launcher, read by no one else).
-_RESOLVED: dict[tuple, dict] = {}
-
-# The split launch: few queries (one block of at most 64), keys in blocks of 64 (32 at head dims
-# above 128 or float32 operands), fixed rather than tuned: its shape is one kind of work.
-_SPLIT_MAX_QUERIES = 64
-_SPLIT_BLOCK_N = 64
-
-
-def _launch_split(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out,
-                  splits: int, interp: bool):  # fmt: skip
-    """Each query block's keys in `splits` shares, one program each, then `_combine`."""
-    bsz, hq, n_q, dim = query.shape
-    n_k = key.shape[2]
-    block_d = max(16, next_pow2(dim))
-    fp32 = query.dtype == torch.float32
-    if interp:
-        config = dict(_INTERPRET_CONFIG)
-    else:
-        wide = block_d > 128 or fp32
-        config = dict(BLOCK_M=max(16, min(64, next_pow2(n_q))), BLOCK_N=_SPLIT_BLOCK_N // (2 if wide else 1),
-                      num_warps=4, num_stages=2 if wide else 3)  # fmt: skip
-    blocks = -(-n_q // config["BLOCK_M"])
-    part = torch.empty(splits, bsz * hq, n_q, block_d, dtype=torch.float32, device=query.device)
-    stats = torch.empty(splits, bsz * hq, n_q, 2, dtype=torch.float32, device=query.device)
+        part = torch.empty(splits, bsz * hq, n_q, block_d, dtype=torch.float32, device=query.device)
+        stats = torch.empty(splits, bsz * hq, n_q, 2, dtype=torch.float32, device=query.device)
     if softcap is None:
         qk_mul, cap_mul = scale * _LOG2E, 1.0
     else:
@@ -393,25 +280,34 @@ def _launch_split(query, key, value, query_columns, key_columns, first_column, s
     )  # fmt: skip
     meta = dict(
         D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        FP32=fp32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=_SEARCH_K, SPLIT=True,
+        FP32=fp32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=_SEARCH_K,
+        SPLIT=splits > 1,
     )  # fmt: skip
+
+    def grid(cfg):
+        return (bsz * hq, -(-n_q // cfg["BLOCK_M"]), splits)
+
     with device_of(query):
-        _KERNEL[(bsz * hq, blocks, splits)](*args, **meta, **config)
-    _combine(part, stats, out)
+        if splits > 1:  # a fixed launch: one kind of work (attention_launch.split_config)
+            config = dict(_INTERPRET_CONFIG) if interp else split_config(n_q, block_d, fp32)
+            _KERNEL[grid(config)](*args, **meta, **config)
+            merge_shares(part, stats, out)
+        elif interp:
+            _KERNEL[grid(_INTERPRET_CONFIG)](*args, **meta, **_INTERPRET_CONFIG)
+        else:
+            bucket = (query.device, query.dtype, next_pow2(n_q), next_pow2(n_k), *meta.values())
+            config = _RESOLVED.get(bucket)
+            if config is None:  # the autotuner times the listed configurations once per bucket
+                tuner = _KERNEL.autotuned
+                tuner[grid](*args, **meta)
+                best = tuner.best_config
+                _RESOLVED[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+            else:
+                _KERNEL[grid(config)](*args, **meta, **config)
 
 
-def _combine(part: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> None:
-    """The softmax over every share from each share's partial one: part [S, B * Hq, Nq, BLOCK_D]
-    (unnormalised sums), stats [S, B * Hq, Nq, 2] (running max in log2 units, sum of exp2) ->
-    out [B, Nq, Hq, D]; a query that saw no key in any share gets zeros."""
-    bsz, n_q, hq, dim = out.shape
-    top, total = stats[..., 0], stats[..., 1]
-    best = top.amax(0)
-    best = torch.where(best == float("-inf"), 0.0, best)
-    weight = torch.exp2(top - best)  # 0 for a share that saw nothing (-inf)
-    norm = (weight * total).sum(0)
-    merged = (weight[..., None] * part).sum(0) / torch.where(norm > 0, norm, 1.0)[..., None]
-    out.copy_(merged[..., :dim].view(bsz, hq, n_q, dim).transpose(1, 2))
+# Launch options per shape bucket, the autotuner's choice (state of the launcher, read by no one else).
+_RESOLVED: dict[tuple, dict] = {}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_split_keys_match_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap
 
 
 def test_split_count_fills_the_multiprocessors_with_few_queries_only():
-    from bridgecache.kernels.attention import split_count
+    from bridgecache.kernels.attention_launch import split_count
 
     assert split_count(programs=14, n_q=17, n_k=32768, sms=132) == 19  # about 2 programs per SM
     assert split_count(programs=14, n_q=17, n_k=300, sms=132) == 1  # too few keys to share
