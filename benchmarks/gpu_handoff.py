@@ -505,17 +505,17 @@ def profile(source, target, bridge, n: int, device) -> None:
     for _ in range(3):  # a shape's second request captures its graph
         native_stages()
     runs = [native_stages() for _ in range(7)]
-    bare = [math.nan]
+    bare = [math.nan]  # a bare graph replay of the same prefill (CUDA only)
     if device.type == "cuda":
         replay = native_graph(target, full)
         replay()
         bare = []
-    for _ in range(7 if device.type == "cuda" else 0):
-        sync(device)
-        start = time.perf_counter()
-        replay()
-        sync(device)
-        bare.append(time.perf_counter() - start)
+        for _ in range(7):
+            sync(device)
+            start = time.perf_counter()
+            replay()
+            sync(device)
+            bare.append(time.perf_counter() - start)
     build_ms, forward_ms = (statistics.median(r[i] for r in runs) * 1e3 for i in range(2))
     print(f"native route at {n} tokens: BridgedCache {build_ms:.2f} ms, its forward {forward_ms:.2f} ms; "
           f"native, graph {statistics.median(bare) * 1e3:.2f} ms")  # fmt: skip
@@ -564,7 +564,7 @@ def reading_profile(source, target, n: int, device, repeats: int) -> None:
     from bridgecache.runtime.state import GraphStore
 
     context, question, _, kv = random_request(source, target, 1, n, device)
-    view = as_view(source)  # the engine's own view of the source, as SourceReader reads through
+    view = as_view(source)  # a view of the source, as SourceReader reads through the engine's
     first = (kv.attention_mask == 0).sum(1)
     lock = threading.RLock()
     stores = {"eager": None}
