@@ -21,6 +21,7 @@ natively and why from bridgecache.runtime.native_work.plan, what it cost from `r
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -51,7 +52,9 @@ class _LazyLayerMixin:
     """
 
     def _bind(self, cache: BridgedCache, layer_idx: int) -> None:
-        self._cache = cache
+        # A weak reference: the cache holds its layers, so a strong one back would be a cycle that
+        # keeps the cache's GPU memory until Python's cyclic collector runs, not when it is dropped.
+        self._cache = weakref.ref(cache)
         self._translator = cache.translator
         self._layer_idx = layer_idx
         self._batch_index: torch.Tensor | None = None
@@ -83,7 +86,9 @@ class _LazyLayerMixin:
         self._values = value
 
     def _materialize(self, device=None, dtype=None, batch_size=None) -> None:
-        cache = self._cache
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("this layer's BridgedCache is gone: a lazy layer translates through it")
         if cache.pending_work is not None:
             cache.run_pending(batch_size)  # read before the first forward: the native work comes first
             if self.is_materialized:
@@ -109,19 +114,43 @@ class _LazyLayerMixin:
             index = torch.arange(rows).repeat_interleave(batch_size // rows)
         return index
 
-    def settle(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def settle(self, keys: torch.Tensor, values: torch.Tensor, room=None) -> None:
         """Hold `keys`, `values` [batch, heads, rows, dim] from now on, as a translated layer would
-        (the native-work pass hands over its buffers this way)."""
+        (the native-work pass hands over its buffers this way). room: (keys, values) [batch,
+        heads, > rows, dim] whose first `rows` columns `keys`, `values` are: update() writes new
+        tokens there in place while they fit, where transformers' layer concatenates (a copy of
+        the whole layer per step, and until every layer has copied, the pass's buffers twice)."""
         self._translator = None
         self._batch_index = None
         self.device, self.dtype = keys.device, keys.dtype
         self.is_initialized = True  # an unbound layer (the native route) too: update() appends
         self._keys, self._values = keys, values
+        self._room = room
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_materialized:
             self._materialize(key_states.device, key_states.dtype, key_states.shape[0])
+        if getattr(self, "_room", None) is not None and self._append_in_room(key_states, value_states):
+            return self._keys, self._values
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _append_in_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Write the new [batch, heads, new, dim] states after the layer's columns, in its room,
+        if they fit and the layer is still the room's first columns (no batch operation or
+        user's assignment replaced it); else drop the room and say False."""
+        room_keys, room_values = self._room
+        keys, values = self._keys, self._values
+        rows, new = keys.shape[-2], key_states.shape[-2]
+        fits = rows + new <= room_keys.shape[-2] and key_states.shape[0] == room_keys.shape[0]
+        ours = keys.data_ptr() == room_keys.data_ptr() and values.data_ptr() == room_values.data_ptr()
+        ours = ours and keys.stride() == room_keys.stride() and key_states.dtype == room_keys.dtype
+        if not (fits and ours):
+            self._room = None
+            return False
+        room_keys[:, :, rows : rows + new].copy_(key_states)
+        room_values[:, :, rows : rows + new].copy_(value_states)
+        self._keys, self._values = room_keys[:, :, : rows + new], room_values[:, :, : rows + new]
+        return True
 
     def get_seq_length(self) -> int:
         if not self.is_materialized:
@@ -136,11 +165,13 @@ class _LazyLayerMixin:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_materialized:
+            self._room = None  # the batch operation makes new tensors: the room is no longer theirs
             return super().reorder_cache(beam_idx)
         self._compose_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_materialized:
+            self._room = None  # the batch operation makes new tensors: the room is no longer theirs
             return super().batch_repeat_interleave(repeats)
         base = (
             self._batch_index if self._batch_index is not None else torch.arange(self._translator.batch_size)
@@ -149,12 +180,14 @@ class _LazyLayerMixin:
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_materialized:
+            self._room = None  # the batch operation makes new tensors: the room is no longer theirs
             return super().batch_select_indices(indices)
         self._compose_batch(indices)
 
     def reset(self) -> None:
         """Empty the layer, translated or not (the same on every transformers version)."""
         self._translator = None  # a reset layer never translates
+        self._room = None
         self._batch_index = None
         self._keys = self._values = None
         self.is_initialized = False  # the next update() starts from empty tensors
@@ -264,6 +297,7 @@ class BridgedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.handoff_config = config
         self.pending_work = None  # pending.PendingWork until the target's first forward runs it
+        self.decode_room = 0  # tokens generate() will append: the pass leaves room for them
         self._target = target
         self._target_ids = target_ids
         make_groups = None
@@ -299,6 +333,9 @@ class BridgedCache(DynamicCache):
         new = copy.copy(self)
         memo[id(self)] = new
         new.layers = copy.deepcopy(self.layers, memo)
+        for layer in new.layers:  # a weak reference is copied as it is: point it at the copy
+            if getattr(layer, "_cache", None) is not None:
+                layer._cache = weakref.ref(new)
         return new
 
     # ------------------------------------------------------------------ the native work

@@ -219,6 +219,7 @@ class HandoffEngine:
         forward = functools.update_wrapper(functools.partial(forward_with_pass, target), target.forward)
         if self.target_tokenizer is not None:
             generate_kwargs.setdefault("pad_token_id", pad_token_id(self.target_tokenizer))
+        reserve_decode_room(target, cache, generate_kwargs)
         return generate_view(target, forward).generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -350,9 +351,26 @@ def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
     forward = functools.update_wrapper(functools.partial(forward_with_pass, target), target.forward)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    reserve_decode_room(target, cache, generate_kwargs)
     return generate_view(target, forward).generate(
         input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
     )
+
+
+# Decoded tokens the native-work pass leaves room for in its buffers (past them, decoding
+# concatenates as transformers' layers do): enough for an answer, bounded so that a large
+# max_new_tokens does not reserve memory that an early end of sequence never uses.
+MAX_DECODE_ROOM = 512
+
+
+def reserve_decode_room(target, cache, generate_kwargs: dict) -> None:
+    """Tell a BridgedCache with pending work how many tokens generate() will append after its
+    first forward (max_new_tokens - 1, at most MAX_DECODE_ROOM): its pass keeps room for them."""
+    if getattr(cache, "pending_work", None) is None:
+        return
+    config = generate_kwargs.get("generation_config") or target.generation_config
+    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    cache.decode_room = min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0
 
 
 def _weights_identity(*models) -> tuple:

@@ -8,7 +8,7 @@ import torch
 from tiny_models import random_bridge, tiny_model
 from transformers import DynamicCache
 
-from bridgecache import HandoffConfig
+from bridgecache import GivenScores, HandoffConfig, RefreshConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import capture_kv
@@ -79,20 +79,22 @@ def test_one_launch_equals_the_per_layer_path_for_arandom_bridge(family, device)
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
 
 
-def test_layers_still_materialise_one_by_one():
+def test_the_group_translates_into_the_pass_buffers_when_the_first_layer_reads():
     model = tiny_model("llama")
     ids = torch.randint(3, 300, (1, 12))
     cache = BridgedCache(
         Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(one_launch=True)
     )
     calls, seen_at_layer = [], []
-    original = cache.translator.columns  # what the first forward reads, layer by layer
-    cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
+    groups = cache.translator.groups  # the first forward translates when layer 0's attention runs
+    original = groups.translate_into
+    groups.translate_into = lambda idx, *a: calls.append(idx) or original(idx, *a)
+    groups._translate = lambda *a: pytest.fail("the pass's buffers take the translation: no group buffer")
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
     assert torch.equal(_generate(model, ids, cache, fused=True).sequences, _generate(model, ids).sequences)
-    assert seen_at_layer[:3] == [(0, []), (1, [0]), (2, [0, 1])]
-    assert cache.translator.groups.translations == 1  # one launch pair for the whole group
+    assert seen_at_layer[:3] == [(0, []), (1, [0]), (2, [0])]  # nothing before the forward, then once
+    assert groups.translations == 1  # one launch pair for the whole group
 
 
 def test_one_launch_is_off_where_it_cannot_apply():
@@ -158,3 +160,47 @@ def test_shared_inputs_take_one_gemm_and_translate_as_per_head_inputs(one_launch
     for a, b in zip(shared.layers, per_head.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, device", [("qwen2", "cpu"), ("gemma3", "cpu"), pytest.param("qwen2", "cuda", marks=CUDA)]
+)
+@pytest.mark.parametrize("beams", [1, 2])  # 2: generate() expands the rows, which are copied
+def test_a_refresh_over_groups_translated_into_its_buffers_equals_the_per_layer_path(family, device, beams):
+    """The native-work pass takes a group's translation straight into its buffers (no buffer of the
+    group's own: one copy of the cache, not two) and answers as the per-layer path does."""
+    model = tiny_model(family).to(device)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 300, (2, 25), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :4], ids[1, :4] = 0, 0  # a left-padded row
+    bridge, scores = random_bridge(model), torch.rand(2, 25)
+    results, written = [], []
+    for one_launch in (True, False):
+        config = HandoffConfig(
+            key_norm=False, one_launch=one_launch, refresh=RefreshConfig(6, GivenScores(scores))
+        )
+        cache = BridgedCache(
+            bridge,
+            capture_kv(model, ids, attention_mask=mask),
+            model,
+            ids,
+            target_attention_mask=mask,
+            source_attention_mask=mask,
+            config=config,
+        )
+        if one_launch:
+            original = cache.translator.groups.translate_into
+            cache.translator.groups.translate_into = lambda *a, original=original: (
+                written.append(original(*a)) or written[-1]
+            )
+        results.append(_generate(model, ids, cache, fused=True, attention_mask=mask, num_beams=beams))
+    grouped, per_layer = results
+    assert torch.equal(grouped.sequences, per_layer.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(grouped.logits, per_layer.logits)) < 1e-4
+    taken = {idx for layers in written for idx in layers}
+    if beams == 1:  # every evenly spaced group went straight into the buffers
+        # gemma3's sliding layers (0, 1, 3) are no view of the buffers: their group's buffer is copied
+        assert taken == ({2} if family == "gemma3" else set(range(len(model.model.layers))))
+    else:
+        assert not written  # expanded rows: the groups' own buffers, copied row by row

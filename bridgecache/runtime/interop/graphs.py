@@ -185,10 +185,11 @@ class PassGraph:
         self.logits = output.logits  # [batch, 1, vocab], rewritten by every replay
         self.output_type = type(output)
 
-    def run(self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor):
+    def run(self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0):
         """The pass over `cache` for new_ids / new_positions [batch, m]; returns the forward's
-        output (logits of the last token; the cache's layers hold the buffers' copy)."""
+        output (logits of the last token; the cache's layers hold the buffers' copy, with `room`
+        columns more for generate()'s tokens)."""
         self.native.load(cache, work, new_ids, new_positions)
         self.graph.replay()
-        self.native.commit(cache, new_ids.shape[1], copy=True)
+        self.native.commit(cache, new_ids.shape[1], copy=True, room=room)
         return self.output_type(logits=self.logits.clone())

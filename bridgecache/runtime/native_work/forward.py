@@ -13,7 +13,10 @@ logits give the first new token. Refreshing every column reproduces the target's
 Every layer first writes its fresh rows into the buffers (pending columns over their translated
 rows, new tokens after the prefix), then attends over them: the pending tokens see each other's
 fresh rows, the prompt sees a repaired cache. After the forward the buffers become the cache's
-layers. Placeholder slots (a shape bucket wider than the work, or a row with nothing pending)
+layers, with room after them for the tokens generate() appends (`cache.decode_room`, set by the
+engine's generate(): the layers write them in place, bridgecache.runtime.cache). A group of layers
+translated in one launch is translated straight into the buffers: the pass holds one copy of the
+translated cache. Placeholder slots (a shape bucket wider than the work, or a row with nothing pending)
 repeat the row's first pending column or write to the buffers' last row, which no query sees.
 
 How the pass joins a forward: the engine's `generate()` runs on a view of the target
@@ -69,7 +72,9 @@ class NativePass:
     def load(
         self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False
     ) -> None:
-        """Copy this forward's slots and the cache's rows into the buffers.
+        """Copy this forward's slots and the cache's rows into the buffers; a group of layers
+        translated in one launch is written there directly (`LayerGroups.translate_into`): the pass
+        then holds one copy of the translated cache, not two.
 
         work: the cache's PendingWork for this batch; new_ids, new_positions: [batch, m].
         lazy: load a layer's rows when its attention runs (translation of layer i then follows the
@@ -108,16 +113,33 @@ class NativePass:
                 keys, values = keys.index_select(0, index), values.index_select(0, index)
             return keys, values
 
+        written: set[int] = set()  # layers whose group translated straight into the buffers
+
+        def translated_here(idx: int) -> bool:
+            groups = tr.groups
+            if idx in written:
+                return True
+            if groups is None or not groups.covers(idx) or groups.start(idx) != 0:
+                return False
+            if cache.layers[idx].batch_index_for(batch) is not None:  # rows to expand: copy them
+                return False
+            written.update(groups.translate_into(idx, self.store[0], self.store[1]))
+            return idx in written
+
         def fill(idx: int) -> None:
+            if translated_here(idx):
+                return
             keys, values = rows(idx)
             mask.keys[idx][:, :, :prefix].copy_(keys)
             mask.values[idx][:, :, :prefix].copy_(values)
 
         mask.fill = fill if lazy else None
-        if not lazy:  # every layer now, in one batched copy
-            sources = [t for idx in range(len(cache.layers)) for t in rows(idx)]
-            targets = [t[:, :, :prefix] for pair in zip(mask.keys, mask.values) for t in pair]
-            torch._foreach_copy_(targets, sources)
+        if not lazy:  # every layer now: groups into the buffers, the rest in one batched copy
+            copied = [idx for idx in range(len(cache.layers)) if not translated_here(idx)]
+            sources = [t for idx in copied for t in rows(idx)]
+            targets = [t[:, :, :prefix] for idx in copied for t in (mask.keys[idx], mask.values[idx])]
+            if copied:
+                torch._foreach_copy_(targets, sources)
 
     @torch.no_grad()
     def forward(self, keep, extra: dict):
@@ -131,21 +153,25 @@ class NativePass:
             **extra,
         )
 
-    def commit(self, cache, new_tokens: int, copy: bool) -> None:
+    def commit(self, cache, new_tokens: int, copy: bool, room: int = 0) -> None:
         """The buffers' columns [0, prefix + new_tokens) become the cache's layers (copied when the
-        buffers outlive this pass, as a captured graph's do)."""
+        buffers outlive this pass, as a captured graph's do), with `room` more columns after them
+        in each full-attention layer for the tokens generate() appends (`settle`)."""
         total = cache.translator.prefix_length + new_tokens
-        block = self.store[..., :total, :]
-        if copy:  # one copy of every layer's columns
-            block = block.clone()
+        store = self.store
+        if copy:  # one copy of every layer's columns, into one allocation with the room
+            store = store.new_empty(*store.shape[:-2], total + room, store.shape[-1])
+            store[..., :total, :].copy_(self.store[..., :total, :])
         for idx, layer in enumerate(cache.layers):
-            keys, values = block[0, idx], block[1, idx]
+            keys, values = store[0, idx, :, :, :total], store[1, idx, :, :, :total]
             window = getattr(layer, "sliding_window", None)
             if window is not None:  # transformers' sliding layer keeps the last window - 1 columns
                 keys, values = keys[:, :, -(window - 1) :], values[:, :, -(window - 1) :]
                 layer.cumulative_length = total
                 keys, values = keys.clone(), values.clone()  # not a view keeping the whole block
-            layer.settle(keys, values)
+                layer.settle(keys, values)
+            else:
+                layer.settle(keys, values, (store[0, idx], store[1, idx]) if room else None)
 
 
 def _slots(work, new_tokens: int) -> int:
@@ -180,6 +206,7 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
     prefix = cache.translator.prefix_length
     state = cache.state
     view = state.view("target")
+    room = cache.decode_room  # columns for the tokens generate() will append (0: unknown)
     graph = None
     if _graphs(cache, keep, extra):
         shape = (batch, bucket(_slots(work, m)), bucket(prefix + m + 1, 256))
@@ -188,12 +215,15 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
         graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]), share)
     if graph is not None:
         with state.replay_lock:
-            output = graph.run(cache, work, new_ids, new_positions)
+            output = graph.run(cache, work, new_ids, new_positions, room)
     else:
-        native = NativePass(view, batch, _slots(work, m), prefix + m + 1)
+        native = NativePass(view, batch, _slots(work, m), prefix + m + 1 + room)
         native.load(cache, work, new_ids, new_positions, lazy=True)
-        output = native.forward(keep, extra)
-        native.commit(cache, m, copy=False)
+        try:
+            output = native.forward(keep, extra)
+        finally:  # the lazy fill's closure holds the pass and the cache: a cycle, broken here
+            native.mask.fill = None
+        native.commit(cache, m, copy=False, room=room)
     cache.pending_work = None
     field = "cache" if hasattr(output, "cache") else "past_key_values"
     setattr(output, field, cache)

@@ -15,6 +15,8 @@ Knows nothing about tokenizers or generate(); reads a `Translator`
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from bridgecache.runtime.translation.layers import translate_layers
@@ -54,7 +56,9 @@ class LayerGroups:
     def __init__(self, translator, whole: bool = False):
         """whole: translate every column of every layer (the native-work pass reads them all);
         else the columns each layer keeps."""
-        self.translator = translator
+        # Weak: the translator holds its groups (translator.groups); a strong reference back would
+        # be a cycle that keeps the source KV and the groups' buffers until the cyclic collector runs.
+        self._translator = weakref.ref(translator)
         tr = translator
         self._group_of: dict[int, tuple] = {}
         members: dict[tuple, list[int]] = {}
@@ -72,6 +76,10 @@ class LayerGroups:
         self._done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._waiting: dict[tuple, set[int]] = {}  # layers of a translated group not yet handed out
         self.translations = 0  # groups translated so far (each launch pair counts once)
+
+    @property
+    def translator(self):
+        return self._translator()
 
     def covers(self, idx: int) -> bool:
         return idx in self._group_of
@@ -94,16 +102,43 @@ class LayerGroups:
         pos = layers.index(idx)
         return keys[pos], values[pos]
 
+    def translate_into(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, ...]:
+        """Translate the group of target layer `idx` straight into `keys`, `values`
+        [target_layers, batch, tgt_heads, >= prefix_length, tgt_head_dim] (a native-work pass's
+        buffers, indexed by target layer), columns [start, prefix_length): no buffer of the group's
+        own, so a pass holds one copy of the translated cache, not two. Returns the group's layers,
+        written; () where it cannot (a group handed out already, layers not evenly spaced, other
+        devices or dtypes): the caller copies `layer(idx)` instead."""
+        tr = self.translator
+        start, layers = self._group_of[idx]
+        step = layers[1] - layers[0] if len(layers) > 1 else 1
+        spaced = step > 0 and layers == tuple(range(layers[0], layers[-1] + 1, step))
+        home = all((t.device, t.dtype) == (tr.home_device, tr.home_dtype) for t in (keys, values))
+        if layers in self._done or not spaced or not home:
+            return ()
+        rows = slice(layers[0], layers[-1] + 1, step)
+        stop = tr.prefix_length
+        self._fill(start, layers, keys[rows, :, :, start:stop], values[rows, :, :, start:stop])
+        self.translations += 1
+        return layers
+
     def _translate(self, start: int, layers: tuple[int, ...]):
         tr = self.translator
-        device, dtype = tr.home_device, tr.home_dtype
+        batch, heads, dim = tr.batch_size, tr.bridge.target.num_kv_heads, tr.bridge.target.head_dim
+        shape = (len(layers), batch, heads, tr.prefix_length - start, dim)
+        keys = torch.empty(shape, dtype=tr.home_dtype, device=tr.home_device)
+        values = torch.empty(shape, dtype=tr.home_dtype, device=tr.home_device)
+        self._fill(start, layers, keys, values)
+        return keys, values
+
+    def _fill(self, start: int, layers: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the group's columns [start, prefix_length) into keys, values [layers, batch,
+        tgt_heads, prefix_length - start, tgt_head_dim] (any strides, the last axis contiguous)."""
+        tr = self.translator
+        device = tr.home_device
         begin = max(start, tr.begin)
         tr.check_source_rows(range(tr.source.num_layers), begin)
         plan = tr.state.stacked_plan(layers, device)
-        batch, heads, dim = tr.batch_size, tr.bridge.target.num_kv_heads, tr.bridge.target.head_dim
-        shape = (len(layers), batch, heads, tr.prefix_length - start, dim)
-        keys = torch.empty(shape, dtype=dtype, device=device)
-        values = torch.empty(shape, dtype=dtype, device=device)
         if start < begin:  # native head placeholders and padding: written by the native work, or masked
             keys[:, :, :, : begin - start].zero_()
             values[:, :, :, : begin - start].zero_()
@@ -113,4 +148,3 @@ class LayerGroups:
         translate_layers(
             plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values
         )
-        return keys, values
