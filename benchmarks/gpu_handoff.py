@@ -437,12 +437,37 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
     for layers in reading_layers:
         fewer = HANDOFF.replace(refresh=RefreshConfig(0.2, SourceAttention(layers=layers)))
         runs[f"handoff, source reads {layers} layers"] = lambda: handoff(False, fewer)  # noqa: B023
-    rates, checks, route = {}, {}, "?"
+    rates, checks, peaks, route = {}, {}, {}, "?"
     for name, fn in runs.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         seconds, last, checks[name] = timed(fn, device, 2, f"{what}, row {name!r}")
         rates[name] = batch / seconds
+        if device.type == "cuda":  # the row's own peak: models, the source's KV and what it made
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
         route = last.route if name == "handoff, route auto" else route
-    return {"rates": rates, "checks": checks, "route auto took": route}
+    return {"rates": rates, "checks": checks, "route auto took": route, "peak_gib": peaks}
+
+
+_OUR_CODE = ("bridgecache", "transformers/", "gpu_handoff")
+
+
+def live_allocations(top: int = 12) -> list[str]:
+    """The live CUDA allocations, summed by where they were made (the innermost frame in
+    bridgecache, transformers or this script), largest first: needs
+    torch.cuda.memory._record_memory_history(stacks="python") before the allocations."""
+    sites: dict[str, int] = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames") or (block.get("history") or [{}])[-1].get("frames", [])
+            ours = [f for f in frames if any(k in f["filename"] for k in _OUR_CODE)]
+            site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in ours[:3])
+            site = site or "?"
+            sites[site] = sites.get(site, 0) + block["size"]
+    ranked = sorted(sites.items(), key=lambda item: -item[1])[:top]
+    return [f"{size / 2**30:7.2f} GiB  {site}" for site, size in ranked]
 
 
 @torch.no_grad()
@@ -757,7 +782,9 @@ def main() -> None:
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     )
-    parser.add_argument("--lengths-7b", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument(
+        "--lengths-7b", type=int, nargs="*", default=[4096, 16384, 32768], help="none: the batch table only"
+    )
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
@@ -770,6 +797,12 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--no-batch", action="store_true")
+    parser.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="on running out of memory in the batch table, "
+        "print the live allocations by the code that made them",
+    )
     parser.add_argument(
         "--fresh-native",
         action="store_true",
@@ -874,9 +907,22 @@ def main() -> None:
             batch, tokens = (4, 64) if args.smoke else (args.batch, args.batch_tokens)
             free(device)
             memory = memory_state(device)
-            out = batch_rows(
-                source, target, bridge, batch, tokens, args.new_tokens, device, args.reading_layers
-            )
+            if args.memory_snapshot and device.type == "cuda":
+                torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+            try:
+                out = batch_rows(
+                    source, target, bridge, batch, tokens, args.new_tokens, device, args.reading_layers
+                )
+            except torch.OutOfMemoryError:
+                if not args.memory_snapshot:
+                    raise
+                # the traceback still holds the failing call's tensors: say where they came from
+                print(f"\nbatch {batch} x {tokens}: out of memory; live allocations by site:")
+                try:
+                    print("\n".join(live_allocations()), flush=True)
+                except Exception as error:  # the snapshot's layout differs across torch versions
+                    print(f"(no snapshot: {error!r})\n{torch.cuda.memory_summary()}", flush=True)
+                raise
             memory |= memory_after(device, memory)
             rates = out["rates"]
             results["batch"] = {"batch": batch, "tokens": tokens, "new_tokens": args.new_tokens, **rates}
@@ -889,6 +935,8 @@ def main() -> None:
             print("|" + "---|" * len(cells) + "\n| " + " | ".join(cells) + " |")
             print(f"handoff, route auto took {out['route auto took']}")
             print(f"{memory_line(memory)}; {checks_line(out['checks'])}")
+            if out["peak_gib"]:
+                print("peak GiB per row: " + ", ".join(f"{k} {v:.1f}" for k, v in out["peak_gib"].items()))
         for key in [k for k in _ENGINES if k[2] == id(target)]:  # the next target's rows start clean
             _ENGINES.pop(key).close()
         del target, bridge
