@@ -71,6 +71,7 @@ def measure(kind: str, args) -> dict:
 
     from bridgecache import BridgedCache, HandoffConfig, capture_kv
     from bridgecache.runtime.engine import HandoffEngine
+    from bridgecache.runtime.interop.graphs import kv_bytes
 
     torch.set_num_threads(args.threads)
     source, target = build(0), build(1)
@@ -84,16 +85,7 @@ def measure(kind: str, args) -> dict:
     gen = dict(
         max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
     )
-    config = target.config
-    kv_gib = (
-        2
-        * config.num_hidden_layers
-        * config.num_key_value_heads
-        * config.head_dim
-        * 4
-        * args.batch
-        * args.tokens
-    ) / 2**30
+    kv_gib = kv_bytes(target, args.batch, args.tokens) / 2**30
     before = current_gib()
     outputs = []
     if kind == "native":

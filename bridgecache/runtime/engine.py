@@ -215,17 +215,9 @@ class HandoffEngine:
     def generate(self, cache: BridgedCache, input_ids, attention_mask, **generate_kwargs):
         """transformers' `generate()` over `cache`, its first forward doing the cache's native
         work; returns what generate() returns."""
-        target = self.target
-        forward = functools.update_wrapper(functools.partial(forward_with_pass, target), target.forward)
         if self.target_tokenizer is not None:
             generate_kwargs.setdefault("pad_token_id", pad_token_id(self.target_tokenizer))
-        reserve_decode_room(target, cache, generate_kwargs)
-        return generate_view(target, forward).generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            **cache_kwargs(target, cache),
-            **generate_kwargs,
-        )
+        return generate(self.target, cache, input_ids, attention_mask, **generate_kwargs)
 
     @torch.no_grad()
     def handoff(
