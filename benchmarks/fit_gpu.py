@@ -3,6 +3,7 @@
     python benchmarks/fit_gpu.py --tokenizer DIR --out DIR [--pairs Qwen3-14B]   # CUDA machine
     python benchmarks/fit_gpu.py --tokenizer DIR --smoke --out DIR  # tiny configs on CPU
     python benchmarks/fit_gpu.py --tokenizer DIR --out DIR --seqs 64 --profile   # where time goes
+    python benchmarks/fit_gpu.py --tokenizer DIR --out DIR --pairs Qwen3-14B --depth 0.5  # a smaller GPU
 
 Pairs: Qwen2.5-7B -> Qwen2.5-1.5B and Qwen3-14B -> Qwen3-32B (transformers config classes, built
 directly on the GPU, both models resident on cuda:0); the Qwen2.5 tokenizer for both. Each method
@@ -18,6 +19,11 @@ The Qwen2.5 pair alone took about 200 s on an H200 (benchmarks/reports/fit-gpu-2
 give each pair its own call where calls are time-limited. Writes results.json and report.md
 under --out after every fit (a run cut short keeps what it
 finished). The random-weight models say nothing of quality; benchmarks/reports/quality.md does.
+
+--depth F: both models keep round(F x) of their layers, every width as published: a pair whose
+weights do not fit the GPU at hand (Qwen3-14B -> 32B, 95 GB, on an 80 GB H100) is fitted at a
+fraction of its depth; the forwards, statistics and scoring scale with the layers, the per-layer
+work is the real one. Its rows are named "(depth F)" and are not the full pair's.
 
 --profile: each fit once more (--profile-seqs sequences) under torch.profiler and cProfile after
 its timed run: per phase
@@ -66,8 +72,9 @@ PHASES = ("text", "forwards", "probes", "statistics", "solve", "scoring")
 SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2)
 
 
-def build(name: str, device, dtype, smoke: bool):
-    """A random-weight model of `name`'s published config, built on `device` in `dtype`, sdpa."""
+def build(name: str, device, dtype, smoke: bool, depth: float = 1.0):
+    """A random-weight model of `name`'s published config, built on `device` in `dtype`, sdpa;
+    `depth` < 1 keeps that fraction of its layers (at least one)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
     family, fields = CONFIGS[name]
@@ -75,6 +82,7 @@ def build(name: str, device, dtype, smoke: bool):
     if smoke:
         kv = fields["num_key_value_heads"]
         fields |= SMOKE | dict(num_key_value_heads=kv, num_attention_heads=2 * kv, head_dim=128)
+    fields["num_hidden_layers"] = max(1, round(fields["num_hidden_layers"] * depth))
     config = (Qwen2Config if family == "qwen2" else Qwen3Config)(**fields)
     if family == "qwen2":
         config.head_dim = fields.get("head_dim", config.hidden_size // config.num_attention_heads)
@@ -214,9 +222,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a few narrow layers per model, on CPU")
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--depth", type=float, default=1.0, help="fraction of the layers built (0-1]")
     ap.add_argument("--profile", action="store_true", help="each fit again under the profilers")
     ap.add_argument("--profile-seqs", type=int, default=64, help="sequences of the profiled fits")
     args = ap.parse_args()
+    if not 0 < args.depth <= 1:
+        ap.error(f"--depth must be in (0, 1], got {args.depth}")
     from transformers import AutoTokenizer
 
     device = torch.device("cpu" if args.smoke else "cuda:0")
@@ -230,7 +241,8 @@ def main() -> None:
     info = {
         "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seqs": args.seqs, "seq_len": args.seq_len,
-        "where": str(device), "command": " ".join(["python benchmarks/fit_gpu.py", *sys.argv[1:]]),
+        "depth": args.depth, "where": str(device),
+        "command": " ".join(["python benchmarks/fit_gpu.py", *sys.argv[1:]]),
     }  # fmt: skip
     print(json.dumps(info), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -240,10 +252,12 @@ def main() -> None:
         pair = f"{source_name} -> {target_name}"
         if args.pairs and not any(p in pair for p in args.pairs):
             continue
+        if args.depth != 1:
+            pair += f" (depth {args.depth:g})"
         try:
             t0 = time.perf_counter()
-            source = build(source_name, device, dtype, args.smoke)
-            target = build(target_name, device, dtype, args.smoke)
+            source = build(source_name, device, dtype, args.smoke, args.depth)
+            target = build(target_name, device, dtype, args.smoke, args.depth)
             built = round(time.perf_counter() - t0, 1)
         except Exception as e:  # keep the other pair
             rows.append({"pair": pair, "error": f"building: {type(e).__name__}: {e}"[:500]})
