@@ -34,6 +34,7 @@ top Python functions (written to profile-<pair>-<method>.txt under --out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -93,11 +94,15 @@ def build(name: str, device, dtype, smoke: bool, depth: float = 1.0):
     return model.eval().requires_grad_(False)
 
 
-def fit_one(source, target, tok, method: str, args, device) -> dict:
+def fit_one(
+    source, target, tok, method: str, args, device, precision: str | None = None
+) -> tuple[dict, object]:
+    """One timed fit: (its row, the bridge). precision: FitConfig.stats_precision (None: default)."""
     from bridgecache.fitting import FitConfig, fit_bridge
     from bridgecache.fitting.phases import PhaseClock
 
     config = FitConfig(method=method, num_sequences=args.seqs, seq_len=args.seq_len, domain="mixed")
+    config = config.replace(stats_precision=precision or config.stats_precision)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -114,6 +119,7 @@ def fit_one(source, target, tok, method: str, args, device) -> dict:
     seconds = {name: v["s"] for name, v in phases.items() if isinstance(v, dict)}
     row = {
         "method": method,
+        "stats_precision": config.stats_precision,
         "whole_fit_s": round(whole, 2),
         "construction_s": round(sum(seconds.get(p, 0.0) for p in ("probes", "statistics", "solve")), 2),
         "phases": phases,
@@ -133,7 +139,23 @@ def fit_one(source, target, tok, method: str, args, device) -> dict:
         row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
         row["fit_own_peak_GiB"] = round(row["peak_GiB"] - row["models_GiB"], 2)
         row["device_total_GiB"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 2)
-    return row
+    return row, bridge
+
+
+def maps_difference(bridge, reference) -> dict:
+    """Per map kind, the largest relative difference ||a - b|| / ||b|| over the layers (the same
+    method fitted at two statistics precisions: what the precision changes in the maps)."""
+    out = {}
+    for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
+        rel = [
+            float(
+                (getattr(a, name).double() - getattr(b, name).double()).norm()
+                / getattr(b, name).double().norm()
+            )
+            for a, b in zip(bridge.layers, reference.layers)
+        ]
+        out[name] = round(max(rel), 6)
+    return out
 
 
 def profile_fit(source, target, tok, method: str, args, device, path: Path) -> None:
@@ -194,7 +216,8 @@ def render(info: dict, rows: list[dict]) -> str:
         s = {name: f"{ph[name]['s']:.2f}" if name in ph else "-" for name in PHASES}
         rate = (ph.get("forwards") or {}).get("tokens_per_s")
         lines.append(
-            f"| {r['pair']} | {r['method']} | {r['whole_fit_s']:.1f} | {r['construction_s']:.2f} "
+            f"| {r['pair']} | {r['method']} ({r.get('stats_precision', 'tf32x3')}) | {r['whole_fit_s']:.1f} "
+            f"| {r['construction_s']:.2f} "
             f"| {' | '.join(s[name] for name in PHASES)} | {rate or '-'} "
             f"| {r['statistics_passes']} | {r.get('batch_sequences', '-')} | {r.get('models_GiB', '-')} "
             f"| {r.get('peak_GiB', '-')} "
@@ -219,6 +242,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--pairs", nargs="+", default=None, help="e.g. Qwen3-14B (pairs whose names contain it)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument(
+        "--precisions",
+        nargs="+",
+        default=[None],
+        help="FitConfig.stats_precision values, each fitted "
+        "in turn (default: the default); later ones' maps are compared with the first's",
+    )
     ap.add_argument("--smoke", action="store_true", help="a few narrow layers per model, on CPU")
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
     ap.add_argument("--no-progress", action="store_true")
@@ -254,6 +284,7 @@ def main() -> None:
             continue
         if args.depth != 1:
             pair += f" (depth {args.depth:g})"
+        firsts: dict = {}  # method -> (precision, bridge) of its first fit
         try:
             t0 = time.perf_counter()
             source = build(source_name, device, dtype, args.smoke, args.depth)
@@ -262,12 +293,16 @@ def main() -> None:
         except Exception as e:  # keep the other pair
             rows.append({"pair": pair, "error": f"building: {type(e).__name__}: {e}"[:500]})
             continue
-        for method in args.methods:
+        for precision, method in itertools.product(args.precisions, args.methods):
             if time.perf_counter() - started > args.budget_s:
                 rows.append({"pair": pair, "method": method, "error": "skipped: --budget-s spent"})
                 continue
             try:
-                row = {"pair": pair, "build_s": built, **fit_one(source, target, tok, method, args, device)}
+                row, bridge = fit_one(source, target, tok, method, args, device, precision)
+                row = {"pair": pair, "build_s": built, **row}
+                first = firsts.setdefault(method, (row["stats_precision"], bridge))
+                if first[1] is not bridge:
+                    row["maps_rel_diff_vs"] = {first[0]: maps_difference(bridge, first[1])}
             except Exception as e:
                 row = {"pair": pair, "method": method, "error": f"{type(e).__name__}: {e}"[:500]}
             rows.append(row)

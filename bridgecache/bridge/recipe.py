@@ -24,7 +24,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from bridgecache.kernels.stats import PRECISIONS as STATS_PRECISIONS
+from bridgecache.kernels.stats import PRECISIONS as KERNEL_PRECISIONS
 from bridgecache.models.spec import SPEC_LIMITS
 from bridgecache.text import UserText, user_text
 from tokenalign import POLICIES
@@ -83,10 +83,13 @@ class FitConfig:
     probe_subset: layer probes read only the first this many sequences (plus a held-out one if
         none is among them), each a forward of both models (None, or "all" on the command line:
         every sequence).
-    stats_precision: products of the maps' statistics: "tf32x3" (the default: float64 GEMMs on
-        the gathered rows, bridgecache.fitting.gram), "tf32" or "bf16" (the fused kernel's
-        coarser products on CUDA without materialising the rows: benchmarks/reports/gpu-kernels.md;
-        its PyTorch reference on the CPU forms float32 products).
+    stats_precision: products of the maps' statistics (bridgecache.fitting.products): "bf16-gemm"
+        (the default: GEMMs on the gathered rows rounded to bfloat16, exact products summed in
+        float32 per chunk on CUDA and in float64 across chunks), "tf32x3" (the same GEMMs on
+        float64 rows; the default before 2026-12-07, and what a recipe without this key was
+        fitted at), "tf32" or "bf16" (the fused kernel's products on CUDA without materialising
+        the rows: benchmarks/reports/gpu-kernels.md; its PyTorch reference on the CPU forms
+        float32 products).
     identity_if_same: the same model (or bit-identical weights and tokenizer) on both sides gives
         the exact identity bridge, without any regression.
     score_heldout: measure each target layer's attention-output cosine on the held-out sequences
@@ -118,7 +121,7 @@ class FitConfig:
     native_head: int = 1
     boundaries: int = 32
     probe_subset: int | None = 16
-    stats_precision: str = "tf32x3"
+    stats_precision: str = "bf16-gemm"
     identity_if_same: bool = True
     score_heldout: bool = True
     memory_budget_gb: float | None = None
@@ -203,13 +206,14 @@ class FitConfig:
 
     @classmethod
     def from_recipe(cls, recipe: dict) -> FitConfig:
-        """The FitConfig of a recorded recipe (its model names aside; a missing key: the default)."""
+        """The FitConfig of a recorded recipe (its model names aside; a missing key: the value
+        fits had before the key was recorded, `BEFORE_RECORDED`, else the default)."""
         unknown = sorted(set(recipe) - {"source", "target"} - set(RECIPE_FIELDS))
         if unknown:
             raise RecipeError(
                 f"recipe entries {unknown} are not FitConfig fields ({', '.join(RECIPE_FIELDS)})"
             )
-        return cls(**{name: value for name, value in recipe.items() if name in RECIPE_FIELDS})
+        return cls(**{**BEFORE_RECORDED, **{name: v for name, v in recipe.items() if name in RECIPE_FIELDS}})
 
 
 class FitOptionError(ValueError):
@@ -224,6 +228,8 @@ class RecipeError(ValueError):
     """A bridge records no recipe (an identity bridge, or fitted before recipes were recorded)."""
 
 
+# "bf16-gemm", "tf32x3": GEMMs on gathered rows (bridgecache.fitting.products); the fused kernel's
+STATS_PRECISIONS = ("bf16-gemm", *KERNEL_PRECISIONS)
 CHOICES = {
     "method": tuple(DEFAULT_K),
     "domain": ("prose", "code", "mixed"),
@@ -233,6 +239,8 @@ CHOICES = {
     "alignment_policy": POLICIES,
     "stats_precision": STATS_PRECISIONS,
 }
+# A recipe without a key was fitted at what fits did then, not at today's default.
+BEFORE_RECORDED = {"stats_precision": "tf32x3"}
 _NONE_ALLOWED = ("weighting", "alignment_policy")  # None: the method's / tokenalign's default
 MAX_SEED = 2**63 - 1  # the bridge file reader's bound
 # Every field but those that change no map (score_heldout, memory_budget_gb, batch_sequences) or

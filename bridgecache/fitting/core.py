@@ -19,6 +19,7 @@ import torch
 
 from bridgecache.bridge.maps import LayerMap
 from bridgecache.fitting.gram import chunks, head_rows
+from bridgecache.fitting.products import GEMM_PRECISIONS, Products
 from bridgecache.fitting.ridge import r2, rescale, solve, variance_scale
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, accumulate, add_moments, zeros
 from bridgecache.fitting.support import ProbeRows
@@ -129,10 +130,12 @@ class LayerAccumulator:
     """
 
     def __init__(self, layer: int, inputs: torch.Tensor, src_heads: int, src_dim: int, tgt_dim: int,
-                 weighted: bool, device=None, *, precision: str = "tf32x3",
+                 weighted: bool, device=None, *, precision: str = "bf16-gemm",
                  statistics: tuple[dict, dict] | None = None):  # fmt: skip
         self.layer = layer
-        self.precision = precision  # "tf32x3": float64 GEMMs; "tf32", "bf16": the fused kernel (CUDA)
+        # GEMM_PRECISIONS: GEMMs on gathered rows (fitting.products); "tf32", "bf16": the fused kernel
+        self.precision = precision
+        self.products = Products(precision) if precision in GEMM_PRECISIONS else None
         self.inputs = inputs
         self.used = sorted({int(s) for s in inputs[..., 0].flatten()})
         position = {s: i for i, s in enumerate(self.used)}
@@ -169,17 +172,18 @@ class LayerAccumulator:
 
     @property
     def uses_gemm(self) -> bool:
-        """Whether rows are added as float64 GEMMs on gathered rows (precision "tf32x3")."""
-        return self.precision == "tf32x3"
+        """Whether rows are added as GEMMs on gathered rows (GEMM_PRECISIONS)."""
+        return self.products is not None
 
     def row_bytes(self, src_dim: int) -> int:
-        """Bytes of one row of every head's gathered inputs, float64 (the GEMM path's chunks)."""
-        return 8 * self.heads.numel() * src_dim
+        """Bytes of one row of every head's gathered inputs (the GEMM path's chunks)."""
+        item = self.products.row_bytes(self.heads.device) if self.products else 8
+        return item * self.heads.numel() * src_dim
 
     def add(self, seq: PairedKV, index: list | None = None) -> None:
         """Add the rows of one sequence (or a batch); its tensors should be on this accumulator's
-        device already (fit_layer_maps moves them once for every layer). At precision "tf32x3"
-        float64 GEMMs on the gathered rows (bridgecache.fitting.gram), in the chunks `index` (from
+        device already (fit_layer_maps moves them once for every layer). At GEMM_PRECISIONS
+        GEMMs on the gathered rows (bridgecache.fitting.gram), in the chunks `index` (from
         `gram.chunks`, made once for every layer of a batch: each making waits for the GPU; None:
         made here), else the fused kernel."""
         device = self.heads.device
@@ -187,7 +191,7 @@ class LayerAccumulator:
         tgt = row_matrix(seq.tgt_rows).to(device).clamp_min(0)
         if not self.uses_gemm:
             index = None
-        elif index is None:  # [heads, rows, p] float64 per chunk, gathered once for a kind's statistics
+        elif index is None:  # [heads, rows, p] per chunk, gathered once for a kind's statistics
             index = chunks(rows, self.row_bytes(seq.source_keys[0].shape[-1]))
         for kind, src_layers, tgt_layers, weights in (
             ("k", seq.source_keys, seq.target_keys, seq.key_weights),
@@ -210,15 +214,16 @@ class LayerAccumulator:
                 self.train[kind].add(src, rows, self.heads, y, r, precision=self.precision)
 
     def _add_rows(self, kind: str, src, index, rows, y, r, heldout: bool) -> None:
-        """The float64 GEMM path: each chunk's rows gathered once for every statistic of `kind`."""
+        """The GEMM path: each chunk's rows gathered once for every statistic of `kind`."""
+        products = self.products
         for part in index:
-            x, yy, w = head_rows(src, self.src_heads, self.slots, part, rows, y, r)
+            x, yy, w = head_rows(src, self.src_heads, self.slots, part, rows, y, r, products.rows)
             if heldout:
-                add_moments(self.heldout[kind], x, yy, None)
+                add_moments(self.heldout[kind], x, yy, None, products)
             elif not self.weighted:
-                add_moments(self.train[kind], x, yy, None)
+                add_moments(self.train[kind], x, yy, None, products)
             else:
-                self.train[kind].add_rows(x, yy, w)
+                self.train[kind].add_rows(x, yy, w, products)
 
     def training_moments(self, kind: str) -> SufficientStats:
         """The statistics the map is solved from (attention-weighted when asked for)."""

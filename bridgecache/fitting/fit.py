@@ -112,6 +112,7 @@ def fit_layer_maps(
             budget,
             clock,
             progress,
+            config.stats_precision,
         )
         info["layer_scores"] = [[round(float(x), 4) for x in row] for row in scores.layer]
     support = top_layers(scores.layer, k) if config.layer_support == "probe" else depth_layers(ls, lt, k)
@@ -161,9 +162,9 @@ def fit_layer_maps(
     return layers, info
 
 
-def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress) -> ProbeScores:
+def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress, precision) -> ProbeScores:
     """Pass 1: keep the probe sequences' rows within the budget, then score every layer pair."""
-    train, heldout = ProbeRows(*shape, device, dtype), ProbeRows(*shape, device, dtype)
+    train, heldout = (ProbeRows(*shape, device, dtype, precision) for _ in range(2))
     per_row = ProbeRows.bytes_per_row(*shape, torch.empty((), dtype=dtype).element_size())
     shift = None
     clock.passes += 1

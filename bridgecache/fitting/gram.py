@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from bridgecache.fitting.products import Products
 from bridgecache.fitting.stats import SufficientStats, WeightedMoments, add_moments
 
 __all__ = ["SharedGram", "StackedHeads", "head_rows", "chunks"]
@@ -48,8 +49,9 @@ class SharedGram:
     """
 
     def __init__(self, supports: dict[int, list[int]], src_heads: int, src_dim: int, tgt_heads: int,
-                 tgt_dim: int, device=None):  # fmt: skip
+                 tgt_dim: int, device=None, precision: str = "bf16-gemm"):  # fmt: skip
         self.supports = {t: list(s) for t, s in supports.items()}
+        self.products = Products(precision)
         self.src_heads, self.tgt_heads, self.tgt_dim = src_heads, tgt_heads, tgt_dim
         self.used = sorted({a for s in self.supports.values() for a in s})
         self.pairs = sorted({(a, b) for s in self.supports.values() for i, a in enumerate(s) for b in s[i:]})
@@ -73,8 +75,8 @@ class SharedGram:
                     + 2 * len(supports) * out_width)  # fmt: skip
 
     def row_bytes(self, width: int) -> int:
-        """Bytes of one gathered row of every source layer read, float64 (`chunks`' row_bytes)."""
-        return 8 * width * len(self.used)
+        """Bytes of one gathered row of every source layer read (`chunks`' row_bytes)."""
+        return self.products.row_bytes(self.sy[next(iter(self.sy))].device) * width * len(self.used)
 
     def add(self, sources: list[torch.Tensor], targets: list[torch.Tensor], src_rows: torch.Tensor,
             tgt_rows: torch.Tensor, index: list) -> None:  # fmt: skip
@@ -86,17 +88,20 @@ class SharedGram:
             self._add_rows(sources, targets, b, src_rows[b, i], tgt_rows[b, i])
 
     def _add_rows(self, sources, targets, b, s, t) -> None:
-        m = b.numel()
+        m, products = b.numel(), self.products
         # [m, heads, d] -> [m, heads * d]: a source layer's heads side by side, as full_inputs orders them
-        x = {a: sources[a][b, :, s].reshape(m, -1).double() for a in self.used}
+        x = {a: products.rows(sources[a][b, :, s].reshape(m, -1)) for a in self.used}
         for a, c in self.pairs:
-            self.xx[(a, c)].addmm_(x[a].T, x[c])
+            products.add_gram(self.xx[(a, c)], x[a], x[c])
         for a in self.used:
-            self.sx[a] += x[a].sum(0)
+            self.sx[a] += products.sum(x[a], 0)
         for layer, support in self.supports.items():
-            y = targets[layer][b, :, t].reshape(m, -1).double()
+            y = products.rows(targets[layer][b, :, t].reshape(m, -1))
             for a in support:
-                self.xy[(a, layer)].addmm_(x[a].T, y)
+                products.add_gram(self.xy[(a, layer)], x[a], y)
+            # bfloat16 rows: their squares are exact in float32, and a chunk's sums too to ~1e-7
+            # (a float64 sum of float32 rows would first copy them to float64)
+            y = y.float() if y.dtype == torch.bfloat16 else y
             self.sy[layer] += y.sum(0)
             self.syy[layer] += (y * y).sum(0)
         self.n += m
@@ -140,8 +145,9 @@ class StackedHeads:
     """
 
     def __init__(self, inputs: dict[int, torch.Tensor], src_heads: int, src_dim: int, tgt_dim: int,
-                 weighted: bool, device=None):  # fmt: skip
+                 weighted: bool, device=None, precision: str = "bf16-gemm"):  # fmt: skip
         self.layers, self.weighted = list(inputs), weighted
+        self.products = Products(precision)
         self.used = sorted({int(a) for x in inputs.values() for a in x[..., 0].flatten()})
         owners, others, shared = [], [], []  # (layer's place in the group, head), in stacked-axis order
         for i, x in enumerate(inputs.values()):
@@ -176,8 +182,8 @@ class StackedHeads:
         self.heldout = {kind: moments(g) for kind in "kv"}
 
     def row_bytes(self, src_dim: int) -> int:
-        """Bytes of one gathered row of every head's inputs, float64 (`chunks`' row_bytes)."""
-        return 8 * self.slot_layer.numel() * src_dim
+        """Bytes of one gathered row of every head's inputs (`chunks`' row_bytes)."""
+        return self.products.row_bytes(self.device) * self.slot_layer.numel() * src_dim
 
     def add(self, kind: str, sources: list[torch.Tensor], targets: list[torch.Tensor],
             weights: list[torch.Tensor] | None, src_rows: torch.Tensor, tgt_rows: torch.Tensor,
@@ -186,9 +192,10 @@ class StackedHeads:
         tgt_tokens, Dt] (shifted; keys un-rotated), weights[t] [batch, Ht, tgt_tokens] raw attention
         weights (a weighted fit's training rows; else None); src_rows, tgt_rows [batch, n] int64 on
         this device, -1 where a row pads; index: their chunks (`chunks`, made once for both kinds)."""
-        on = self.device
-        src = torch.stack([sources[a].to(on) for a in self.used])  # [U, batch, Hs, Ts, Ds]
-        tgt = torch.stack([targets[t].to(on) for t in self.layers])  # [L, batch, Ht, Tt, Dt]
+        on, products = self.device, self.products
+        low = torch.bfloat16 if products.low else None  # stacked once in bfloat16: fewer bytes
+        src = torch.stack([sources[a].to(on, low) for a in self.used])  # [U, batch, Hs, Ts, Ds]
+        tgt = torch.stack([targets[t].to(on, low) for t in self.layers])  # [L, batch, Ht, Tt, Dt]
         r = (
             None if weights is None else torch.stack([weights[t].to(on) for t in self.layers])
         )  # [L, batch, Ht, Tt]
@@ -198,18 +205,49 @@ class StackedHeads:
         # a slot's (layer, head) part here, a row's (batch, token) part per chunk
         x_at = (self.slot_layer * batch * hs + self.slot_head) * ts  # [H, n_in]
         y_at = (self.tgt_layer * batch * ht + self.tgt_head) * tt  # [H]
+        self._target_sums(kind, tgt, r, tgt_rows, heldout)
         src, tgt = src.view(-1, ds), tgt.view(-1, tgt.shape[-1])
         for b, i in index:
             s, t = src_rows[b, i], tgt_rows[b, i].clamp_min(0)
             xi = x_at[:, None, :] + (b * (hs * ts) + s)[None, :, None]  # [H, m, n_in]
             yi = y_at[:, None] + (b * (ht * tt) + t)[None, :]  # [H, m]
-            x, y = _rows(src, xi).flatten(2).double(), _rows(tgt, yi).double()  # [H, m, p], [H, m, Dt]
+            x = products.rows(_rows(src, xi).flatten(2))  # [H, m, p]
+            y = products.rows(_rows(tgt, yi))  # [H, m, Dt]
             if heldout:
-                add_moments(self.heldout[kind], x, y, None)
+                add_moments(self.heldout[kind], x, y, None, products, target_sums=False)
             elif r is None:
-                add_moments(self.train[kind], x, y, None)
+                add_moments(self.train[kind], x, y, None, products, target_sums=False)
             else:
-                self.train[kind].add_rows(x, y, _rows(r.view(-1, 1), yi)[..., 0].double())
+                r_rows = _rows(r.view(-1, 1), yi)[..., 0].double()
+                self.train[kind].add_rows(x, y, r_rows, products, target_sums=False)
+
+    def _target_sums(self, kind: str, tgt: torch.Tensor, r: torch.Tensor | None, tgt_rows: torch.Tensor,
+                     heldout: bool) -> None:  # fmt: skip
+        """Add sum_y and sum_yy (and their r-weighted sums) of every stacked head's rows, formed
+        from the stacked target layers tgt [L, batch, Ht, Tt, Dt] and weights r [L, batch, Ht, Tt]
+        at once: a head's rows are its layer's positions `tgt_rows` [batch, n] whatever its
+        inputs, so they need no gather (`Products.weighted_sums`: GEMMs for bfloat16 rows)."""
+        layers, batch, ht, tt, dt = tgt.shape
+        count = torch.zeros(batch, tt, dtype=torch.float64, device=tgt.device)
+        # [batch, Tt]: how many rows each position is
+        count.scatter_add_(1, tgt_rows.clamp_min(0), (tgt_rows >= 0).double())
+        count = count[None, :, None, :].expand(layers, batch, ht, tt)
+        y = self.products.rows(tgt).reshape(layers * batch * ht, tt, dt)
+
+        def add(m: SufficientStats, w: torch.Tensor) -> None:
+            sums = self.products.weighted_sums(y, w.reshape(-1, tt))
+            at = (self.tgt_layer, self.tgt_head)  # [L, Ht, Dt] -> [H, Dt] in stacked-axis order
+            sum_y, sum_yy = (v.view(layers, batch, ht, dt).sum(1, dtype=torch.float64)[at] for v in sums)
+            m.sum_y += sum_y
+            m.sum_yy += sum_yy
+
+        if heldout:
+            add(self.heldout[kind], count)
+        elif r is None:
+            add(self.train[kind], count)
+        else:
+            add(self.train[kind].plain, count)
+            add(self.train[kind].by_r, count * r)
 
     def statistics(self, layer: int) -> tuple[dict, dict]:
         """Target `layer`'s ({kind: training statistics}, {kind: held-out statistics}), shaped as
@@ -254,8 +292,9 @@ def chunks(rows: torch.Tensor, row_bytes: int) -> list[tuple[torch.Tensor, torch
 
 
 def head_rows(src: list[torch.Tensor], src_heads: int, slots: list[list[int]], index, rows: torch.Tensor,
-              y: torch.Tensor, weights: torch.Tensor | None = None):  # fmt: skip
-    """One chunk of each target head's regression rows, float64.
+              y: torch.Tensor, weights: torch.Tensor | None = None, as_rows=torch.Tensor.double):  # fmt: skip
+    """One chunk of each target head's regression rows, x and y as `as_rows` makes them
+    (`Products.rows`; the weights float64).
 
     src: layers [batch, src_heads, tokens, d] stacked on the head axis (slot v: layer v //
     src_heads, head v % src_heads); slots[h]: head h's input slots, in order; index: (batch,
@@ -265,7 +304,8 @@ def head_rows(src: list[torch.Tensor], src_heads: int, slots: list[list[int]], i
     """
     b, i = index
     s = rows[b, i]
-    column = {v: src[v // src_heads][b, v % src_heads, s].double() for v in {v for row in slots for v in row}}
+    used = {v for row in slots for v in row}
+    column = {v: as_rows(src[v // src_heads][b, v % src_heads, s]) for v in used}
     x = torch.stack([torch.cat([column[v] for v in row], 1) for row in slots])
     w = None if weights is None else weights[b, :, i].T.double()
-    return x, y[b, :, i].transpose(0, 1).double(), w
+    return x, as_rows(y[b, :, i].transpose(0, 1)), w

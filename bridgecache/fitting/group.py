@@ -1,10 +1,11 @@
 """One statistics pass over a group of target layers, and each layer's accumulator ready to solve.
 
 Three ways, by method and precision: Full-Head's shared blocks (`gram.SharedGram`: uniform
-weights, "tf32x3"); every (layer, head) of the group on one stacked head axis (`gram.StackedHeads`:
-per-head statistics at "tf32x3" on CUDA, each chunk of rows gathered once and each statistic one batched
-GEMM for all the group's layers, where their heads read the same number of input slots); else one
-`LayerAccumulator` per layer (the fused kernel at "tf32" or "bf16").
+weights, a GEMM precision: "bf16-gemm" or "tf32x3", bridgecache.fitting.products); every (layer,
+head) of the group on one stacked head axis (`gram.StackedHeads`: per-head statistics at a GEMM
+precision on CUDA, each chunk of rows gathered once and each statistic one batched GEMM for all
+the group's layers, where their heads read the same number of input slots); else one
+`LayerAccumulator` per layer (GEMMs on the CPU; the fused kernel at "tf32" or "bf16").
 
 Knows nothing about models, tokenizers or calibration text.
 """
@@ -17,6 +18,7 @@ import torch
 
 from bridgecache.fitting.core import LayerAccumulator, PairedKV, row_matrix
 from bridgecache.fitting.gram import SharedGram, StackedHeads, chunks
+from bridgecache.fitting.products import GEMM_PRECISIONS
 
 __all__ = [
     "GroupStatistics",
@@ -30,28 +32,28 @@ __all__ = [
 
 
 def gram_path(weighted: bool, precision: str) -> bool:
-    """Whether shared statistics run as float64 GEMMs (SharedGram): uniform weights (one Gram
-    matrix per layer) at the default precision; "tf32" and "bf16" ask for the fused kernel's
-    faster, coarser products."""
-    return not weighted and precision == "tf32x3"
+    """Whether shared statistics run as GEMMs over distinct blocks (SharedGram): uniform weights
+    (one Gram matrix per layer) at a GEMM precision; "tf32" and "bf16" ask for the fused kernel."""
+    return not weighted and precision in GEMM_PRECISIONS
 
 
 def stacks_heads(inputs: list[torch.Tensor], precision: str, device) -> bool:
-    """Whether a group's per-head statistics run on one stacked head axis (StackedHeads): float64
-    GEMMs ("tf32x3") on CUDA, every layer's heads reading the same number of input slots. Layers
+    """Whether a group's per-head statistics run on one stacked head axis (StackedHeads): GEMMs
+    (GEMM_PRECISIONS) on CUDA, every layer's heads reading the same number of input slots. Layers
     whose heads share one Gram matrix (weighted Full-Head) are stacked as well, keeping theirs.
     On CUDA one accumulator per layer is bound by its launches (7B -> 1.5B, 500 x 1,024: 3.93 s
     against 1.31 s stacked on an H100); on the CPU the stacking's copies cost more than the
     launches it saves (28 layers: 4.3 s a batch against 3.2 s, `benchmarks/fit_statistics.py`)."""
     on_cuda = torch.device(device or "cpu").type == "cuda"
-    return on_cuda and precision == "tf32x3" and len({x.shape[1] for x in inputs}) == 1
+    return on_cuda and precision in GEMM_PRECISIONS and len({x.shape[1] for x in inputs}) == 1
 
 
 def statistics_label(shared: bool, precision: str) -> str:
     """How the statistics were accumulated, for a bridge's calibration record."""
-    if shared:
-        return "shared float64 GEMMs"
-    return "per-head float64 GEMMs" if precision == "tf32x3" else f"fused kernel ({precision})"
+    if precision not in GEMM_PRECISIONS:
+        return f"fused kernel ({precision})"
+    rows = "bfloat16 rows" if precision == "bf16-gemm" else "float64 rows"
+    return f"{'shared' if shared else 'per-head'} GEMMs on {rows}, float64 totals"
 
 
 def shared_supports(inputs: list[torch.Tensor], src_heads: int) -> dict[int, list[int]] | None:
@@ -81,9 +83,11 @@ class GroupStatistics:
         self.grams = self.heads = self.accs = None
         if supports:
             mine = {t: supports[t] for t in group}
-            self.grams = {s: {k: SharedGram(mine, hs, ds, ht, dt, device) for k in "kv"} for s in _SPLITS}
+            self.grams = {
+                s: {k: SharedGram(mine, hs, ds, ht, dt, device, precision) for k in "kv"} for s in _SPLITS
+            }
         elif stacks_heads([inputs[t] for t in group], precision, device):
-            self.heads = StackedHeads({t: inputs[t] for t in group}, hs, ds, dt, weighted, device)
+            self.heads = StackedHeads({t: inputs[t] for t in group}, hs, ds, dt, weighted, device, precision)
         else:
             self.accs = [
                 LayerAccumulator(t, inputs[t], hs, ds, dt, weighted, device, precision=precision)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from bridgecache.fitting.products import Products
 from bridgecache.kernels.stats import SufficientStats
 from bridgecache.kernels.stats import accumulate_stats as accumulate
 
@@ -43,15 +44,21 @@ def zeros(heads: int, p: int, d: int, shared: bool, device=None) -> SufficientSt
     return SufficientStats.zeros(heads, p, d, shared=shared, dtype=torch.float64, device=device)
 
 
-def add_moments(stats: SufficientStats, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
+def add_moments(stats: SufficientStats, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
+                products: Products, target_sums: bool = True) -> None:  # fmt: skip
     """Add the moments of rows x [heads, m, p], y [heads, m, dt] with weights w [heads, m] (None:
-    1) to `stats` (float64; a shared Gram matrix, G = 1, takes head 0's rows)."""
+    1), both from `products.rows`, to `stats` (float64; a shared Gram matrix, G = 1, takes head
+    0's rows). target_sums=False leaves sum_y and sum_yy to the caller (gram.StackedHeads forms
+    them from the target layers without the gathered rows)."""
     g = stats.xtx.shape[0]
-    xw = x if w is None else x * w[..., None]
-    stats.xtx.baddbmm_(xw[:g].transpose(1, 2), x[:g])
-    stats.sum_x += xw[:g].sum(1)
+    xw = products.weighted(x, w)
+    products.add_gram(stats.xtx, xw[:g], x[:g])
+    stats.sum_x += products.sum(xw[:g], 1)
     stats.sum_w += float(x.shape[1]) if w is None else w[:g].sum(1)
-    stats.xty.baddbmm_(xw.transpose(1, 2), y)
+    products.add_gram(stats.xty, xw, y)
+    if not target_sums:
+        return
+    y = y.double()
     yw = y if w is None else y * w[..., None]
     stats.sum_y += yw.sum(1)
     stats.sum_yy += (yw * y).sum(1)
@@ -109,11 +116,13 @@ class WeightedMoments:
         self.sum_r += r.sum((0, 2))
         self.sum_r2 += (r * r).sum((0, 2))
 
-    def add_rows(self, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> None:
-        """Add gathered float64 rows: x [heads, m, p], y [heads, m, d], r [heads, m] raw weights
-        (bridgecache.fitting.gram's GEMM path; one gather for both statistics)."""
-        add_moments(self.plain, x, y, None)
-        add_moments(self.by_r, x, y, r)
+    def add_rows(self, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, products: Products,
+                 target_sums: bool = True) -> None:  # fmt: skip
+        """Add gathered rows from `products.rows`: x [heads, m, p], y [heads, m, d], r [heads, m]
+        raw weights (bridgecache.fitting.gram's GEMM path; one gather for both statistics);
+        target_sums as `add_moments`."""
+        add_moments(self.plain, x, y, None, products, target_sums)
+        add_moments(self.by_r, x, y, r, products, target_sums)
         self.n += x.shape[1]
         self.sum_r += r.sum(1)
         self.sum_r2 += (r * r).sum(1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from bridgecache.fitting.products import Products
 from bridgecache.fitting.ridge import DEFAULT_LAM, r2, solve
 from bridgecache.fitting.stats import SufficientStats
 
@@ -47,12 +48,14 @@ class ProbeRows:
     [Ls, Hs*Ds, Lt*Ht*Dt] cross moments of all layer pairs at once.
     """
 
-    def __init__(
-        self, ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, device=None, dtype=torch.float32
-    ):
+    def __init__(self, ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, device=None,
+                 dtype=torch.float32, precision: str = "bf16-gemm"):  # fmt: skip
         self.shape = (ls, hs, ds, lt, ht, dt)
         self.device, self.dtype = device, dtype
+        # "tf32x3": float64 products as asked; any other precision: bf16 GEMMs (bridgecache.fitting.products)
+        self.products = Products("tf32x3" if precision == "tf32x3" else "bf16-gemm")
         self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"k": [], "v": []}
+        self.target_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n = 0
 
     @staticmethod
@@ -62,13 +65,16 @@ class ProbeRows:
 
     @staticmethod
     def moment_bytes(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, rows: int) -> int:
-        """Peak bytes of scoring: two splits' float64 moments of one source layer, one row block."""
+        """Peak bytes of scoring: two splits' float64 moments of one source layer, one row block in
+        float64 and one block's float32 products."""
         ps, qt = hs * ds, lt * ht * dt
-        return 2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * min(rows, _BLOCK_ROWS) * (ps + qt)
+        return (2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * min(rows, _BLOCK_ROWS) * (ps + qt)
+                + 4 * (ps * ps + ps * qt))  # fmt: skip
 
     def update(self, src_k, src_v, tgt_k, tgt_v) -> None:
         n = src_k[0].shape[0]
         self.n += n
+        self.target_sums.clear()
         for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
             x = torch.stack([s.reshape(n, -1).to(self.device, self.dtype) for s in src])  # [Ls, n, ps]
             y = torch.cat([t.reshape(n, -1).to(self.device, self.dtype) for t in tgt], dim=1)  # [n, Lt*Ht*Dt]
@@ -80,16 +86,30 @@ class ProbeRows:
         ps, qt = hs * ds, lt * ht * dt
         device = self.chunks[kind][0][0].device if self.chunks[kind] else self.device
         z = lambda *s: torch.zeros(*s, dtype=_F64, device=device)  # noqa: E731
-        xtx, sx, xty, sy, syy = z(ps, ps), z(ps), z(ps, qt), z(qt), z(qt)
+        xtx, sx, xty = z(ps, ps), z(ps), z(ps, qt)
+        products = self.products
         for x_all, y_all in self.chunks[kind]:
-            for r in range(0, y_all.shape[0], _BLOCK_ROWS):  # bounded float64 temporaries
-                x, y = x_all[layer, r : r + _BLOCK_ROWS].to(_F64), y_all[r : r + _BLOCK_ROWS].to(_F64)
-                xtx += x.T @ x
-                sx += x.sum(0)
-                xty += x.T @ y
-                sy += y.sum(0)
-                syy += (y * y).sum(0)
+            # bfloat16 rows on CUDA: no float64 copies, so blocks as long (in bytes) as theirs
+            block = _BLOCK_ROWS * (4 if products.low and x_all.is_cuda else 1)
+            for r in range(0, y_all.shape[0], block):
+                x, y = products.rows(x_all[layer, r : r + block]), products.rows(y_all[r : r + block])
+                products.add_gram(xtx, x, x)
+                sx += products.sum(x, 0)
+                products.add_gram(xty, x, y)
+        sy, syy = self._target_sums(kind, z(qt), z(qt))
         return LayerMoments(self.shape, xtx, sx, xty, sy, syy, float(self.n))
+
+    def _target_sums(self, kind: str, sy: torch.Tensor, syy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Sums of the target rows and their squares [Lt*Ht*Dt] (float64, the rows as the
+        products see them), the same for every source layer: formed once per kind."""
+        if kind not in self.target_sums:
+            for _, y_all in self.chunks[kind]:
+                for r in range(0, y_all.shape[0], _BLOCK_ROWS):  # bounded float64 temporaries
+                    y = self.products.rows(y_all[r : r + _BLOCK_ROWS]).double()
+                    sy += y.sum(0)
+                    syy += (y * y).sum(0)
+            self.target_sums[kind] = (sy, syy)
+        return self.target_sums[kind]
 
 
 _BLOCK_ROWS = 1024  # rows per float64 block when the probe moments are formed

@@ -25,7 +25,8 @@ def _same_bridge(gpu, cpu, tol: float) -> None:
     for g, c in zip(gpu.layers, cpu.layers):
         assert torch.equal(g.inputs, c.inputs)
         for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
-            assert _rel(getattr(g, name), getattr(c, name)) < tol, name
+            rel = _rel(getattr(g, name), getattr(c, name))
+            assert rel < tol, (name, rel)
     gs, cs = gpu.calibration["heldout_scores"], cpu.calibration["heldout_scores"]
     assert gs["sequences"] == cs["sequences"] > 0
     for a, b in zip(gs["attention_cosine"], cs["attention_cosine"]):

@@ -126,7 +126,8 @@ def test_fit_api_checks_its_options_before_reading_text(model_dirs):
     with pytest.raises(ValueError, match=r"lam is -1.0; expected a finite number > 0"):
         fit_bridge(model, other, tok, tok, FitConfig(lam=-1.0))
     with pytest.raises(
-        ValueError, match=r"stats_precision is 'fp8'; expected one of \('tf32x3', 'tf32', 'bf16'\)"
+        ValueError,
+        match=r"stats_precision is 'fp8'; expected one of \('bf16-gemm', 'tf32x3', 'tf32', 'bf16'\)",
     ):
         fit_bridge(model, other, tok, tok, FitConfig(stats_precision="fp8"))
 
