@@ -1,7 +1,8 @@
 """Fit time, peak memory, mapper size and held-out R^2 of both fitting methods, on CPU.
 
     python benchmarks/fit_cpu.py [--source qwen2.5-coder-1.5b --target qwen2.5-coder-0.5b
-                                  --calib-seqs 32 --seq-len 256 --methods fullhead cachebridge]
+                                  --calib-seqs 32 --seq-len 256 --methods fullhead cachebridge
+                                  --stats-precision bf16-gemm]
 
 Each method runs in its own subprocess (so peak RSS is that method's alone) on the same
 calibration data; the fitted bridges are saved under ~/.cache/bridgecache/bridges/. Fit time
@@ -49,7 +50,7 @@ def worker(args) -> None:
     start = time.perf_counter()
     config = FitConfig(
         method=args.worker, num_sequences=args.calib_seqs, seq_len=args.seq_len, layers_k=args.layers_k,
-        domain=args.domain,
+        domain=args.domain, stats_precision=args.stats_precision or FitConfig.stats_precision,
     )  # fmt: skip
     bridge = fit_bridge(
         source, target, source_tok, target_tok, config, source_name=args.source, target_name=args.target,
@@ -60,6 +61,8 @@ def worker(args) -> None:
     bridge.save_pretrained(args.save)
     result = {
         "method": args.worker,
+        "stats_precision": config.stats_precision,
+        "heldout_cosine": (bridge.calibration.get("heldout_scores") or {}).get("attention_cosine"),
         "layers_k": bridge.calibration["layers_k"],
         "weighting": bridge.calibration["weighting"],
         "fit_s": seconds,
@@ -126,6 +129,8 @@ def main() -> int:
     parser.add_argument("--domain", default="prose")
     parser.add_argument("--layers-k", type=int, default=None, help="override both methods' default k")
     parser.add_argument("--methods", nargs="+", default=["fullhead", "cachebridge"])
+    parser.add_argument("--stats-precision", default=None, help="FitConfig.stats_precision (None: default)")
+    parser.add_argument("--compare-with", help="another run's --results: each method compared with it")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--results", default="fit_cpu.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -141,6 +146,7 @@ def main() -> int:
     results = []
     for method in args.methods:
         name = f"{SHORT.get(args.source, args.source)}-to-{SHORT.get(args.target, args.target)}-{method}"
+        name += f"-{args.stats_precision}" if args.stats_precision else ""
         save = cache_root() / "bridges" / name
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [
@@ -156,12 +162,47 @@ def main() -> int:
             cmd += ["--source", args.source, "--target", args.target, "--calib-seqs", str(args.calib_seqs)]
             cmd += ["--seq-len", str(args.seq_len), "--domain", args.domain, "--threads", str(args.threads)]
             cmd += ["--layers-k", str(args.layers_k)] if args.layers_k else []
+            cmd += ["--stats-precision", args.stats_precision] if args.stats_precision else []
             print(f"fitting {method} ...", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True)
             results.append(json.loads(Path(out.name).read_text()))
     Path(args.results).write_text(json.dumps(results, indent=1))
     print(report(results, args))
+    if args.compare_with:
+        print(comparison(results, json.loads(Path(args.compare_with).read_text())))
     return 0
+
+
+def comparison(results: list[dict], others: list[dict]) -> str:
+    """Each method against the same method in another run's results (e.g. another statistics
+    precision): held-out R^2 and attention cosine per layer, and the saved maps' relative
+    difference ||a - b|| / ||b|| (the largest over the layers)."""
+    from bridgecache import Bridge
+
+    lines = [
+        "| method | vs | max abs diff R^2 K | R^2 V | attention cosine (means) | max abs diff cosine "
+        "| same source layers | max rel diff key W | key b | value W | value b |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        o = next(x for x in others if x["method"] == r["method"])
+        dk = max(abs(a - b) for a, b in zip(r["r2_key"], o["r2_key"]))
+        dv = max(abs(a - b) for a, b in zip(r["r2_value"], o["r2_value"]))
+        ca, cb = r["heldout_cosine"], o["heldout_cosine"]
+        dc = max(abs(a - b) for a, b in zip(ca, cb))
+        a, b = Bridge.from_pretrained(r["saved"]), Bridge.from_pretrained(o["saved"])
+        diffs = []
+        for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
+            pairs = [(getattr(x, name).double(), getattr(y, name).double())
+                     for x, y in zip(a.layers, b.layers)]  # fmt: skip
+            rel = [(x - y).norm() / y.norm() for x, y in pairs]
+            diffs.append(f"{float(max(rel)):.4f}")
+        lines.append(
+            f"| {r['method']} ({r['stats_precision']}) | {o['stats_precision']} | {dk:.1e} | {dv:.1e} "
+            f"| {sum(ca) / len(ca):.4f} / {sum(cb) / len(cb):.4f} | {dc:.1e} "
+            f"| {r['source_layers'] == o['source_layers']} | {' | '.join(diffs)} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
