@@ -1,4 +1,5 @@
-"""The maps' statistics as float64 GEMMs: Full-Head's shared blocks once for all the layers that
+"""The maps' statistics as GEMMs into float64 totals (rows in bfloat16 or float64 by the
+precision, bridgecache.fitting.products): Full-Head's shared blocks once for all the layers that
 need them (`SharedGram`), and per-head statistics of a whole group of target layers on one stacked
 head axis (`StackedHeads`).
 
@@ -6,8 +7,8 @@ Full-Head Mapping regresses every head of target layer t on the same inputs: all
 source layers S_t. So its Gram matrix X^T X is one per target layer, made of blocks X_a^T X_b
 for source layers a <= b in S_t, and target layers whose supports overlap need the same blocks
 (the shipped bridges' 24 target layers need 240 blocks, 98-100 of them distinct). `SharedGram`
-adds each distinct block once per chunk of rows with one float64 GEMM (`addmm_`, exact where
-the fused kernel forms float32 products), the cross moments X_a^T Y_t once per (source layer,
+adds each distinct block once per chunk of rows with one GEMM (`Products.add_gram`), the cross
+moments X_a^T Y_t once per (source layer,
 target layer), and assembles each target layer's `SufficientStats` for the solver.
 
 Per-head statistics (CacheBridge's matched heads, attention-weighted rows): `StackedHeads` puts
@@ -16,15 +17,17 @@ it stacks the source layers read and the group's target layers once, and per chu
 gathers x [L * Ht, rows, p], y [L * Ht, rows, Dt] and the weights r [L * Ht, rows] with one
 index each, then adds each statistic with one batched GEMM (`stats.add_moments`; the plain and
 r-weighted statistics of `WeightedMoments` share the gather): a few dozen kernels per chunk for
-the whole group where one accumulator per layer launched as many per layer. Each layer's
+the whole group where one accumulator per layer launched as many per layer. The sums of the
+targets and their squares come from the stacked target layers once per batch (a head's target
+rows are its layer's positions whatever its inputs: no gather). Each layer's
 `LayerAccumulator` gets its slice to solve. `head_rows` gathers one layer's rows alone
 (LayerAccumulator's own GEMM path, for groups whose layers read different numbers of input
 slots). The fused kernel (bridgecache.kernels.stats) does the same without materialising X, at
 float32 or coarser products.
 
 Memory: the statistics (never more than one `SufficientStats` per target layer would hold),
-one chunk of gathered float64 rows (at most 256 MiB of them) and, for `StackedHeads`, one
-batch's copy of the stacked layers of one kind.
+one chunk of gathered rows (at most 256 MiB of them: bfloat16 on CUDA at "bf16-gemm", else
+float64) and, for `StackedHeads`, one batch's copy of the stacked layers of one kind.
 
 Knows nothing about models, tokenizers or how the statistics are solved.
 """
