@@ -177,6 +177,8 @@ def comparison(results: list[dict], others: list[dict]) -> str:
     """Each method against the same method in another run's results (e.g. another statistics
     precision): held-out R^2 and attention cosine per layer, and the saved maps' relative
     difference ||a - b|| / ||b|| (the largest over the layers)."""
+    from fit_gpu import maps_difference  # benchmarks/: the same maps' difference as its GPU fits
+
     from bridgecache import Bridge
 
     lines = [
@@ -190,13 +192,8 @@ def comparison(results: list[dict], others: list[dict]) -> str:
         dv = max(abs(a - b) for a, b in zip(r["r2_value"], o["r2_value"]))
         ca, cb = r["heldout_cosine"], o["heldout_cosine"]
         dc = max(abs(a - b) for a, b in zip(ca, cb))
-        a, b = Bridge.from_pretrained(r["saved"]), Bridge.from_pretrained(o["saved"])
-        diffs = []
-        for name in ("key_weight", "key_bias", "value_weight", "value_bias"):
-            pairs = [(getattr(x, name).double(), getattr(y, name).double())
-                     for x, y in zip(a.layers, b.layers)]  # fmt: skip
-            rel = [(x - y).norm() / y.norm() for x, y in pairs]
-            diffs.append(f"{float(max(rel)):.4f}")
+        moved = maps_difference(Bridge.from_pretrained(r["saved"]), Bridge.from_pretrained(o["saved"]))
+        diffs = [f"{v:.4f}" for v in moved.values()]
         lines.append(
             f"| {r['method']} ({r['stats_precision']}) | {o['stats_precision']} | {dk:.1e} | {dv:.1e} "
             f"| {sum(ca) / len(ca):.4f} / {sum(cb) / len(cb):.4f} | {dc:.1e} "

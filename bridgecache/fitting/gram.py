@@ -54,7 +54,7 @@ class SharedGram:
     def __init__(self, supports: dict[int, list[int]], src_heads: int, src_dim: int, tgt_heads: int,
                  tgt_dim: int, device=None, precision: str = "bf16-gemm"):  # fmt: skip
         self.supports = {t: list(s) for t, s in supports.items()}
-        self.products = Products(precision)
+        self.products, self.device = Products(precision), device
         self.src_heads, self.tgt_heads, self.tgt_dim = src_heads, tgt_heads, tgt_dim
         self.used = sorted({a for s in self.supports.values() for a in s})
         self.pairs = sorted({(a, b) for s in self.supports.values() for i, a in enumerate(s) for b in s[i:]})
@@ -79,7 +79,7 @@ class SharedGram:
 
     def row_bytes(self, width: int) -> int:
         """Bytes of one gathered row of every source layer read (`chunks`' row_bytes)."""
-        return self.products.row_bytes(self.sy[next(iter(self.sy))].device) * width * len(self.used)
+        return self.products.row_bytes(self.device) * width * len(self.used)
 
     def add(self, sources: list[torch.Tensor], targets: list[torch.Tensor], src_rows: torch.Tensor,
             tgt_rows: torch.Tensor, index: list) -> None:  # fmt: skip
