@@ -103,6 +103,9 @@ def fit_one(
 
     config = FitConfig(method=method, num_sequences=args.seqs, seq_len=args.seq_len, domain="mixed")
     config = config.replace(stats_precision=precision or config.stats_precision)
+    if args.score_sequences is not None:
+        count = None if args.score_sequences == "all" else int(args.score_sequences)
+        config = config.replace(score_sequences=count)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -127,6 +130,7 @@ def fit_one(
         "batch_sequences": bridge.calibration.get("batch_sequences"),
         "rows": bridge.calibration.get("rows"),
         "heldout_cosine_mean": (bridge.calibration.get("heldout_scores") or {}).get("mean"),
+        "heldout_sequences_scored": (bridge.calibration.get("heldout_scores") or {}).get("sequences"),
         "heldout_scores_error": bridge.calibration.get("heldout_scores_error"),
         "layer_maps_finite": all(
             bool(torch.isfinite(t).all())
@@ -201,11 +205,11 @@ def render(info: dict, rows: list[dict]) -> str:
         "",
         f"device: {info['device']}; torch {info['torch']}, transformers {info['transformers']}; "
         f'{info["seqs"]} sequences x {info["seq_len"]} tokens (domain "mixed"), bf16, sdpa, both models on '
-        f"{info['where']}; command: `{info['command']}`",
+        f"{info['where']}; command: `{info['command']}`{'; ' + info['label'] if info.get('label') else ''}",
         "",
         "| pair | method | whole fit s | construction s (probes + statistics + solve) | text s | forwards s "
         "| probes s | statistics s | solve s | scoring s | forward tok/s | statistics passes | batch "
-        "| models GiB | peak GiB | fit's own GiB | held-out cosine |",
+        "| models GiB | peak GiB | fit's own GiB | held-out cosine (sequences) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -221,7 +225,8 @@ def render(info: dict, rows: list[dict]) -> str:
             f"| {' | '.join(s[name] for name in PHASES)} | {rate or '-'} "
             f"| {r['statistics_passes']} | {r.get('batch_sequences', '-')} | {r.get('models_GiB', '-')} "
             f"| {r.get('peak_GiB', '-')} "
-            f"| {r.get('fit_own_peak_GiB', '-')} | {r['heldout_cosine_mean']} |"
+            f"| {r.get('fit_own_peak_GiB', '-')} | {r['heldout_cosine_mean']} "
+            f"({r.get('heldout_sequences_scored', '-')}) |"
         )
     lines += [
         "",
@@ -253,6 +258,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no fit after this many seconds")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--depth", type=float, default=1.0, help="fraction of the layers built (0-1]")
+    ap.add_argument(
+        "--score-sequences", default=None, help="FitConfig.score_sequences: a count or all (default: its own)"
+    )
+    ap.add_argument("--label", default="", help="what code or setting this run is, kept in results.json")
     ap.add_argument("--profile", action="store_true", help="each fit again under the profilers")
     ap.add_argument("--profile-seqs", type=int, default=64, help="sequences of the profiled fits")
     args = ap.parse_args()
@@ -271,7 +280,7 @@ def main() -> None:
     info = {
         "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seqs": args.seqs, "seq_len": args.seq_len,
-        "depth": args.depth, "where": str(device),
+        "depth": args.depth, "where": str(device), "label": args.label,
         "command": " ".join(["python benchmarks/fit_gpu.py", *sys.argv[1:]]),
     }  # fmt: skip
     print(json.dumps(info), flush=True)

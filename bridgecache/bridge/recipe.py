@@ -95,6 +95,9 @@ class FitConfig:
     score_heldout: measure each target layer's attention-output cosine on the held-out sequences
         (bridgecache.fitting.heldout; what the quality gate reads). Changes no map, so the recipe
         leaves it out.
+    score_sequences: how many held-out sequences the scoring reads, spread evenly over them (None,
+        or "all" on the command line: every one). Each is a forward of both models and a
+        translation: a 500-sequence fit holds 62. Changes no map, so the recipe leaves it out.
     memory_budget_gb: GiB the fit's own buffers (layer-probe rows, statistics) may take on the
         fitting device (None: on CUDA 90% of what is free when the fit starts, less 4 GiB for the
         forwards; on CPU no limit). Statistics beyond it take more passes over the text; probes beyond it are
@@ -124,6 +127,7 @@ class FitConfig:
     stats_precision: str = "bf16-gemm"
     identity_if_same: bool = True
     score_heldout: bool = True
+    score_sequences: int | None = 16
     memory_budget_gb: float | None = None
     batch_sequences: int | None = None
 
@@ -142,7 +146,7 @@ class FitConfig:
         _int_at_least("seed", self.seed, 0, high=MAX_SEED)
         for name in ("heldout_every", "boundaries"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("layers_k", "probe_subset", "batch_sequences"):
+        for name in ("layers_k", "probe_subset", "score_sequences", "batch_sequences"):
             if getattr(self, name) is not None:
                 high = SPEC_LIMITS["num_layers"] if name == "layers_k" else None
                 _int_at_least(name, getattr(self, name), 1, high=high)
@@ -243,9 +247,9 @@ CHOICES = {
 BEFORE_RECORDED = {"stats_precision": "tf32x3"}
 _NONE_ALLOWED = ("weighting", "alignment_policy")  # None: the method's / tokenalign's default
 MAX_SEED = 2**63 - 1  # the bridge file reader's bound
-# Every field but those that change no map (score_heldout, memory_budget_gb, batch_sequences) or
+# Every field but those that change no map (the scoring's, memory_budget_gb, batch_sequences) or
 # are not kept (text_column: the text is recorded by its digest).
-_NOT_RECORDED = ("score_heldout", "memory_budget_gb", "batch_sequences", "text_column")
+_NOT_RECORDED = ("score_heldout", "score_sequences", "memory_budget_gb", "batch_sequences", "text_column")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(FitConfig) if f.name not in _NOT_RECORDED)
 # Field -> `bridgecache fit` flag (its name with dashes, but one).
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(FitConfig)}

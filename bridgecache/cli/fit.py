@@ -39,7 +39,7 @@ _DEFAULT = FitConfig()
 
 
 def _count_or_all(text: str) -> int | None:
-    """--probe-subset: a count, or all (None: every sequence)."""
+    """--probe-subset, --score-sequences: a count, or all (None: every sequence)."""
     if text == "all":
         return None
     try:
@@ -50,7 +50,7 @@ def _count_or_all(text: str) -> int | None:
 
 def _kind(name: str, hint) -> dict:
     """argparse's type, choices or action for the field `name` of type `hint`."""
-    if name == "probe_subset":
+    if name in ("probe_subset", "score_sequences"):
         return {"type": _count_or_all}
     if name == "text":  # files (or the digest a recipe names them by)
         return {"nargs": "+"}

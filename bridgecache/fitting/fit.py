@@ -353,18 +353,23 @@ def fit_bridge(
         source_spec, target_spec, c.method, policy, layers, c.native_head, calibration, fingerprints
     )
     if c.score_heldout:
-        _score(bridge, source_model, target_model, source_tokenizer, target_tokenizer, seqs, clock, progress)
+        models = (source_model, target_model, source_tokenizer, target_tokenizer)
+        _score(bridge, *models, seqs, c, clock, progress)
     return bridge
 
 
-def _score(bridge, source, target, source_tokenizer, target_tokenizer, seqs, clock, progress) -> None:
+def _score(bridge, source, target, source_tokenizer, target_tokenizer, seqs, c, clock, progress) -> None:
     """Held-out scores into `bridge.calibration`; a failure leaves the fitted maps as they are."""
-    from bridgecache.fitting.heldout import score_bridge
+    from bridgecache.fitting.heldout import score_bridge, spread
 
-    tokens = sum(int(s.target_ids.numel()) for s in seqs if s.heldout)
+    heldout = [s for s in seqs if s.heldout]
+    tokens = sum(int(heldout[i].target_ids.numel()) for i in spread(len(heldout), c.score_sequences))
     try:
         with clock.phase("scoring", tokens):
-            score_bridge(bridge, source, target, source_tokenizer, target_tokenizer, progress, sequences=seqs)
+            score_bridge(
+                bridge, source, target, source_tokenizer, target_tokenizer, progress, sequences=seqs,
+                limit=c.score_sequences,
+            )  # fmt: skip
     except (RuntimeError, ValueError, MemoryError) as err:  # torch's errors (OOM, devices) included
         message = f"{type(err).__name__}: {err}"[:2000]
         bridge.calibration["heldout_scores_error"] = message

@@ -121,19 +121,31 @@ def _score_context(bridge, source, target, engine, modules, source_ids, target_i
 
 
 def score_bridge(
-    bridge, source, target, source_tokenizer, target_tokenizer, progress: bool = True, *, sequences=None
+    bridge,
+    source,
+    target,
+    source_tokenizer,
+    target_tokenizer,
+    progress: bool = True,
+    *,
+    sequences=None,
+    limit: int | None = None,
 ) -> dict:
     """Score `bridge` on held-out sequences; stores and returns `bridge.calibration["heldout_scores"]`
-    = {"attention_cosine": [...], "mean": x, "sequences": n}.
+    = {"attention_cosine": [...], "mean": x, "sequences": n} (and "heldout_sequences", how many
+    there were, when `limit` left some out).
 
     sequences: the fit's own `CalibSequence`s (fit_bridge passes them: user text cannot be read
         back from the recipe); None: rebuilt from the bridge's built-in calibration recipe.
+    limit: score at most this many held-out sequences, spread evenly over them (None: all).
     """
     if sequences is None:
-        contexts = recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=True)
+        heldout = recipe_contexts(bridge, source_tokenizer, target_tokenizer, heldout=True, lazy=True)
     else:
-        policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
-        contexts = [_context(s, source_tokenizer, target_tokenizer, policy) for s in sequences if s.heldout]
+        heldout = [s for s in sequences if s.heldout]
+    chosen = spread(len(heldout), limit)
+    policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else None
+    contexts = [_context(heldout[i], source_tokenizer, target_tokenizer, policy) for i in chosen]
     scores = attention_cosine(bridge, source, target, contexts, progress=progress)
     finite = [s for s in scores if s == s]
     result = {
@@ -141,13 +153,26 @@ def score_bridge(
         "mean": round(sum(finite) / len(finite), 4) if finite else float("nan"),
         "sequences": len(contexts),
     }
+    if len(contexts) < len(heldout):
+        result["heldout_sequences"] = len(heldout)
     bridge.calibration["heldout_scores"] = result
     return result
 
 
-def recipe_contexts(bridge, source_tokenizer, target_tokenizer, *, heldout: bool) -> list[tuple]:
+def spread(available: int, limit: int | None) -> list[int]:
+    """Indices of up to `limit` of `available` items, evenly spaced from the first (all for None):
+    a "mixed" text alternates prose and code, so the first few alone would not be typical."""
+    if limit is None or limit >= available:
+        return list(range(available))
+    return sorted({round(i * available / limit) for i in range(limit)})
+
+
+def recipe_contexts(
+    bridge, source_tokenizer, target_tokenizer, *, heldout: bool, lazy: bool = False
+) -> list[tuple]:
     """The held-out (or the training) sequences of the bridge's own calibration recipe, each as
-    (source_ids [1, S], target_ids [1, T], alignment or None)."""
+    (source_ids [1, S], target_ids [1, T], alignment or None); lazy: the `CalibSequence`s
+    themselves (nothing aligned yet)."""
     c = bridge.calibration
     missing = [k for k in ("num_sequences", "seq_len", "domain") if k not in c]
     if missing:
@@ -169,7 +194,8 @@ def recipe_contexts(bridge, source_tokenizer, target_tokenizer, *, heldout: bool
         heldout_every=c.get("heldout_every", 8),
         seed=c.get("seed", 0),
     )
-    return [_context(s, source_tokenizer, target_tokenizer, policy) for s in seqs if s.heldout == heldout]
+    seqs = [s for s in seqs if s.heldout == heldout]
+    return seqs if lazy else [_context(s, source_tokenizer, target_tokenizer, policy) for s in seqs]
 
 
 def _context(seq, source_tokenizer, target_tokenizer, policy):

@@ -15,6 +15,7 @@ from bridgecache import Bridge
 from bridgecache.cli import main
 from bridgecache.fitting import FitConfig, fit_bridge, heldout
 from bridgecache.fitting import fit as fit_module
+from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.fitting.core import LayerAccumulator
 from bridgecache.fitting.gram import SharedGram
 from bridgecache.fitting.phases import PhaseClock
@@ -117,6 +118,29 @@ def test_the_held_out_scores_come_from_the_fits_own_sequences(pair):
     scores = bridge.calibration["heldout_scores"]
     assert scores["sequences"] == 2 and len(scores["attention_cosine"]) == target.config.num_hidden_layers
     assert heldout.score_bridge(bridge, source, target, tok, tok, progress=False) == scores  # from the recipe
+
+
+def test_the_scoring_reads_score_sequences_spread_over_the_held_out_ones(pair, monkeypatch):
+    source, target, tok = pair
+    read = []
+    original = heldout.attention_cosine
+
+    def recording(bridge, source, target, contexts, **kwargs):
+        read.extend(ids.tolist() for _, ids, _ in contexts)
+        return original(bridge, source, target, contexts, **kwargs)
+
+    monkeypatch.setattr(heldout, "attention_cosine", recording)
+    config = FitConfig(**{**SMALL, "num_sequences": 12}, score_sequences=2)  # 6 held out
+    bridge = fit_bridge(source, target, tok, tok, config, progress=False)
+    scores = bridge.calibration["heldout_scores"]
+    assert (scores["sequences"], scores["heldout_sequences"]) == (2, 6)
+    assert "score_sequences" not in bridge.calibration["recipe"]  # changes no map
+    # of the 6 held-out sequences, the first and the fourth
+    seqs, _ = calibration_sequences(tok, tok, 12, SMALL["seq_len"], heldout_every=2)
+    held = [s.target_ids.tolist() for s in seqs if s.heldout]
+    assert read == [[held[0]], [held[3]]]
+    assert heldout.spread(62, 16)[:3] == [0, 4, 8] and len(heldout.spread(62, 16)) == 16
+    assert heldout.spread(3, 16) == [0, 1, 2] and heldout.spread(5, None) == [0, 1, 2, 3, 4]
 
 
 def test_seq_len_beyond_the_window_is_refused_before_any_forward(pair, monkeypatch):

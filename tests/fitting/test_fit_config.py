@@ -43,6 +43,8 @@ BAD = [  # (field, value, what the message expects)
     ("stats_precision", "fp8", r"one of \('bf16-gemm', 'tf32x3', 'tf32', 'bf16'\)"),
     ("identity_if_same", "yes", r"True or False"),
     ("score_heldout", 1, r"True or False"),
+    ("score_sequences", 0, r"an integer >= 1"),
+    ("score_sequences", 2.5, r"an integer >= 1"),
     ("text", 42, r"a file or folder path, strings, or a dataset"),
     ("text", [], r"a file or folder path, strings, or a dataset \(text is an empty list"),
     ("text_column", "", r"a column name"),
@@ -129,12 +131,13 @@ def test_every_field_has_a_flag_that_sets_it():
     argv += ["--layer-support", "depth", "--weighting", "uniform", "--lam", "0.5", "--key-scale", "none"]
     argv += ["--alignment-policy", "mean", "--native-head", "2", "--boundaries", "8", "--probe-subset", "all"]
     argv += ["--stats-precision", "bf16", "--no-identity-if-same", "--no-score-heldout"]
+    argv += ["--score-sequences", "all"]
     config = fit_config(_build_parser().parse_args(argv))
     assert config == FitConfig(
         method="cachebridge", num_sequences=5, seq_len=20, domain="code", seed=3, heldout_every=2,
         layers_k=2, layer_support="depth", weighting="uniform", lam=0.5, key_scale="none",
         alignment_policy="mean", native_head=2, boundaries=8, probe_subset=None, stats_precision="bf16",
-        identity_if_same=False, score_heldout=False,
+        identity_if_same=False, score_heldout=False, score_sequences=None,
     )  # fmt: skip
     assert config.label.startswith("method=cachebridge num_sequences=5")
 
@@ -144,6 +147,7 @@ def test_every_field_has_a_flag_that_sets_it():
     [
         (["--heldout-every", "0"], r"--heldout-every is 0; expected an integer >= 1"),
         (["--probe-subset", "0"], r"--probe-subset is 0; expected an integer >= 1"),
+        (["--score-sequences", "0"], r"--score-sequences is 0; expected an integer >= 1"),
         (["--seed", "-2"], r"--seed is -2; expected an integer >= 0"),
     ],
 )
