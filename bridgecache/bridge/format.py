@@ -197,8 +197,9 @@ def _check_heldout_scores(scores, num_target_layers: int, fail) -> None:
         )
     if "mean" in scores and not (scores["mean"] is None or _is_number(scores["mean"])):
         fail(f"{where}.mean", scores["mean"], "a number or null")
-    if "sequences" in scores:
-        _int(fail, f"{where}.sequences", scores["sequences"], 0, LIMITS["count"])
+    for key in ("sequences", "heldout_sequences"):  # scored, and held out when not all were scored
+        if key in scores:
+            _int(fail, f"{where}.{key}", scores[key], 0, LIMITS["count"])
 
 
 def _check_zoo_fingerprints(fingerprints, fail) -> None:

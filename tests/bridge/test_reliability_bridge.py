@@ -163,6 +163,11 @@ _DELETE = object()
             {"attention_cosine": [0.9, 0.8, 7.0, 0.1]},
             r"attention_cosine' .*expected a list of 4 numbers in \[-1, 1\]",
         ),
+        (
+            "calibration.heldout_scores",
+            {"attention_cosine": None, "sequences": 16, "heldout_sequences": -62},
+            r"'calibration.heldout_scores.heldout_sequences' is -62 \(int\)",
+        ),
         ("calibration.seed", 10**30, r"'calibration.seed' is 10+ \(int\); expected an integer in \[0, "),
         ("calibration.rows", "x", r"'calibration.rows' is 'x' \(str\); expected an object"),
         ("calibration.num_sequences", -3, r"'calibration.num_sequences' is -3 \(int\)"),

@@ -120,7 +120,7 @@ def test_the_held_out_scores_come_from_the_fits_own_sequences(pair):
     assert heldout.score_bridge(bridge, source, target, tok, tok, progress=False) == scores  # from the recipe
 
 
-def test_the_scoring_reads_score_sequences_spread_over_the_held_out_ones(pair, monkeypatch):
+def test_the_scoring_reads_score_sequences_spread_over_the_held_out_ones(pair, monkeypatch, tmp_path):
     source, target, tok = pair
     read = []
     original = heldout.attention_cosine
@@ -139,6 +139,8 @@ def test_the_scoring_reads_score_sequences_spread_over_the_held_out_ones(pair, m
     seqs, _ = calibration_sequences(tok, tok, 12, SMALL["seq_len"], heldout_every=2)
     held = [s.target_ids.tolist() for s in seqs if s.heldout]
     assert read == [[held[0]], [held[3]]]
+    bridge.save_pretrained(tmp_path / "b")
+    assert Bridge.from_pretrained(tmp_path / "b").calibration["heldout_scores"] == scores
     assert heldout.spread(62, 16)[:3] == [0, 4, 8] and len(heldout.spread(62, 16)) == 16
     assert heldout.spread(3, 16) == [0, 1, 2] and heldout.spread(5, None) == [0, 1, 2, 3, 4]
 
