@@ -113,6 +113,7 @@ def fit_layer_maps(
             clock,
             progress,
             config.stats_precision,
+            heads=need_heads,  # only head matching reads the single-head probes
         )
         info["layer_scores"] = [[round(float(x), 4) for x in row] for row in scores.layer]
     support = top_layers(scores.layer, k) if config.layer_support == "probe" else depth_layers(ls, lt, k)
@@ -162,7 +163,9 @@ def fit_layer_maps(
     return layers, info
 
 
-def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress, precision) -> ProbeScores:
+def _probe_scores(
+    sequences, shape, lam, device, dtype, budget, clock, progress, precision, heads: bool
+) -> ProbeScores:
     """Pass 1: keep the probe sequences' rows within the budget, then score every layer pair."""
     train, heldout = (ProbeRows(*shape, device, dtype, precision) for _ in range(2))
     per_row = ProbeRows.bytes_per_row(*shape, torch.empty((), dtype=dtype).element_size())
@@ -184,7 +187,7 @@ def _probe_scores(sequences, shape, lam, device, dtype, budget, clock, progress,
         raise ValueError("layer probes need both training and held-out sequences")
     with clock.phase("probes"):
         bar = tqdm(total=shape[0], desc="probe scores", unit="layer", disable=not progress)
-        scores = score_probes(train, heldout, lam, progress=bar.update)
+        scores = score_probes(train, heldout, lam, progress=bar.update, heads=heads)
         bar.close()
     return scores
 

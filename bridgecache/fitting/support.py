@@ -143,33 +143,34 @@ class ProbeScores:
     """Held-out probe R^2.
 
     layer: [Ls, Lt] mean over K, V and target heads of the single-layer probe's R^2.
-    head: [Ls, Hs, Lt, Ht] mean over K and V of the single-head probe's R^2.
+    head: [Ls, Hs, Lt, Ht] mean over K and V of the single-head probe's R^2 (None: not scored).
     """
 
-    def __init__(self, layer: torch.Tensor, head: torch.Tensor):
+    def __init__(self, layer: torch.Tensor, head: torch.Tensor | None):
         self.layer = layer
         self.head = head
 
 
 def score_probes(
-    train: ProbeRows, heldout: ProbeRows, lam: float = DEFAULT_LAM, progress=None
+    train: ProbeRows, heldout: ProbeRows, lam: float = DEFAULT_LAM, progress=None, heads: bool = True
 ) -> ProbeScores:
     """Fit every probe on `train` rows and score it on `heldout` rows, one source layer at a time.
 
     progress: called once per source layer done (e.g. a tqdm bar's update), or None.
+    heads: score the single-head probes too (what head matching reads); else `head` is None.
     """
     ls, hs, ds, lt, ht, dt = train.shape
     layer = torch.zeros(ls, lt, dtype=_F64)
-    head = torch.zeros(ls, hs, lt, ht, dtype=_F64)
+    head = torch.zeros(ls, hs, lt, ht, dtype=_F64) if heads else None
     for s in range(ls):
         for kind in "kv":
             fit, held = train.moments(kind, s), heldout.moments(kind, s)
             w, b = solve(fit.stats(), lam)  # one Cholesky for every target layer
             per_head, _ = r2(w, b, held.stats())
             layer[s] += per_head.reshape(lt, ht).mean(-1).cpu() / 2
-            if hs == 1:
+            if heads and hs == 1:
                 head[s, 0] += per_head.reshape(lt, ht).cpu() / 2
-            for h in range(hs if hs > 1 else 0):
+            for h in range(hs if heads and hs > 1 else 0):
                 w, b = solve(fit.stats(h), lam)
                 per_head, _ = r2(w, b, held.stats(h))
                 head[s, h] += per_head.reshape(lt, ht).cpu() / 2

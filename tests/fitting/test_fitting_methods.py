@@ -112,6 +112,29 @@ def test_fullhead_top_k_picks_the_generating_layer_first():
         assert LAYER_OF[t] in layer.source_layers and len(layer.source_layers) == 2
 
 
+def test_head_probes_are_scored_only_for_head_matching(monkeypatch):
+    """The single-head probes (hs solves per source layer) only serve CacheBridge's head matching
+    across head counts; without them the layer scores are the same numbers."""
+    from bridgecache.fitting import fit as fit_module
+    from bridgecache.fitting import support
+
+    asked = []
+
+    def recording(*args, heads=True, **kwargs):
+        asked.append(heads)
+        return support.score_probes(*args, heads=heads, **kwargs)
+
+    monkeypatch.setattr(fit_module, "score_probes", recording)
+    scores = {}
+    runs = (("fullhead", CASES[1]), ("cachebridge", CASES[1]), ("cachebridge", CASES[0]))
+    for method, (src, tgt, head_of) in runs:
+        seqs, _ = _synthetic(src, tgt, head_of, n_seq=8)
+        _, info = fit_layer_maps(lambda w, seqs=seqs: seqs, src, tgt, FitConfig(method=method, layers_k=1))
+        scores[(method, src)] = info["layer_scores"]
+    assert asked == [False, True, False]  # heads matched only for 3 source heads -> 2 target heads
+    assert scores[("fullhead", CASES[1][0])] == scores[("cachebridge", CASES[1][0])]
+
+
 def test_depth_support_skips_probes_when_heads_match():
     seqs, _ = _synthetic((4, 2, 8), (3, 2, 8), [0, 1], n_seq=4)
     calls = []
