@@ -102,7 +102,9 @@ class SharedGram:
             y = products.rows(targets[layer][b, :, t].reshape(m, -1))
             for a in support:
                 products.add_gram(self.xy[(a, layer)], x[a], y)
-            y = y.double()
+            # bfloat16 rows: their squares are exact in float32, and a chunk's sums too to ~1e-7
+            # (a float64 sum of float32 rows would first copy them to float64)
+            y = y.float() if y.dtype == torch.bfloat16 else y
             self.sy[layer] += y.sum(0)
             self.syy[layer] += (y * y).sum(0)
         self.n += m
@@ -227,19 +229,20 @@ class StackedHeads:
         """Add sum_y and sum_yy (and their r-weighted sums) of every stacked head's rows, formed
         from the stacked target layers tgt [L, batch, Ht, Tt, Dt] and weights r [L, batch, Ht, Tt]
         at once: a head's rows are its layer's positions `tgt_rows` [batch, n] whatever its
-        inputs, so they need no gather, nor float64 copies of gathered rows."""
-        count = torch.zeros(tgt.shape[1], tgt.shape[3], dtype=torch.float32, device=tgt.device)
+        inputs, so they need no gather (`Products.weighted_sums`: GEMMs for bfloat16 rows)."""
+        layers, batch, ht, tt, dt = tgt.shape
+        count = torch.zeros(batch, tt, dtype=torch.float64, device=tgt.device)
         # [batch, Tt]: how many rows each position is
-        count.scatter_add_(1, tgt_rows.clamp_min(0), (tgt_rows >= 0).float())
-        count = count[None, :, None, :]
-        # bfloat16 values are exact in float32 and their squares too; float64 rows stay float64
-        y = self.products.rows(tgt).to(torch.float32 if self.products.low else torch.float64)
+        count.scatter_add_(1, tgt_rows.clamp_min(0), (tgt_rows >= 0).double())
+        count = count[None, :, None, :].expand(layers, batch, ht, tt)
+        y = self.products.rows(tgt).reshape(layers * batch * ht, tt, dt)
 
         def add(m: SufficientStats, w: torch.Tensor) -> None:
-            yw = y * w[..., None].to(y.dtype)
+            sums = self.products.weighted_sums(y, w.reshape(-1, tt))
             at = (self.tgt_layer, self.tgt_head)  # [L, Ht, Dt] -> [H, Dt] in stacked-axis order
-            m.sum_y += yw.sum((1, 3), dtype=torch.float64)[at]
-            m.sum_yy += (yw * y).sum((1, 3), dtype=torch.float64)[at]
+            sum_y, sum_yy = (v.view(layers, batch, ht, dt).sum(1, dtype=torch.float64)[at] for v in sums)
+            m.sum_y += sum_y
+            m.sum_yy += sum_yy
 
         if heldout:
             add(self.heldout[kind], count)

@@ -63,5 +63,20 @@ class Products:
 
     @staticmethod
     def sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-        """x summed over `dim` in float64."""
-        return x.sum(dim, dtype=torch.float64)
+        """x summed over `dim`, to be added to float64 totals: bfloat16 rows in float32 (one
+        kernel; a float64 sum of bfloat16 would first copy the rows to float64), others in float64."""
+        return x.sum(dim, dtype=torch.float32 if x.dtype == torch.bfloat16 else torch.float64)
+
+    def weighted_sums(self, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum w y, sum w y*y) over the rows of y [n, m, d] with weights w [n, m]: [n, d] each.
+
+        bfloat16 rows (CUDA): two batched GEMMs summing in float32, w y and w y*y as the diagonal
+        of y^T (w y) (the weighted rows rounded to bfloat16), so no float32 or float64 copy of the
+        rows is made; float64 rows: in float64."""
+        if y.dtype != torch.bfloat16:
+            yw = y * w[..., None]
+            return yw.sum(1), (yw * y).sum(1)
+        yw = self.weighted(y, w)  # [n, m, d] bfloat16
+        sums = torch.bmm(w.bfloat16()[:, None, :], y, out_dtype=torch.float32)[:, 0]
+        squares = torch.bmm(y.transpose(1, 2), yw, out_dtype=torch.float32).diagonal(dim1=1, dim2=2)
+        return sums, squares

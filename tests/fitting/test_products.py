@@ -97,3 +97,26 @@ def test_bf16_rows_move_a_ridge_map_far_less_than_its_sampling_error():
         maps[precision] = solve(stats, 1e-2)[0]
     moved, sampling = _rel(maps["bf16-gemm"], maps["tf32x3"]), _rel(maps["tf32x3"], truth)
     assert 0 < moved < 0.05 * sampling
+
+
+def test_weighted_sums_of_float64_rows_are_float64_sums():
+    y, w = _rows(3, 40, 8), torch.rand(3, 40, dtype=torch.float64)
+    sums, squares = Products("tf32x3").weighted_sums(y, w)
+    torch.testing.assert_close(sums, (w[..., None] * y).sum(1), rtol=1e-14, atol=0)
+    torch.testing.assert_close(squares, (w[..., None] * y * y).sum(1), rtol=1e-14, atol=0)
+
+
+@_CUDA
+def test_weighted_sums_of_bf16_rows_on_cuda_are_their_gemms():
+    """sum w y and sum w y^2 of 2,048 bfloat16 rows by GEMMs: within 1e-5 of the float64 sums of
+    the rounded rows and weights (w y rounded too for the squares: 2^-9 of each, averaged out)."""
+    y, w = _rows(16, 2048, 128, device="cuda"), torch.rand(16, 2048, dtype=torch.float64, device="cuda")
+    products = Products("bf16-gemm")
+    sums, squares = products.weighted_sums(products.rows(y), w)
+    ry, rw = y.bfloat16().double(), w.bfloat16().double()[..., None]
+    assert _rel(sums.double(), (rw * ry).sum(1)) < 1e-5
+    assert _rel(squares.double(), (rw * ry * ry).sum(1)) < 1e-4
+    assert _rel(squares.double(), (w[..., None] * y * y).sum(1)) < 2**-8
+    x = products.rows(_rows(4, 1000, 64, device="cuda"))
+    assert Products.sum(x, 1).dtype == torch.float32  # one kernel, no float64 copy of the rows
+    assert _rel(Products.sum(x, 1).double(), x.double().sum(1)) < 1e-6
