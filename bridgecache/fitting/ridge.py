@@ -64,7 +64,7 @@ def solve(m: SufficientStats, lam: float = DEFAULT_LAM) -> tuple[torch.Tensor, t
     if m.shared:
         # One factorisation, every head: solve for the [p, heads * d] right-hand side at once.
         rhs = cxy.permute(1, 0, 2).reshape(1, p, heads * d)
-        w = torch.cholesky_solve(rhs, chol).reshape(p, heads, d).permute(1, 0, 2)
+        w = _solve_wide(rhs, chol).reshape(p, heads, d).permute(1, 0, 2)
         mx = mean_x.expand(heads, -1)
     else:
         w = torch.cholesky_solve(cxy, chol)
@@ -128,6 +128,21 @@ def _quad(w: torch.Tensor, cxx: torch.Tensor, shared: bool) -> torch.Tensor:
     else:
         cxx_w = cxx @ w
     return (w * cxx_w).sum((-2, -1))
+
+
+# Right-hand sides per unknown beyond which the inverse and one GEMM beat two triangular solves:
+# the layer probes solve 1,024 unknowns for every target layer's heads at once (65,536 columns
+# at Qwen3-32B), where cuBLAS's float64 triangular solves ran at about 15 TFLOP/s on an H100 and
+# its float64 GEMMs at about 50 (benchmarks/reports/fit-gpu-2026-12-07.md).
+_WIDE = 8
+
+
+def _solve_wide(rhs: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """A^-1 rhs for A = chol chol^T [G, p, p] and rhs [G, p, m]: by cholesky_solve, or for m >=
+    8 p by A's inverse (from its Cholesky factor: SPD, the ridge bounds its condition) and a GEMM."""
+    if rhs.shape[-1] < _WIDE * rhs.shape[-2]:
+        return torch.cholesky_solve(rhs, chol)
+    return torch.cholesky_inverse(chol) @ rhs
 
 
 def _cholesky(a: torch.Tensor) -> torch.Tensor:

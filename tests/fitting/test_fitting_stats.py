@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from bridgecache.fitting import ridge
 from bridgecache.fitting.ridge import r2, solve
 from bridgecache.fitting.stats import WeightedMoments, accumulate, shrinkage, zeros
 
@@ -66,6 +67,26 @@ def test_solve_matches_direct_materialised_solve(weighted):
         )
         torch.testing.assert_close(coef[h], want_w, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(bias[h], want_b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_wide_shared_solve_by_the_inverse_equals_the_triangular_solves(monkeypatch):
+    """Many right-hand sides per unknown (the layer probes: 64 at Qwen3-32B) take A^-1 and one
+    GEMM; the maps are the triangular solves' to float64 rounding, and the materialised ridge's."""
+    x, y = _data(heads=24, d=4)  # 96 right-hand sides for 6 unknowns
+    m = _stats(x, y)
+    inverses = []
+    inverse = torch.cholesky_inverse
+    monkeypatch.setattr(torch, "cholesky_inverse", lambda *a, **k: inverses.append(1) or inverse(*a, **k))
+    wide, wide_b = solve(m, lam=0.05)
+    monkeypatch.setattr(ridge, "_WIDE", 10**9)  # every solve by cholesky_solve
+    narrow, narrow_b = solve(m, lam=0.05)
+    assert inverses == [1]
+    assert ((wide - narrow).norm() / narrow.norm()) < 1e-12
+    assert ((wide_b - narrow_b).norm() / narrow_b.norm()) < 1e-12
+    want_w, _ = _direct_ridge(
+        x.float().double(), y[5].float().double(), torch.ones(x.shape[0], dtype=F64), 0.05
+    )
+    torch.testing.assert_close(wide[5], want_w, rtol=1e-4, atol=1e-4)
 
 
 def test_chunked_statistics_equal_one_shot():
