@@ -46,6 +46,12 @@ class Shapes:
     ht: int
     dt: int
 
+    def at_depth(self, depth: float, least_source: int = 1) -> Shapes:
+        """These shapes with round(depth x) of each model's layers (at least `least_source`
+        source layers and one target layer), every width as it is."""
+        ls, lt = max(least_source, round(self.ls * depth)), max(1, round(self.lt * depth))
+        return Shapes(ls, self.hs, self.ds, lt, self.ht, self.dt)
+
 
 PAIRS = {"qwen2.5-7b-1.5b": Shapes(28, 4, 128, 28, 2, 128), "qwen3-14b-32b": Shapes(40, 8, 128, 64, 8, 128)}
 
@@ -122,15 +128,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["bf16-gemm"])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    base = PAIRS[args.pair]
-    s = Shapes(
-        max(K, round(base.ls * args.depth)),
-        base.hs,
-        base.ds,
-        max(1, round(base.lt * args.depth)),
-        base.ht,
-        base.dt,
-    )
+    s = PAIRS[args.pair].at_depth(args.depth, least_source=K)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     inputs, sequences = matched_inputs(s), max(1, args.rows // SEQ)
