@@ -1,11 +1,10 @@
-"""The layer probes' rows: chunks joined before their moments are formed change no moment."""
+"""The layer probes: their moments are those of all the rows, and they find the generating layer."""
 
 from __future__ import annotations
 
 import torch
 
-from bridgecache.fitting.products import Products
-from bridgecache.fitting.support import ProbeRows, _Run, score_probes
+from bridgecache.fitting.support import ProbeRows, score_probes
 
 SHAPE = (3, 2, 8, 2, 2, 8)  # source layers, heads, dim -> target layers, heads, dim
 
@@ -45,27 +44,3 @@ def test_probe_moments_are_those_of_all_rows_and_score_the_generating_layer():
     scores = score_probes(probe, held, heads=False)
     assert scores.layer[1].min() > 0.9 > scores.layer[0].max()  # the generating layer stands out
     assert scores.head is None
-
-
-def test_a_run_sums_consecutive_chunks_in_float32_and_adds_each_run_once():
-    """What the probes do with bfloat16 rows on CUDA (float32 rows here): one float64 add per
-    run of up to `block` rows, not one per chunk."""
-
-    class Counting(_Run):
-        adds = 0
-
-        def close(self):
-            Counting.adds += self.partial is not None
-            super().close()
-
-    g = torch.Generator().manual_seed(3)
-    sizes = (300, 300, 500, 200, 900, 40)
-    chunks = [(torch.randn(n, 6, generator=g), torch.randn(n, 5, generator=g)) for n in sizes]
-    total = torch.zeros(6, 5, dtype=torch.float64)
-    run = Counting(total, block=1024)
-    for x, y in chunks:
-        run.add(x, y, Products("tf32x3"))
-    run.close()
-    assert Counting.adds == 3  # 300 + 300 | 500 + 200 | 900 + 40
-    x, y = (torch.cat([c[i] for c in chunks]).double() for i in (0, 1))
-    torch.testing.assert_close(total, x.T @ y, rtol=1e-5, atol=1e-4)
