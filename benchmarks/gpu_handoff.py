@@ -13,8 +13,10 @@ Rows, side by side in one run, median of --repeats after a warm-up, CUDA-synchro
 each until the first new token:
 - native: target.generate(context + question, max_new_tokens=1), the target's own prefill;
 - native, graph: the same forward replayed from a CUDA graph captured for this length (what a
-  compiled deployment pays: no launch overhead; the "compiled vs compiled" reference; at long
-  contexts eager can be faster: "default / best native" divides by the faster of the two);
+  compiled deployment pays: no launch overhead; the "compiled vs compiled" reference), with no
+  causal mask built where the decoder takes a prepared mapping (`prefill.mask_mapping`: under
+  capture transformers 5.17 builds one and sdpa loses flash attention, which made this row 3x
+  eager at 32K before 2026-12-07); "default / best native" divides by the faster of the two;
 - default: `BridgedCache(..., config=HandoffConfig(route="handoff"), source_model=source,
   prompt_ids=question)` + generate (every bridged row forces the handoff route; the cost gate's
   own choice is the "route auto" row): the source reads the question (choosing 20% of the
@@ -392,11 +394,19 @@ def handoff_rows(
 
 
 def native_graph(target, ids: torch.Tensor):
-    """A replay of the target's prefill of `ids` from a CUDA graph; returns the last token's logits."""
+    """A replay of the target's prefill of `ids` from a CUDA graph; returns the last token's logits.
+    The forward is given no causal mask where the decoder takes a prepared mapping (as the native
+    route's graphs are: under capture transformers 5.17 otherwise builds a [1, 1, n, n] mask and
+    sdpa loses its flash kernels; bridgecache/runtime/native_work/prefill.py)."""
     from bridgecache.runtime.interop.graphs import capture
+    from bridgecache.runtime.native_work.prefill import mask_mapping
+
+    def forward(masks=None):
+        return target(input_ids=ids, use_cache=False, logits_to_keep=1, attention_mask=masks).logits
 
     with torch.no_grad():
-        graph, logits = capture(lambda: target(input_ids=ids, use_cache=False, logits_to_keep=1).logits)
+        masks = mask_mapping(target, forward)
+        graph, logits = capture(lambda: forward(masks))
 
     def replay():
         graph.replay()

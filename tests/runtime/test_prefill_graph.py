@@ -42,6 +42,39 @@ def test_a_right_padded_prefill_computes_what_the_exact_prefill_computes(family)
             assert torch.allclose(keys, own.keys, atol=1e-5) and torch.allclose(values, own.values, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
+def test_a_captured_prefill_runs_sdpa_causal_without_a_mask_where_the_decoder_takes_a_mapping(
+    family, monkeypatch
+):
+    """While a stream captures, transformers up to at least 5.17 builds a [batch, 1, length,
+    length] mask for sdpa even without padding (its `is_tracing()` counts stream capture; later
+    releases skip it when no mask is given); capture is emulated here on the CPU. A decoder that
+    takes a prepared mask mapping (qwen2) is given none and runs sdpa causal under any release,
+    as an eager forward does; one that takes no mapping (llama) or has other layer types (gemma3:
+    sliding) builds its own, as before."""
+    import transformers.utils.import_utils as import_utils
+
+    model = tiny_model(family, _attn_implementation="sdpa")
+    graph = prefill.PrefillGraph(model, batch=1, length=48, captured=False)
+    assert graph.masks == (prefill.NO_MASK if family == "qwen2" else None)
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(*args, attn_mask=None, is_causal=False, **kwargs):
+        seen.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    ids = torch.randint(3, 300, (1, 48))
+    logits, _ = graph.run(ids)  # not capturing: no mask either way
+    eager = set(seen)
+    seen.clear()
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: True)
+    captured_logits, _ = graph.run(ids)
+    if family == "qwen2":
+        assert set(seen) == eager == {(True, True)}  # no mask, causal: sdpa may pick flash / cuDNN
+    assert torch.allclose(captured_logits, logits, atol=1e-5)
+
+
 def _first_forward(model, cache, full, **gen):
     """The keywords generate() gives the first forward over `cache` (the installed transformers)."""
     seen = []

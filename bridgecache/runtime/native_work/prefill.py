@@ -22,6 +22,15 @@ the last token's logits only, no other outputs. Anything else runs the target's 
 A shape is captured on its second request, within the engine's graph budget (`EngineState.graphs`);
 `captured=False` runs the same buffers eagerly (the CPU tests' path).
 
+The causal mask under capture: while a stream captures, transformers never lets sdpa run causal
+without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever `is_tracing()`,
+which counts stream capture), so a captured prefill materialises a [batch, 1, length, length] mask
+and sdpa loses its flash and cuDNN kernels; the graph of a 32K prefill then took 3x the eager one
+(H100, benchmarks/reports/route-gate-2026-12-05.md). Decoders that take a prepared mask mapping
+(`attention_mask` as {"full_attention": ...}: Qwen2, Qwen3, Gemma 3 and most others) are given the
+one an eager forward of these shapes computes, none (`NO_MASK`); the others build their mask as
+before.
+
 Knows transformers' forward and cache conventions; nothing about bridges or tokenizers.
 """
 
@@ -34,7 +43,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.interop.graphs import bucket, capture, kv_bytes
 
-__all__ = ["PrefillGraph", "prefill_bytes", "replays", "run"]
+__all__ = ["NO_MASK", "PrefillGraph", "mask_mapping", "prefill_bytes", "replays", "run"]
 
 # Attention implementations whose forward without a padding mask builds no mask on the host (the
 # eager one makes its additive mask from a host scalar: no capture). Any other capture that fails
@@ -45,6 +54,24 @@ _CAPTURABLE = frozenset({"sdpa", "flash_attention_2", "flash_attention_3"})
 _PLAIN = frozenset(
     {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
 )
+
+# What create_causal_mask returns for a full-attention prefill from position 0 without padding,
+# under sdpa or flash attention: no mask (sdpa then runs causal), as a prepared mapping.
+NO_MASK = {"full_attention": None}
+
+
+def mask_mapping(target, forward) -> dict | None:
+    """NO_MASK when `target` attends through sdpa / flash attention and `forward(NO_MASK)` (an
+    eager forward given it as `attention_mask`) runs, else None (the decoder builds its own mask:
+    one that takes no mapping fails on the dict, a layer type other than full attention on its
+    key). The caller's forward must be one NO_MASK describes (see the module docstring)."""
+    if getattr(target.config, "_attn_implementation", None) not in _CAPTURABLE:
+        return None
+    try:
+        forward(NO_MASK)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return NO_MASK
 
 
 class PrefillGraph:
@@ -59,14 +86,18 @@ class PrefillGraph:
         self.target = target
         self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.last = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph = None
+        self.graph, self.masks = None, None
+        self.masks = mask_mapping(target, self._forward)  # an eager run of the buffers decides
         if captured:
             self.graph, (self.logits, self.kv) = capture(self._forward)
 
     @torch.no_grad()
-    def _forward(self):
+    def _forward(self, masks: dict | None = None):
         kv = DynamicCache(config=self.target.config)
         kwargs = cache_kwargs(self.target, kv)
+        masks = masks if masks is not None else self.masks
+        if masks is not None:
+            kwargs["attention_mask"] = masks
         out = self.target(input_ids=self.ids, use_cache=True, logits_to_keep=self.last, **kwargs)
         return out.logits, kv
 
