@@ -84,8 +84,8 @@ def _affine_kernel(
     out_ptr, o_l, o_b, o_h, o_t,
     T, T_KEY, Ht, n, HS,
     HALF_S: tl.constexpr, HALF_T: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr,
-    SRC_ROPE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr, PRECISION: tl.constexpr,
-    OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    SRC_ROPE: tl.constexpr, SHARED_TABLE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr,
+    PRECISION: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     # axis 0: (target layer, head group, column block), fastest, so the programs of one token
     # block run together and share source rows and rope tables in L2; axis 1: (batch, token block).
@@ -113,27 +113,41 @@ def _affine_kernel(
     offs_c = tl.arange(0, BLOCK_S)
 
     acc = tl.zeros([BLOCK_T, HB * 2 * BH], dtype=tl.float32)
-    for j in range(n):
-        # the heads of a group read the same slot list (HB > 1 only when shared)
-        v = tl.load(heads_ptr + layer * hd_l + (hg * HB).to(tl.int64) * hd_h + j * hd_j)
-        lay = v // HS
-        hd = v % HS
-        src_off = tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
-        if ALIGNED:
-            src_off = tl.multiple_of(src_off, 16)
-        x_row = src_ptr + src_off
-        for c0 in tl.static_range(0, HALF_S, BLOCK_S):
-            d = c0 + offs_c
-            m = ld_mask[:, None]
+    m = ld_mask[:, None]
+    # chunks of the head dim outside, input slots inside: when every slot reads the same rope
+    # table (SHARED_TABLE: one rope for all source layers and heads) a chunk's table is loaded
+    # once for all n slots, not once per slot (the tables' float32 re-reads from L2 were twice
+    # the bytes of the bfloat16 rows they rotate; benchmarks/reports/gpu-kernels.md)
+    for c0 in tl.static_range(0, HALF_S, BLOCK_S):
+        d = c0 + offs_c
+        if SRC_ROPE and SHARED_TABLE:
+            t_off = b * sc_b + row[:, None] * sc_s + d[None, :]
+            cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
+            sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
+            inv = 1.0 / (cs * cs + sn * sn)
+            cs = cs * inv
+            sn = sn * inv
+        for j in range(n):
+            # the heads of a group read the same slot list (HB > 1 only when shared)
+            v = tl.load(heads_ptr + layer * hd_l + (hg * HB).to(tl.int64) * hd_h + j * hd_j)
+            lay = v // HS
+            hd = v % HS
+            src_off = tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
+            if ALIGNED:
+                src_off = tl.multiple_of(src_off, 16)
+            x_row = src_ptr + src_off
             x1 = tl.load(x_row[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(x_row[:, None] + HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
             if SRC_ROPE:
-                t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
-                cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
-                sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-                inv = 1.0 / (cs * cs + sn * sn)
-                u1 = (x1 * cs + x2 * sn) * inv
-                u2 = (x2 * cs - x1 * sn) * inv
+                if not SHARED_TABLE:
+                    t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
+                    cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
+                    sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
+                    inv = 1.0 / (cs * cs + sn * sn)
+                    cs = cs * inv
+                    sn = sn * inv
+                u1 = x1 * cs + x2 * sn
+                u2 = x2 * cs - x1 * sn
             else:
                 u1 = x1
                 u2 = x2
@@ -186,6 +200,7 @@ def _configs():
             (32, 32, 4, 2),
             (128, 16, 8, 2),
             (64, 16, 4, 2),
+            (128, 64, 8, 2),  # the keys' choice at the shipped bridges' shapes (H200, 2026-12-07)
         )  # fmt: skip
     ]
 
@@ -269,7 +284,8 @@ def launch_affine(
     )  # fmt: skip
     meta = dict(
         HALF_S=ds // 2, HALF_T=dt // 2, HB=heads_per_program, BH=half_cols, SRC_ROPE=src_rope,
-        TGT_ROPE=tgt_rope, ALIGNED=view.aligned and all(st % 16 == 0 for st in src.stride()[:3]),
+        SHARED_TABLE=src_rope and _one_table(src_cos), TGT_ROPE=tgt_rope,
+        ALIGNED=view.aligned and all(st % 16 == 0 for st in src.stride()[:3]),
         PRECISION="tf32" if out.dtype == torch.bfloat16 else "tf32x3", OUT_BF16=out.dtype == torch.bfloat16,
     )  # fmt: skip
     programs_per_layer = -(-n_heads // heads_per_program) * (dt // 2 // half_cols)
@@ -290,6 +306,11 @@ def launch_affine(
                 _RESOLVED[key] = _launch_options(tuner.best_config)
             else:
                 _KERNEL[grid](*args, **meta, **config)
+
+
+def _one_table(src_cos: torch.Tensor) -> bool:
+    """Whether every source layer and head of [B, Ls, Hs, S, Ds] tables reads one table."""
+    return all(src_cos.stride(i) == 0 or src_cos.shape[i] == 1 for i in (1, 2))
 
 
 # Launch options chosen by the autotuner, per (device, dtypes, autotune key, constexprs): state of
