@@ -99,11 +99,13 @@ class FitConfig:
         or "all" on the command line: every one). Each is a forward of both models and a
         translation: a 500-sequence fit holds 62. Changes no map, so the recipe leaves it out.
     memory_budget_gb: GiB the fit's own buffers (layer-probe rows, statistics) may take on the
-        fitting device (None: on CUDA 90% of what is free when the fit starts, less 4 GiB for the
-        forwards; on CPU no limit). Statistics beyond it take more passes over the text; probes beyond it are
-        refused before any forward. Changes no map, so the recipe leaves it out.
+        fitting device (None: on CUDA 90% of what is free when the fit starts, less one batch's
+        forwards and KV, 1 GiB plus the batch's KV bytes below; on CPU no limit). Statistics
+        beyond it take more passes over the text; probes beyond it are refused before any
+        forward. Changes no map, so the recipe leaves it out.
     batch_sequences: calibration sequences per forward pass of each model (None: as many as make
-        about 8,192 tokens, their KV within 3 GiB; bridgecache.fitting.fit.calibration_batch).
+        about 8,192 tokens, their KV within 3 GiB, or on CUDA within a quarter of the free memory
+        when that is more; bridgecache.fitting.fit.calibration_batch).
         Changes no map beyond float rounding, so the recipe leaves it out.
     """
 

@@ -194,33 +194,51 @@ def _probe_scores(
 
 def memory_budget(config: FitConfig, device) -> int | None:
     """Bytes the fit's own buffers may take: config.memory_budget_gb, else on CUDA 90% of what is
-    free (PyTorch's cached blocks counted free) less 4 GiB for one batch's forwards and KV
-    (`calibration_batch`), at least half of what is free; else None (no limit)."""
+    free (PyTorch's cached blocks counted free) less one batch's forwards and KV (1 GiB plus
+    `batch_kv_bytes`), at least half of what is free; else None (no limit)."""
     if config.memory_budget_gb is not None:
         return int(config.memory_budget_gb * _GiB)
+    free = _free_bytes(device)
+    if free is None:
+        return None
+    return max(int(0.9 * free) - _GiB - batch_kv_bytes(device), free // 2)
+
+
+def _free_bytes(device) -> int | None:
+    """Bytes free on a CUDA `device`, PyTorch's cached blocks counted free; None elsewhere."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(int(0.9 * free) - 4 * _GiB, free // 2)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 _BATCH_TOKENS = 8192  # target tokens per forward: enough to keep a GPU's kernels busy
-_BATCH_KV_BYTES = 3 * _GiB  # a batch's KV as captured, un-rotated and shifted (within the 4 GiB reserve)
+_BATCH_KV_BYTES = 3 * _GiB  # the least a batch's KV (as captured, un-rotated and shifted) may take
 
 
-def calibration_batch(config: FitConfig, source_spec, target_spec, source_tokens: int | None = None) -> int:
+def batch_kv_bytes(device) -> int:
+    """Bytes one batch's KV may take: 3 GiB, or on CUDA a quarter of what is free when more. On an
+    H100, Qwen3-14B -> 32B at half depth read 1,024-token sequences 11% faster 8 to a forward than
+    2 (KV capture and attention weights included; benchmarks/reports/fit-gpu-2026-12-07.md)."""
+    free = _free_bytes(device)
+    return _BATCH_KV_BYTES if free is None else max(_BATCH_KV_BYTES, free // 4)
+
+
+def calibration_batch(
+    config: FitConfig, source_spec, target_spec, source_tokens: int | None = None, kv_bytes: int | None = None
+) -> int:
     """Sequences per forward: config.batch_sequences, else as many as make about 8,192 target
     tokens whose KV (both models' keys and values: as captured, in float32, and shifted, 10 bytes
-    a value) stay within 3 GiB; at least 1. source_tokens: the longest source sequence (across
-    tokenizers the source may read more tokens than seq_len; default seq_len)."""
+    a value) stay within `kv_bytes` (default 3 GiB; `batch_kv_bytes`); at least 1.
+    source_tokens: the longest source sequence (across tokenizers the source may read more
+    tokens than seq_len; default seq_len)."""
     if config.batch_sequences is not None:
         return config.batch_sequences
     width = lambda spec: spec.num_layers * spec.num_kv_heads * spec.head_dim  # noqa: E731
     tokens = source_tokens or config.seq_len
     per_sequence = 2 * 10 * (tokens * width(source_spec) + config.seq_len * width(target_spec))
-    return max(1, min(_BATCH_TOKENS // config.seq_len, _BATCH_KV_BYTES // per_sequence))
+    return max(1, min(_BATCH_TOKENS // config.seq_len, (kv_bytes or _BATCH_KV_BYTES) // per_sequence))
 
 
 def _on(seq: PairedKV, device) -> PairedKV:
@@ -302,7 +320,8 @@ def fit_bridge(
         )  # fmt: skip
     _check_lengths(seqs, source_spec, target_spec)
 
-    batch = calibration_batch(c, source_spec, target_spec, max(int(s.source_ids.numel()) for s in seqs))
+    longest = max(int(s.source_ids.numel()) for s in seqs)
+    batch = calibration_batch(c, source_spec, target_spec, longest, batch_kv_bytes(device))
 
     def sequences(with_weights: bool):
         return paired_kv(

@@ -133,7 +133,7 @@ def _quad(w: torch.Tensor, cxx: torch.Tensor, shared: bool) -> torch.Tensor:
 # Right-hand sides per unknown beyond which the inverse and one GEMM beat two triangular solves:
 # the layer probes solve 1,024 unknowns for every target layer's heads at once (65,536 columns
 # at Qwen3-32B), where cuBLAS's float64 triangular solves ran at about 15 TFLOP/s on an H100 and
-# its float64 GEMMs (the same profile's Cxx @ W) at about 50 (benchmarks/reports/fit-gpu-2026-12-07.md).
+# its float64 GEMMs at about 50 (benchmarks/reports/fit-gpu-2026-12-07.md).
 _WIDE = 8
 
 

@@ -66,10 +66,10 @@ class ProbeRows:
     @staticmethod
     def moment_bytes(ls: int, hs: int, ds: int, lt: int, ht: int, dt: int, rows: int) -> int:
         """Peak bytes of scoring: two splits' float64 moments of one source layer, one row block in
-        float64 and one block's float32 products."""
+        float64, one block's float32 products and a run's float32 cross moments (`_Run`)."""
         ps, qt = hs * ds, lt * ht * dt
         return (2 * 8 * (ps * ps + ps * qt + ps + 2 * qt) + 8 * min(rows, _BLOCK_ROWS) * (ps + qt)
-                + 4 * (ps * ps + ps * qt))  # fmt: skip
+                + 4 * (ps * ps + 2 * ps * qt))  # fmt: skip
 
     def update(self, src_k, src_v, tgt_k, tgt_v) -> None:
         n = src_k[0].shape[0]
@@ -88,14 +88,17 @@ class ProbeRows:
         z = lambda *s: torch.zeros(*s, dtype=_F64, device=device)  # noqa: E731
         xtx, sx, xty = z(ps, ps), z(ps), z(ps, qt)
         products = self.products
+        # bfloat16 rows on CUDA: no float64 copies, so blocks as long (in bytes) as theirs
+        on_gpu = products.low and torch.device(device or "cpu").type == "cuda"
+        block = _BLOCK_ROWS * (4 if on_gpu else 1)
+        cross = _Run(xty, block if on_gpu else 0)
         for x_all, y_all in self.chunks[kind]:
-            # bfloat16 rows on CUDA: no float64 copies, so blocks as long (in bytes) as theirs
-            block = _BLOCK_ROWS * (4 if products.low and x_all.is_cuda else 1)
             for r in range(0, y_all.shape[0], block):
                 x, y = products.rows(x_all[layer, r : r + block]), products.rows(y_all[r : r + block])
                 products.add_gram(xtx, x, x)
                 sx += products.sum(x, 0)
-                products.add_gram(xty, x, y)
+                cross.add(x, y, products)
+        cross.close()
         sy, syy = self._target_sums(kind, z(qt), z(qt))
         return LayerMoments(self.shape, xtx, sx, xty, sy, syy, float(self.n))
 
@@ -113,6 +116,35 @@ class ProbeRows:
 
 
 _BLOCK_ROWS = 1024  # rows per float64 block when the probe moments are formed
+
+
+class _Run:
+    """x^T y of consecutive chunks summed in float32 over up to `block` rows, then added to the
+    float64 `total` once: a forward of one 1,024-token sequence makes a chunk of 1,024 rows, and
+    at Qwen3-32B the float64 adds of a [1,024, 65,536] product per chunk took a quarter of the
+    probes' GPU time. block 0: every product added to `total` as it comes (float64 rows)."""
+
+    def __init__(self, total: torch.Tensor, block: int):
+        self.total, self.block = total, block
+        self.partial: torch.Tensor | None = None
+        self.rows = 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, products: Products) -> None:
+        if not self.block:
+            products.add_gram(self.total, x, y)
+            return
+        if self.rows + x.shape[0] > self.block:
+            self.close()
+        if self.partial is None:
+            self.partial = torch.zeros(self.total.shape, dtype=torch.float32, device=self.total.device)
+        products.add_gram(self.partial, x, y)  # float32 sums, as one GEMM over the run would make
+        self.rows += x.shape[0]
+
+    def close(self) -> None:
+        if self.partial is not None:
+            self.total += self.partial
+            self.partial = None
+        self.rows = 0
 
 
 class LayerMoments:

@@ -9,6 +9,7 @@ import torch
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache.bridge.recipe import FitConfig
+from bridgecache.fitting import fit as fit_module
 from bridgecache.fitting import fit_bridge
 from bridgecache.fitting.calibration import CalibSequence, calibration_sequences
 from bridgecache.fitting.core import row_matrix
@@ -129,3 +130,19 @@ def test_the_default_batch_holds_about_8k_tokens_within_3_gib():
     assert calibration_batch(FitConfig(seq_len=1024), wide, wide) == 2
     # a source that reads three times the target's tokens holds twice the KV counted above
     assert calibration_batch(FitConfig(seq_len=1024), wide, wide, source_tokens=3072) == 1
+    # more room for the KV (a quarter of a GPU's free memory): more sequences, never past 8K tokens
+    assert calibration_batch(FitConfig(seq_len=1024), wide, wide, kv_bytes=8 * 2**30) == 6
+    assert calibration_batch(FitConfig(seq_len=1024), wide, wide, kv_bytes=64 * 2**30) == 8
+    assert fit_module.batch_kv_bytes("cpu") == 3 * 2**30
+    assert fit_module.memory_budget(FitConfig(), "cpu") is None
+
+
+def test_on_cuda_the_batch_and_the_budget_share_the_free_memory(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(fit_module, "_free_bytes", lambda device: 40 * gib)
+    assert fit_module.batch_kv_bytes("cuda") == 10 * gib  # a quarter of 40
+    assert fit_module.memory_budget(FitConfig(), "cuda") == int(0.9 * 40 * gib) - 11 * gib
+    monkeypatch.setattr(fit_module, "_free_bytes", lambda device: 8 * gib)
+    assert fit_module.batch_kv_bytes("cuda") == 3 * gib  # never below 3 GiB
+    assert fit_module.memory_budget(FitConfig(), "cuda") == 4 * gib  # at least half of what is free
+    assert fit_module.memory_budget(FitConfig(memory_budget_gb=2), "cuda") == 2 * gib
