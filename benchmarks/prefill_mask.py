@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_handoff import config_of  # noqa: E402
 
 from bridgecache.runtime.interop.graphs import capture  # noqa: E402
-from bridgecache.runtime.native_work.prefill import NO_MASK  # noqa: E402
+from bridgecache.runtime.native_work.prefill import no_mask  # noqa: E402
 
 LOGIT_TOLERANCE = 0.05  # of the largest eager logit: bf16 logits of one forward at other kernels' sums
 
@@ -58,7 +58,7 @@ def rows_for(model, n: int, repeats: int) -> dict:
     with torch.no_grad():
         eager = forward().float()
         row["eager_ms"] = timed(forward, repeats)
-        for name, masks in (("graph_mask", None), ("graph_no_mask", NO_MASK)):
+        for name, masks in (("graph_mask", None), ("graph_no_mask", no_mask())):
             graph, logits = capture(lambda masks=masks: forward(masks))
             graph.replay()
             torch.cuda.synchronize()

@@ -1,4 +1,5 @@
-"""The layer probes' rows: chunks joined before their moments are formed change no moment."""
+"""The layer probes: their moments are those of all the rows (on CUDA, consecutive chunks summed
+in float32 runs first), and they find the generating layer."""
 
 from __future__ import annotations
 

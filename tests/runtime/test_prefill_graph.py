@@ -56,7 +56,7 @@ def test_a_captured_prefill_runs_sdpa_causal_without_a_mask_where_the_decoder_ta
 
     model = tiny_model(family, _attn_implementation="sdpa")
     graph = prefill.PrefillGraph(model, batch=1, length=48, captured=False)
-    assert graph.masks == (prefill.NO_MASK if family == "qwen2" else None)
+    assert graph.masks == (prefill.no_mask() if family == "qwen2" else None)
     sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
 
     def recording(*args, attn_mask=None, is_causal=False, **kwargs):

@@ -22,14 +22,15 @@ the last token's logits only, no other outputs. Anything else runs the target's 
 A shape is captured on its second request, within the engine's graph budget (`EngineState.graphs`);
 `captured=False` runs the same buffers eagerly (the CPU tests' path).
 
-The causal mask under capture: while a stream captures, transformers never lets sdpa run causal
-without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever `is_tracing()`,
-which counts stream capture), so a captured prefill materialises a [batch, 1, length, length] mask
-and sdpa loses its flash and cuDNN kernels; the graph of a 32K prefill then took 3x the eager one
-(H100, benchmarks/reports/route-gate-2026-12-05.md). Decoders that take a prepared mask mapping
-(`attention_mask` as {"full_attention": ...}: Qwen2, Qwen3, Gemma 3 and most others) are given the
-one an eager forward of these shapes computes, none (`NO_MASK`); the others build their mask as
-before.
+The causal mask under capture: while a stream captures, transformers 5.17 never lets sdpa run
+causal without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever
+`is_tracing()`, which counts stream capture; later releases skip the mask when none is given), so
+a captured prefill materialises a [batch, 1, length, length] mask and sdpa loses its flash and
+cuDNN kernels: the graph of a 32K prefill took 2.7x the eager one on an H200
+(benchmarks/prefill_mask.py, benchmarks/reports/route-gate-2026-12-05.md). Decoders that take a
+prepared mask mapping (`attention_mask` as {"full_attention": ...}: Qwen2, Qwen3, Gemma 3 and most
+others) are given the one an eager forward of these shapes computes, none (`no_mask()`); the others
+build their mask as before.
 
 Knows transformers' forward and cache conventions; nothing about bridges or tokenizers.
 """
@@ -43,7 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.interop.graphs import bucket, capture, kv_bytes
 
-__all__ = ["NO_MASK", "PrefillGraph", "mask_mapping", "prefill_bytes", "replays", "run"]
+__all__ = ["PrefillGraph", "mask_mapping", "no_mask", "prefill_bytes", "replays", "run"]
 
 # Attention implementations whose forward without a padding mask builds no mask on the host (the
 # eager one makes its additive mask from a host scalar: no capture). Any other capture that fails
@@ -55,23 +56,26 @@ _PLAIN = frozenset(
     {"return_dict", "use_cache", "cache_position", "position_ids", "attention_mask", "logits_to_keep"}
 )
 
-# What create_causal_mask returns for a full-attention prefill from position 0 without padding,
-# under sdpa or flash attention: no mask (sdpa then runs causal), as a prepared mapping.
-NO_MASK = {"full_attention": None}
+
+def no_mask() -> dict:
+    """What create_causal_mask returns for a full-attention prefill from position 0 without
+    padding, under sdpa or flash attention, as a prepared mapping: no mask (sdpa then runs causal).
+    A new dict per call: the caller's own."""
+    return {"full_attention": None}
 
 
 def mask_mapping(target, forward) -> dict | None:
-    """NO_MASK when `target` attends through sdpa / flash attention and `forward(NO_MASK)` (an
+    """`no_mask()` when `target` attends through sdpa / flash attention and `forward(no_mask())` (an
     eager forward given it as `attention_mask`) runs, else None (the decoder builds its own mask:
     one that takes no mapping fails on the dict, a layer type other than full attention on its
-    key). The caller's forward must be one NO_MASK describes (see the module docstring)."""
+    key). The caller's forward must be one `no_mask()` describes (see the module docstring)."""
     if getattr(target.config, "_attn_implementation", None) not in _CAPTURABLE:
         return None
     try:
-        forward(NO_MASK)
+        forward(no_mask())
     except (AttributeError, KeyError, TypeError):
         return None
-    return NO_MASK
+    return no_mask()
 
 
 class PrefillGraph:
