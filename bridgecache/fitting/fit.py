@@ -201,7 +201,7 @@ def memory_budget(config: FitConfig, device) -> int | None:
     free = _free_bytes(device)
     if free is None:
         return None
-    return max(int(0.9 * free) - _GiB - batch_kv_bytes(device), free // 2)
+    return max(int(0.9 * free) - _GiB - batch_kv_bytes(device, free), free // 2)
 
 
 def _free_bytes(device) -> int | None:
@@ -217,11 +217,11 @@ _BATCH_TOKENS = 8192  # target tokens per forward: enough to keep a GPU's kernel
 _BATCH_KV_BYTES = 3 * _GiB  # the least a batch's KV (as captured, un-rotated and shifted) may take
 
 
-def batch_kv_bytes(device) -> int:
-    """Bytes one batch's KV may take: 3 GiB, or on CUDA a quarter of what is free when more. On an
-    H100, Qwen3-14B -> 32B at half depth read 1,024-token sequences 11% faster 8 to a forward than
-    2 (KV capture and attention weights included; benchmarks/reports/fit-gpu-2026-12-07.md)."""
-    free = _free_bytes(device)
+def batch_kv_bytes(device, free: int | None = None) -> int:
+    """Bytes one batch's KV may take: 3 GiB, or on CUDA a quarter of what is free (`free`, when the
+    caller has it) when more. On an H100, Qwen3-14B -> 32B at half depth read 1,024-token sequences
+    11% faster 8 to a forward than 2 (benchmarks/reports/fit-gpu-2026-12-07.md)."""
+    free = _free_bytes(device) if free is None else free
     return _BATCH_KV_BYTES if free is None else max(_BATCH_KV_BYTES, free // 4)
 
 
