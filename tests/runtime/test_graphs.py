@@ -19,11 +19,13 @@ from bridgecache.runtime.selection.reading import attention_scores
 from bridgecache.runtime.state import GraphStore
 
 
-def test_buckets_waste_at_most_an_eighth_past_256():
+def test_buckets_waste_at_most_an_eighth_past_256_or_a_sixteenth_in_16_steps():
     assert [bucket(n, 16) for n in (1, 16, 17, 100, 256)] == [16, 16, 32, 128, 256]
     assert bucket(3000, 256) == 3072 and bucket(6566, 16) == 6656 and bucket(32785, 256) == 36864
     for n in range(200, 70000, 997):
         assert n <= bucket(n, 16) <= max(256, n * 1.125)
+        assert n <= bucket(n, 256, steps=16) <= max(256, n * 1.0625)  # the native prefill's buckets
+    assert bucket(4112, 256, steps=16) == 4352 and bucket(4112, 256) == 4608
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -118,37 +118,58 @@ class ReadingMask:
     context_end: torch.Tensor | None = None
     query_valid: torch.Tensor | None = None
 
+    def __post_init__(self):
+        self._biases: dict = {}  # window -> this forward's visibility as an additive mask
+
+    def forget(self) -> None:
+        """Start a new forward: the masks made for the last one are made again (a captured graph's
+        forward makes them inside the capture, so every replay recomputes them)."""
+        self._biases.clear()
+
     def attend(self, module, query, key, value, scaling):
-        """query [batch, heads, q, dim]; key/value: the prompt's own [batch, kv_heads, q, dim]."""
+        """query [batch, heads, q, dim]; key/value: the prompt's own [batch, kv_heads, q, dim].
+
+        One softmax over the context's keys and the prompt's, side by side: a few kernels per layer
+        (a reading is bound by its kernels, not its bytes: 16 queries over 4K keys)."""
         layer = module.layer_idx
         context_k, context_v = self.keys[layer], self.values[layer]
         batch, heads, q, dim = query.shape
-        kv_heads = context_k.shape[1]
+        kv_heads, n = context_k.shape[1], context_k.shape[2]
         group = heads // kv_heads
         # Query heads of one KV head side by side: [batch, kv_heads, group * q, dim], no K copy.
         grouped = query.reshape(batch, kv_heads, group * q, dim)
-        on_context = torch.matmul(grouped, context_k.transpose(-1, -2)).float() * scaling
-        on_prompt = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
+        logits = torch.cat(
+            [
+                torch.matmul(grouped, context_k.transpose(-1, -2)),
+                torch.matmul(grouped, key.transpose(-1, -2)),
+            ],
+            dim=-1,
+        ).float()  # [batch, kv_heads, group * q, context + q]
+        logits.mul_(scaling)
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap:
-            on_context = torch.tanh(on_context / softcap) * softcap
-            on_prompt = torch.tanh(on_prompt / softcap) * softcap
-        on_context = on_context.masked_fill(~self._context_visible(module, group), float("-inf"))
-        causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril().repeat(group, 1)
-        on_prompt = on_prompt.masked_fill(~causal, float("-inf"))
-        # One softmax over context + prompt keys, in two parts: the log-sum-exp of both.
-        top = torch.maximum(on_context.amax(-1, keepdim=True), on_prompt.amax(-1, keepdim=True))
-        total = (on_context - top).exp().sum(-1, keepdim=True) + (on_prompt - top).exp().sum(-1, keepdim=True)
-        lse = top + total.log()
-        p_context = (on_context - lse).exp()  # [batch, kv_heads, group * q, context]
-        p_prompt = (on_prompt - lse).exp()
-        out = torch.matmul(p_context.to(value.dtype), context_v) + torch.matmul(
-            p_prompt.to(value.dtype), value
-        )
+            logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
+        probs = torch.softmax(logits.add_(self._bias(module, group, q)), dim=-1)
+        weights = probs.to(value.dtype)
+        out = torch.matmul(weights[..., :n], context_v) + torch.matmul(weights[..., n:], value)
         if self.layers is None or layer < self.layers:
-            self._score(p_context.view(batch, kv_heads, group, q, -1))
+            self._score(probs[..., :n].view(batch, kv_heads, group, q, n))
         out = out.view(batch, kv_heads, group, q, dim).reshape(batch, heads, q, dim)
         return out.transpose(1, 2)
+
+    def _bias(self, module, group: int, q: int) -> torch.Tensor:
+        """[batch, 1, group * q, context + q] float32: 0 where a query sees a key (the context's visible
+        columns, the prompt's tokens up to its own), -inf elsewhere; made once per forward and
+        window, shared by the layers."""
+        window = layer_window(module)
+        if window not in self._biases:
+            visible = self._context_visible(module, group)  # [batch, 1, 1 or group * q, n]
+            batch = visible.shape[0]
+            causal = torch.ones(q, q, dtype=torch.bool, device=visible.device).tril().repeat(group, 1)
+            seen = torch.cat([visible.expand(-1, -1, group * q, -1), causal.expand(batch, 1, -1, -1)], dim=-1)
+            bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device)
+            self._biases[window] = bias.masked_fill_(~seen, float("-inf"))
+        return self._biases[window]
 
     def _context_visible(self, module, group: int) -> torch.Tensor:
         """[batch, 1, 1, context] (or [batch, 1, group * q, context] in a sliding layer) bool."""

@@ -65,16 +65,16 @@ def _drop_cublas_workspaces() -> None:
         clear()
 
 
-def bucket(n: int, smallest: int = 16) -> int:
-    """The shape bucket of n: at least `smallest`, then 8 steps between consecutive powers of two
-    (a bucket wastes at most 12.5% of its slots: at 6,566 refreshed tokens, 6,656 rather than
-    8,192), so a few dozen captured shapes cover 16 to 64K."""
+def bucket(n: int, smallest: int = 16, steps: int = 8) -> int:
+    """The shape bucket of n: at least `smallest`, then `steps` steps between consecutive powers
+    of two past 256 (8 waste at most 12.5% of a bucket's slots: at 6,566 refreshed tokens, 6,656
+    rather than 8,192), so a few dozen captured shapes cover 16 to 64K."""
     size = smallest
     while size < n:
         size *= 2
     if size <= smallest or size <= 256:
         return size
-    step = size // 16  # 8 steps across (size / 2, size]
+    step = size // (2 * steps)  # `steps` steps across (size / 2, size]
     return max(smallest, -(-n // step) * step)
 
 
@@ -135,6 +135,7 @@ class ReadingGraph:
 
     @torch.no_grad()
     def _forward(self) -> None:
+        self.mask.forget()
         self.mask.scores.zero_()
         read_without_logits(
             self.view,

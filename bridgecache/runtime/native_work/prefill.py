@@ -20,7 +20,9 @@ is what generate() asks of a first forward (`replays`): an empty cache on the na
 padded tail), sdpa or flash attention, rows without padding (mask all ones, positions 0..m-1),
 the last token's logits only, no other outputs. Anything else runs the target's forward as it is.
 A shape is captured on its second request, within the engine's graph budget (`EngineState.graphs`);
-`captured=False` runs the same buffers eagerly (the CPU tests' path).
+`captured=False` runs the same buffers eagerly (the CPU tests' path). Its buckets take 16 steps
+between powers of two, not the passes' 8 (4,112 tokens replay as 4,352, not 4,608): the replay
+pays for its padding in full, and the prefill is all of the native route's work.
 
 The causal mask under capture: while a stream captures, transformers 5.17 never lets sdpa run
 causal without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever
@@ -165,7 +167,7 @@ def run(cache, target, input_ids: torch.Tensor):
     one for this shape (captured on a shape's second request), else None (run it eagerly).
     Returns the forward's output: logits of the last token, the cache (now holding the context)."""
     batch, m = input_ids.shape
-    length = bucket(m, 256)
+    length = bucket(m, 256, steps=16)
     state = cache.state
     graph = state.graphs.get(
         ("prefill", batch, length),
