@@ -298,6 +298,8 @@ class BridgedCache(DynamicCache):
         self.handoff_config = config
         self.pending_work = None  # pending.PendingWork until the target's first forward runs it
         self.decode_room = 0  # tokens generate() will append: the pass leaves room for them
+        self.launched_prefill = None  # the native route's prefill replayed early (prefill.launch)
+        self.launched_pass = None  # the pass replayed early (native_work.forward.launch)
         self._target = target
         self._target_ids = target_ids
         make_groups = None
@@ -342,6 +344,7 @@ class BridgedCache(DynamicCache):
     def run_pending(self, batch: int | None = None) -> None:
         """Run the pending native work now, in a forward of its own (no-op when there is none), for
         `batch` rows (None: the context's; generate() may have expanded them for beams)."""
+        self.launched_pass = None  # a launched pass is its first forward's only
         if self.pending_work is not None:
             native_forward.run_alone(self, batch)
 

@@ -55,7 +55,9 @@ from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.inputs import check_config, check_contexts, check_fits, check_text
 from bridgecache.runtime.interop.views import generate_view
+from bridgecache.runtime.native_work import prefill
 from bridgecache.runtime.native_work.forward import forward_with_pass
+from bridgecache.runtime.native_work.forward import launch as pass_launch
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.route import RouteCosts, save_costs
 from bridgecache.runtime.route_timing import PROMPT_TOKENS, measure_route_costs, route_lengths
@@ -341,9 +343,13 @@ def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
     model is not changed, and its later forwards run as they always do. A plain `target.generate`
     over a BridgedCache works too; its native work then runs as a forward of its own."""
     forward = functools.update_wrapper(functools.partial(forward_with_pass, target), target.forward)
+    reserve_decode_room(target, cache, generate_kwargs)
+    # The first forward's work starts now, replayed from a graph where one is captured (the
+    # native route's prefill or the handoff's pass): generate()'s own host work runs beside it.
+    prefill.launch(cache, target, input_ids, attention_mask, generate_kwargs)
+    pass_launch(cache, target, input_ids, attention_mask, generate_kwargs)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    reserve_decode_room(target, cache, generate_kwargs)
     return generate_view(target, forward).generate(
         input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
     )

@@ -149,26 +149,39 @@ def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
 def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
+    """The engine's generate() launches the captured pass before transformers' generate()
+    (native_work.forward.launch) and its first forward takes it."""
     from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
     from bridgecache.bridge.maps import Bridge
     from bridgecache.runtime.engine import generate
+    from bridgecache.runtime.interop.graphs import PassGraph
 
     model = tiny_model("llama", head_dim=32).cuda()
     bridge = Bridge.identity(model)
     bridge.method = "fullhead"
     engine = HandoffEngine(bridge, model, model)
-    for _ in range(3):  # new contexts through the same captured graph
-        ids = torch.randint(3, 300, (1, 40), device="cuda")
-        kv = capture_kv(model, ids)
-        # route="handoff": the cost gate's timing would capture a graph of its own (at its length)
-        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
-        outputs = []
-        for graphs in (False, True):
-            cache = BridgedCache(
-                bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
-            )
-            outputs.append(generate(model, cache, ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
-        assert torch.equal(outputs[0], outputs[1])
+    calls = []
+    launch, run = PassGraph.launch, PassGraph.run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PassGraph, "launch", lambda *a, **k: calls.append("launch") or launch(*a, **k))
+        patch.setattr(PassGraph, "run", lambda *a, **k: calls.append("run") or run(*a, **k))
+        for _ in range(3):  # new contexts through the same captured graph
+            ids = torch.randint(3, 300, (1, 40), device="cuda")
+            prompt = torch.cat([ids, torch.randint(3, 300, (1, 5), device="cuda")], 1)
+            kv = capture_kv(model, ids)
+            # route="handoff": the cost gate's timing would capture a graph of its own (at its length)
+            config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
+            outputs = []
+            for graphs in (False, True):
+                cache = BridgedCache(
+                    bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
+                )
+                outputs.append(
+                    generate(model, cache, prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+                )
+                assert cache.launched_pass is None  # taken by generate()'s first forward
+            assert torch.equal(outputs[0], outputs[1])
+    assert calls == ["launch", "launch"]  # the captured pass ran once per request, before generate()
     assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed
     engine.close()
     assert len(engine.state.graphs) == 0

@@ -132,12 +132,69 @@ def test_no_other_forward_is_replayed():
     assert not replays(tiny_model("qwen2"))  # eager attention builds its mask from a host scalar: no capture
 
 
+def test_generate_is_launched_early_only_where_its_first_forward_is_a_prefill_a_graph_replays():
+    model = tiny_model("qwen2", _attn_implementation="sdpa")
+    ids = torch.randint(3, 300, (2, 40))
+    full = torch.cat([ids, torch.randint(3, 300, (2, 4))], 1)
+
+    def launches(mask=None, route="native", model=model, **generate_kwargs):
+        cache = _cache(model, ids, route=route)
+        return prefill.launches(cache, model, full, mask, dict(GREEDY) | generate_kwargs)
+
+    assert launches() and launches(torch.ones_like(full))
+    assert launches(output_logits=True, return_dict_in_generate=True)
+    padded = torch.ones_like(full)
+    padded[1, :3] = 0
+    assert not launches(padded)
+    assert not launches(route="handoff")
+    assert not launches(num_beams=2) and not launches(num_return_sequences=2)
+    assert not launches(output_attentions=True) and not launches(output_hidden_states=True)
+    assert not launches(model=tiny_model("qwen2"))  # eager attention: no capture
+
+
+def test_a_launched_prefill_serves_the_forward_that_reads_its_ids_and_no_other(monkeypatch):
+    """`run` takes the result `launch` left on the cache when the forward reads the same ids (here
+    an equal copy), and replays the forward's own ids otherwise. On the CPU a PrefillGraph run
+    eagerly stands in for the replay."""
+    model = tiny_model("qwen2", _attn_implementation="sdpa")
+    replayed = []
+
+    def eager_replay(cache, target, input_ids):
+        replayed.append(input_ids)
+        logits, layers = prefill.PrefillGraph(target, 1, 64, captured=False).run(input_ids)
+        return logits, [t.clone() for pair in layers for t in pair]
+
+    monkeypatch.setattr(prefill, "_replay", eager_replay)
+    ids, other = torch.randint(3, 300, (1, 44)), torch.randint(3, 300, (1, 44))
+    for forward_ids, replays in ((ids.clone(), 1), (other, 2)):
+        replayed.clear()
+        cache = _cache(model, ids[:, :40], route="native")
+        cache.launched_prefill = prefill.Launched(ids, eager_replay(cache, model, ids))
+        out = prefill.run(cache, model, forward_ids)
+        assert len(replayed) == replays and cache.launched_prefill is None
+        own = model(forward_ids, use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config)))
+        assert torch.allclose(out.logits[:, 0], own.logits[:, -1], atol=1e-5)
+        assert cache.get_seq_length() == 44
+        assert torch.allclose(cache.layers[0].keys, own.past_key_values.layers[0].keys, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
 def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_tokens_on_cuda():
     model = tiny_model("qwen2", head_dim=32, max_position_embeddings=4096, _attn_implementation="sdpa").cuda()
     bridge, tok = random_bridge(model), byte_tokenizer()
     gen = dict(GREEDY, output_logits=True, return_dict_in_generate=True)
-    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+    replays = []
+    replay = prefill._replay
+
+    def counted(*args):
+        replays.append(1)
+        return replay(*args)
+
+    with (
+        HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(prefill, "_replay", counted)
         for m in (300, 290, 300, 600):  # 300 and 290 share a bucket: captured on its second request
             ids = torch.randint(3, 300, (1, m), device="cuda")
             full = torch.cat([ids, torch.randint(3, 300, (1, 4), device="cuda")], 1)
@@ -150,6 +207,8 @@ def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_toke
             exact = model(full, use_cache=True).past_key_values
             for layer, mine in zip(exact.layers, cache.layers):  # the cache holds the context too
                 assert torch.allclose(layer.keys, mine.keys[:, :, : layer.keys.shape[2]], atol=1e-4)
+            assert cache.launched_prefill is None  # launched before generate(), taken by its forward
+        assert len(replays) == 4  # once per request: generate()'s forward replayed nothing again
         graphs = engine.state.graphs._graphs
         assert ("prefill", 1, 304) in graphs  # 304 and 294 tokens with the prompt: one bucket, replayed
         assert ("prefill", 1, 608) not in graphs  # requested once: eager

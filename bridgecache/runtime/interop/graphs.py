@@ -190,7 +190,14 @@ class PassGraph:
         """The pass over `cache` for new_ids / new_positions [batch, m]; returns the forward's
         output (logits of the last token; the cache's layers hold the buffers' copy, with `room`
         columns more for generate()'s tokens)."""
+        output, store = self.launch(cache, work, new_ids, new_positions, room)
+        self.native.settle(cache, store, cache.translator.prefix_length + new_ids.shape[1], room)
+        return output
+
+    def launch(self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0):
+        """`run` up to the cache: (the forward's output, the buffers' columns [0, prefix + m) with
+        `room` more, copied), the cache's layers untouched."""
         self.native.load(cache, work, new_ids, new_positions)
         self.graph.replay()
-        self.native.commit(cache, new_ids.shape[1], copy=True, room=room)
-        return self.output_type(logits=self.logits.clone())
+        store = self.native.held(cache.translator.prefix_length + new_ids.shape[1], room)
+        return self.output_type(logits=self.logits.clone()), store

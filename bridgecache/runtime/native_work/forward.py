@@ -29,6 +29,12 @@ A read of the cache before any such forward (the first layer's update in a user'
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
 with no new tokens.
 
+Launched before generate() (`launch`): the engine's generate() replays the pass of its first
+forward (the prompt's ids after the cached prefix, at their own positions) before transformers'
+generate() runs its own host work, which then overlaps the GPU's; the output and a copy of the
+buffers wait on the cache until that forward reads the same ids (`run`), and the cache's layers
+are set only then (generate() counts the cache's columns before its first forward).
+
 Knows transformers' forward conventions and the cache's layers; nothing about bridges or
 tokenizers.
 """
@@ -42,7 +48,7 @@ from bridgecache.runtime.interop.attention import KEYWORD, ColumnMask
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
 from bridgecache.runtime.native_work import prefill
 
-__all__ = ["NativePass", "forward_with_pass", "pass_bytes", "run_alone"]
+__all__ = ["NativePass", "forward_with_pass", "launch", "pass_bytes", "run_alone"]
 
 
 class NativePass:
@@ -158,10 +164,18 @@ class NativePass:
         buffers outlive this pass, as a captured graph's do), with `room` more columns after them
         in each full-attention layer for the tokens generate() appends (`settle`)."""
         total = cache.translator.prefix_length + new_tokens
-        store = self.store
-        if copy:  # one copy of every layer's columns, into one allocation with the room
-            store = store.new_empty(*store.shape[:-2], total + room, store.shape[-1])
-            store[..., :total, :].copy_(self.store[..., :total, :])
+        self.settle(cache, self.held(total, room) if copy else self.store, total, room)
+
+    def held(self, total: int, room: int) -> torch.Tensor:
+        """A copy of every layer's columns [0, total) in one allocation, with `room` columns more."""
+        store = self.store.new_empty(*self.store.shape[:-2], total + room, self.store.shape[-1])
+        store[..., :total, :].copy_(self.store[..., :total, :])
+        return store
+
+    @staticmethod
+    def settle(cache, store: torch.Tensor, total: int, room: int) -> None:
+        """`store`'s columns [0, total) ([keys | values, layers, batch, heads, >= total + room,
+        dim]) become the cache's layers; full-attention layers keep the room after them."""
         for idx, layer in enumerate(cache.layers):
             keys, values = store[0, idx, :, :, :total], store[1, idx, :, :, :total]
             window = getattr(layer, "sliding_window", None)
@@ -198,26 +212,71 @@ def _graphs(cache, keep, extra: dict) -> bool:
     return on_cuda and allowed is not False and keep == 1 and plain
 
 
+def _pass_graph(cache, batch: int, slots: int, columns: int):
+    """The engine's captured pass of this shape bucket, or None (see GraphStore.get)."""
+    state = cache.state
+    view = state.view("target")
+    shape = (batch, bucket(slots), bucket(columns + 1, 256))
+    make = lambda: PassGraph(NativePass(view, *shape))  # noqa: E731
+    share = 1.0 if shape[1] <= _FEW_SLOTS else 0.25
+    return state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]), share)
+
+
+def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> None:
+    """Replay the pass of generate()'s first forward over `cache` now, before transformers'
+    generate() runs its own host work (the engine's generate(): see prefill.launch), where that
+    forward will be `input_ids` [batch, T] after the cached prefix at their own positions; the
+    output and the buffers' copy wait on the cache (`cache.launched_pass`) for `run`."""
+    work = getattr(cache, "pending_work", None)
+    if work is None or not input_ids.is_cuda or not _graphs(cache, 1, {}):
+        return
+    prefix = cache.translator.prefix_length
+    if input_ids.shape[1] <= prefix or not prefill.plain_generate(
+        target, input_ids, attention_mask, generate_kwargs
+    ):
+        return
+    new_ids = input_ids[:, prefix:]
+    (batch, m), room = new_ids.shape, cache.decode_room
+    positions = (torch.arange(m, device=new_ids.device) + prefix).expand(batch, -1)
+    work = cache.pending_for_batch(batch)
+    graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
+    result = None
+    if graph is not None:
+        with cache.state.replay_lock:
+            result = graph.launch(cache, work, new_ids, positions, room)
+    cache.launched_pass = prefill.Launched(new_ids, result)
+
+
+def _taken(launched, cache, new_ids, new_positions, keep, extra: dict) -> bool:
+    """Whether the launched pass is this forward's: the same ids at their own positions, the last
+    token's logits only."""
+    if launched is None or not _graphs(cache, keep, extra) or not launched.reads(new_ids):
+        return False
+    m = new_ids.shape[1]
+    expected = torch.arange(m, device=new_positions.device) + cache.translator.prefix_length
+    return bool((new_positions == expected).all())
+
+
 def run(cache, new_ids, new_positions, keep, extra: dict):
     """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
     forward's output (logits of the new tokens only, the cache in its cache field)."""
     batch, m = new_ids.shape
+    launched, cache.launched_pass = getattr(cache, "launched_pass", None), None
+    taken = _taken(launched, cache, new_ids, new_positions, keep, extra)
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
-    state = cache.state
-    view = state.view("target")
     room = cache.decode_room  # columns for the tokens generate() will append (0: unknown)
     graph = None
-    if _graphs(cache, keep, extra):
-        shape = (batch, bucket(_slots(work, m)), bucket(prefix + m + 1, 256))
-        make = lambda: PassGraph(NativePass(view, *shape))  # noqa: E731
-        share = 1.0 if shape[1] <= _FEW_SLOTS else 0.25
-        graph = state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]), share)
-    if graph is not None:
-        with state.replay_lock:
+    if _graphs(cache, keep, extra) and not taken:  # a launched request was counted already
+        graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
+    if taken and launched.result is not None:
+        output, store = launched.result
+        NativePass.settle(cache, store, prefix + m, room)
+    elif graph is not None:
+        with cache.state.replay_lock:
             output = graph.run(cache, work, new_ids, new_positions, room)
     else:
-        native = NativePass(view, batch, _slots(work, m), prefix + m + 1 + room)
+        native = NativePass(cache.state.view("target"), batch, _slots(work, m), prefix + m + 1 + room)
         native.load(cache, work, new_ids, new_positions, lazy=True)
         try:
             output = native.forward(keep, extra)

@@ -24,6 +24,11 @@ A shape is captured on its second request, within the engine's graph budget (`En
 between powers of two, not the passes' 8 (4,112 tokens replay as 4,352, not 4,608): the replay
 pays for its padding in full, and the prefill is all of the native route's work.
 
+Launched before generate() (`launch`): the engine's generate() replays the prefill before calling
+transformers' generate(), whose own host work before its first forward then runs while the GPU
+computes; that forward takes the result when its ids are the ones launched (`run`), and runs as
+above otherwise.
+
 The causal mask under capture: while a stream captures, transformers 5.17 never lets sdpa run
 causal without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever
 `is_tracing()`, which counts stream capture; later releases skip the mask when none is given), so
@@ -39,6 +44,8 @@ Knows transformers' forward and cache conventions; nothing about bridges or toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -46,7 +53,18 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.interop.graphs import bucket, capture, kv_bytes
 
-__all__ = ["PrefillGraph", "mask_mapping", "no_mask", "prefill_bytes", "replays", "run"]
+__all__ = [
+    "Launched",
+    "PrefillGraph",
+    "launch",
+    "launches",
+    "mask_mapping",
+    "no_mask",
+    "plain_generate",
+    "prefill_bytes",
+    "replays",
+    "run",
+]
 
 # Attention implementations whose forward without a padding mask builds no mask on the host (the
 # eager one makes its additive mask from a host scalar: no capture). Any other capture that fails
@@ -139,13 +157,7 @@ def replays(cache, target, input_ids, kwargs: dict) -> bool:
     """Whether this forward of `target` (`input_ids` [batch, m], its other keywords `kwargs`) is one a
     PrefillGraph reproduces (see the module docstring; the device is the caller's to check).
     Costs one device sync when the cheap conditions hold (mask and positions checked there)."""
-    if not getattr(cache, "native_route", False) or cache.get_seq_length() != 0:
-        return False
-    if cache.handoff_config.cuda_graphs is False or input_ids.shape[1] == 0:
-        return False
-    if any(window is not None for window in cache.translator.windows):
-        return False
-    if getattr(target.config, "_attn_implementation", None) not in _CAPTURABLE:
+    if not _replayable(cache, target, input_ids):
         return False
     if set(kwargs) - _PLAIN or kwargs.get("logits_to_keep") != 1:
         return False
@@ -162,10 +174,98 @@ def replays(cache, target, input_ids, kwargs: dict) -> bool:
     return bool(torch.stack(checks).all()) if checks else True
 
 
+def _replayable(cache, target, input_ids) -> bool:
+    """`replays`' conditions on the cache and the model alone (no device work)."""
+    if not getattr(cache, "native_route", False) or cache.get_seq_length() != 0:
+        return False
+    if cache.handoff_config.cuda_graphs is False or input_ids.shape[1] == 0:
+        return False
+    if any(window is not None for window in cache.translator.windows):
+        return False
+    return getattr(target.config, "_attn_implementation", None) in _CAPTURABLE
+
+
+@dataclass(eq=False)
+class Launched:
+    """A prefill replayed before generate() asked for it: the ids it read [batch, m] and its
+    result, (logits, per layer keys then values), or None (no graph for this shape yet: the
+    forward runs eagerly, and the request counts once toward the shape's capture)."""
+
+    ids: torch.Tensor
+    result: tuple | None
+
+    def reads(self, input_ids: torch.Tensor) -> bool:
+        """Whether `input_ids` are the ids launched (the same tensor, else compared on the device)."""
+        if input_ids is self.ids:
+            return True
+        if input_ids.shape != self.ids.shape or input_ids.device != self.ids.device:
+            return False
+        return bool(torch.equal(input_ids, self.ids))
+
+
+# generate() keywords under which its first forward is the prefill of its input ids as given
+# (any other may add a forward keyword, expand the rows or embed the inputs: not launched).
+_LAUNCH_SAFE = frozenset(
+    {
+        "max_new_tokens", "min_new_tokens", "max_length", "min_length", "do_sample", "temperature",
+        "top_k", "top_p", "min_p", "repetition_penalty", "pad_token_id", "eos_token_id",
+        "bos_token_id", "output_logits", "output_scores", "return_dict_in_generate",
+        "generation_config", "logits_processor", "stopping_criteria", "streamer", "use_cache",
+    }
+)  # fmt: skip
+
+
+def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> None:
+    """Replay the native route's prefill of `input_ids` [batch, m] now, before generate() asks for
+    it (see the module docstring), where `launches` says generate()'s first forward will be one a
+    graph replays; the result waits on the cache (`cache.launched_prefill`) for `run`."""
+    if input_ids.is_cuda and launches(cache, target, input_ids, attention_mask, generate_kwargs):
+        cache.launched_prefill = Launched(input_ids, _replay(cache, target, input_ids))
+
+
+def launches(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> bool:
+    """Whether generate(input_ids, attention_mask=attention_mask, **generate_kwargs) over `cache`
+    will send a first forward `replays` accepts, as far as the cache, the model, the mask
+    [batch, m] (None: all ones; a device sync where given) and generate()'s keywords tell."""
+    return _replayable(cache, target, input_ids) and plain_generate(
+        target, input_ids, attention_mask, generate_kwargs
+    )
+
+
+def plain_generate(target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> bool:
+    """Whether generate() of `target` with these arguments sends its first forward the rows of
+    `input_ids` [batch, m] as they are (no padding, no beams or extra sequences, no keyword that
+    adds a forward argument), at positions 0..m-1. A device sync where a mask is given."""
+    config = generate_kwargs.get("generation_config") or target.generation_config
+    rows = (getattr(config, "num_beams", None) or 1) * (getattr(config, "num_return_sequences", None) or 1)
+    if not generate_kwargs.keys() <= _LAUNCH_SAFE or rows != 1:
+        return False
+    if attention_mask is None:
+        return True
+    return attention_mask.shape == input_ids.shape and bool(attention_mask.bool().all())
+
+
 def run(cache, target, input_ids: torch.Tensor):
     """The native route's first forward from a captured graph when the engine's graph budget has
-    one for this shape (captured on a shape's second request), else None (run it eagerly).
-    Returns the forward's output: logits of the last token, the cache (now holding the context)."""
+    one for this shape (captured on a shape's second request), else None (run it eagerly); the
+    result `launch` left on the cache where it read these ids. Returns the forward's output:
+    logits of the last token, the cache (now holding the context)."""
+    launched, cache.launched_prefill = getattr(cache, "launched_prefill", None), None
+    if launched is not None and launched.reads(input_ids):
+        result = launched.result
+    else:
+        result = _replay(cache, target, input_ids)
+    if result is None:
+        return None
+    logits, held = result
+    for idx, layer in enumerate(cache.layers):
+        layer.settle(held[2 * idx], held[2 * idx + 1])
+    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+def _replay(cache, target, input_ids: torch.Tensor) -> tuple | None:
+    """(logits [batch, 1, vocab], per layer keys then values [batch, kv_heads, m, head_dim]: copies)
+    of a replay of `input_ids`, or None when the graph budget holds no graph for their shape."""
     batch, m = input_ids.shape
     length = bucket(m, 256, steps=16)
     state = cache.state
@@ -178,10 +278,7 @@ def run(cache, target, input_ids: torch.Tensor):
         return None
     with state.replay_lock:  # the buffers serve one request at a time
         logits, layers = graph.run(input_ids)
-        held = _copies([t for pair in layers for t in pair])
-    for idx, layer in enumerate(cache.layers):
-        layer.settle(held[2 * idx], held[2 * idx + 1])
-    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return logits, _copies([t for pair in layers for t in pair])
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
