@@ -212,6 +212,13 @@ def _graphs(cache, keep, extra: dict) -> bool:
     return on_cuda and allowed is not False and keep == 1 and plain
 
 
+def _own_positions(cache, new_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, m]: the positions of `new_ids` [batch, m] as the model numbers them, right after
+    the cache's prefix."""
+    batch, m = new_ids.shape
+    return (torch.arange(m, device=new_ids.device) + cache.translator.prefix_length).expand(batch, -1)
+
+
 def _pass_graph(cache, batch: int, slots: int, columns: int):
     """The engine's captured pass of this shape bucket, or None (see GraphStore.get)."""
     state = cache.state
@@ -227,8 +234,7 @@ def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwar
     generate() runs its own host work (the engine's generate(): see prefill.launch), where that
     forward will be `input_ids` [batch, T] after the cached prefix at their own positions; the
     output and the buffers' copy wait on the cache (`cache.launched_pass`) for `run`."""
-    work = getattr(cache, "pending_work", None)
-    if work is None or not input_ids.is_cuda or not _graphs(cache, 1, {}):
+    if getattr(cache, "pending_work", None) is None or not input_ids.is_cuda or not _graphs(cache, 1, {}):
         return
     prefix = cache.translator.prefix_length
     if input_ids.shape[1] <= prefix or not prefill.plain_generate(
@@ -237,7 +243,7 @@ def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwar
         return
     new_ids = input_ids[:, prefix:]
     (batch, m), room = new_ids.shape, cache.decode_room
-    positions = (torch.arange(m, device=new_ids.device) + prefix).expand(batch, -1)
+    positions = _own_positions(cache, new_ids)
     work = cache.pending_for_batch(batch)
     graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
     result = None
@@ -247,14 +253,11 @@ def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwar
     cache.launched_pass = prefill.Launched(new_ids, result)
 
 
-def _taken(launched, cache, new_ids, new_positions, keep, extra: dict) -> bool:
-    """Whether the launched pass is this forward's: the same ids at their own positions, the last
-    token's logits only."""
-    if launched is None or not _graphs(cache, keep, extra) or not launched.reads(new_ids):
+def _taken(launched, cache, new_ids, new_positions) -> bool:
+    """Whether the launched pass is this forward's: the same ids at their own positions."""
+    if launched is None or not launched.reads(new_ids):
         return False
-    m = new_ids.shape[1]
-    expected = torch.arange(m, device=new_positions.device) + cache.translator.prefix_length
-    return bool((new_positions == expected).all())
+    return bool((new_positions == _own_positions(cache, new_ids)).all())
 
 
 def run(cache, new_ids, new_positions, keep, extra: dict):
@@ -262,12 +265,13 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
     forward's output (logits of the new tokens only, the cache in its cache field)."""
     batch, m = new_ids.shape
     launched, cache.launched_pass = getattr(cache, "launched_pass", None), None
-    taken = _taken(launched, cache, new_ids, new_positions, keep, extra)
+    graphs = _graphs(cache, keep, extra)  # launches are made only for such forwards
+    taken = graphs and _taken(launched, cache, new_ids, new_positions)
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
     room = cache.decode_room  # columns for the tokens generate() will append (0: unknown)
     graph = None
-    if _graphs(cache, keep, extra) and not taken:  # a launched request was counted already
+    if graphs and not taken:  # a launched request was counted already
         graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
     if taken and launched.result is not None:
         output, store = launched.result
@@ -320,8 +324,7 @@ def forward_with_pass(target, *args, **kwargs):
     m = input_ids.shape[1]
     positions = kwargs.pop("position_ids", None)
     if positions is None:  # as the model numbers them: right after the cache
-        prefix = cache.translator.prefix_length
-        positions = (torch.arange(m, device=input_ids.device) + prefix).expand(input_ids.shape[0], -1)
+        positions = _own_positions(cache, input_ids)
     keep = kwargs.pop("logits_to_keep", None)
     if isinstance(keep, torch.Tensor):  # indices into this forward's tokens: after the other slots
         keep = keep + _slots(cache.pending_for_batch(input_ids.shape[0]), m) - m

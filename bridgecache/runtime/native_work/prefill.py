@@ -187,9 +187,10 @@ def _replayable(cache, target, input_ids) -> bool:
 
 @dataclass(eq=False)
 class Launched:
-    """A prefill replayed before generate() asked for it: the ids it read [batch, m] and its
-    result, (logits, per layer keys then values), or None (no graph for this shape yet: the
-    forward runs eagerly, and the request counts once toward the shape's capture)."""
+    """A first forward replayed before generate() asked for it (the native route's prefill, or the
+    handoff's pass: native_work.forward.launch): the ids it read [batch, m] and its result, as
+    the module's `run` takes it, or None (no graph for this shape yet: the forward runs eagerly,
+    and the request counts once toward the shape's capture)."""
 
     ids: torch.Tensor
     result: tuple | None
