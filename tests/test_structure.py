@@ -107,6 +107,7 @@ FLOORS = [
         "bridgecache.untrusted",
         "bridgecache._moved",
     ),
+    ("bridgecache.checks",),  # the boundary (untrusted.shown in its messages); every floor above uses it
     ("bridgecache.models",),
     ("bridgecache.kv", "bridgecache.bridge"),
     ("bridgecache.runtime",),

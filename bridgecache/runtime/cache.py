@@ -31,6 +31,7 @@ from bridgecache.kv.files import as_source
 from bridgecache.models.layout import check_supported
 from bridgecache.models.spec import model_spec
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.inputs import check_arguments, check_config, check_engine, selector_layers
 from bridgecache.runtime.interop.static import fill_static
 from bridgecache.runtime.native_work import forward as native_forward
 from bridgecache.runtime.native_work.plan import plan_native_work, read_context
@@ -263,13 +264,21 @@ class BridgedCache(DynamicCache):
         words=None,
         engine=None,
     ):
-        config = HandoffConfig() if config is None else config
+        config = check_config(config)
+        check_arguments(bridge, target, target_ids, target_attention_mask, source_model, prompt_ids, words)
+        if engine is not None:
+            check_engine(engine, bridge, target, source_model)
+        selector_layers(config, bridge.target.num_layers)  # a custom rule's answer, before any work
+        source_kv = as_source(source_kv, source_attention_mask)
+        if words is not None and words.source.shape != (source_kv.batch_size, source_kv.num_tokens):
+            raise ValueError(
+                f"words.source has shape {tuple(words.source.shape)}; expected one group per source KV "
+                f"row [{source_kv.batch_size}, {source_kv.num_tokens}] (words of another context?)"
+            )
         if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
             prompt_ids = prompt_ids.to(source_model.get_input_embeddings().weight.device, non_blocking=True)
         if words is not None:  # likewise: a copy from the host later would wait for the queued work
             words = words.to(target.get_input_embeddings().weight.device)
-        if not isinstance(config, HandoffConfig):
-            raise TypeError(f"config is a {type(config).__name__}; expected a bridgecache.HandoffConfig")
         config = config.with_words(words is not None)
         if engine is not None:
             state = engine.state
@@ -283,7 +292,7 @@ class BridgedCache(DynamicCache):
         layers = _bridged_layers(target.config)
         self.translator = Translator(
             bridge,
-            as_source(source_kv, source_attention_mask),
+            source_kv,
             target,
             target_ids,
             target_mask=target_attention_mask,

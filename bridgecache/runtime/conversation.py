@@ -28,11 +28,19 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import DynamicCache
 
+import bridgecache.checks as checks
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import engine_for
-from bridgecache.runtime.inputs import check_messages
+from bridgecache.runtime.inputs import (
+    check_config,
+    check_contexts,
+    check_engine,
+    check_messages,
+    check_setup,
+    check_text,
+)
 from bridgecache.runtime.likelihood import Prefix, score
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, same_tokenization
 
@@ -114,8 +122,15 @@ class Conversation:
         cache of them, made with `config` (default `HandoffConfig()`, as `handoff()`) by `engine`
         (a `HandoffEngine` of exactly these models; None: the setup's shared one)."""
         messages = [dict(m) for m in check_messages(messages)]
+        config = None if config is None else check_config(config)
+        check_setup(bridge, source, target, source_tokenizer, target_tokenizer)
         if engine is None:
             engine = engine_for(bridge, source, target, source_tokenizer, target_tokenizer)
+        else:  # compared, never assumed: the engine's plans are of its own models
+            check_engine(engine, bridge, target, None)
+            checks.same(engine.source, source, "engine", "source model")
+            checks.same(engine.source_tokenizer, source_tokenizer, "engine", "source tokenizer")
+            checks.same(engine.target_tokenizer, target_tokenizer, "engine", "target tokenizer")
         same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
             target_tokenizer, "chat_template", None
         )
@@ -143,13 +158,16 @@ class Conversation:
     @classmethod
     def native(cls, target, target_tokenizer, messages) -> Conversation:
         """The target reads `messages` itself, on its first `ask` (the reference for a handoff)."""
-        messages = [dict(m) for m in messages]
+        checks.model(target, "target")
+        checks.tokenizer(target_tokenizer, "target_tokenizer")
+        messages = [dict(m) for m in check_messages(messages)]
         ids = _render(messages, target_tokenizer).to(_device(target))
         return cls(target, target_tokenizer, messages, DynamicCache(config=target.config), ids)
 
     @torch.no_grad()
     def ask(self, content: str, **generate_kwargs) -> Turn:
         """Add a user message, generate the reply on the same cache, add it; returns the Turn."""
+        check_text(content, "content")
         start = time.perf_counter()
         ids, reused = self._prompt(content)
         generate_kwargs.setdefault("max_new_tokens", 64)
@@ -180,6 +198,8 @@ class Conversation:
     def score(self, content: str, replies: list[str]) -> list[float]:
         """Mean log-likelihood per token of each reply to a user message; the chat is left unchanged
         (the cache keeps no trace of the message; it may drop tokens the next turn would not reuse)."""
+        check_text(content, "content")
+        replies = check_contexts(replies, "replies")
         ids, reused = self._prompt(content)
         length = self.cache.get_seq_length()
         out = self.target(

@@ -49,11 +49,20 @@ from dataclasses import dataclass
 
 import torch
 
+import bridgecache.checks as checks
 from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.inputs import check_config, check_contexts, check_fits, check_text
+from bridgecache.runtime.inputs import (
+    check_config,
+    check_contexts,
+    check_fits,
+    check_lengths,
+    check_setup,
+    check_text,
+    selector_layers,
+)
 from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work import prefill
 from bridgecache.runtime.native_work.forward import forward_with_pass
@@ -126,10 +135,8 @@ class HandoffEngine:
         graph_bytes: int = DEFAULT_GRAPH_BYTES,
     ):
         self.config = _checked_config(config)
-        if isinstance(graph_bytes, bool) or not isinstance(graph_bytes, int) or graph_bytes < 0:
-            raise ValueError(f"graph_bytes={graph_bytes!r}; expected a byte count >= 0")
-        if target is None:
-            raise ValueError("a handoff engine needs the target model")
+        checks.integer(graph_bytes, "graph_bytes", low=0, what="a byte count")
+        check_setup(bridge, source, target, source_tokenizer, target_tokenizer)
         check_models(bridge, source, target, source_tokenizer, target_tokenizer)
         self.bridge, self.source, self.target = bridge, source, target
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
@@ -177,6 +184,7 @@ class HandoffEngine:
                 "this engine was built without tokenizers: pass source_tokenizer= and target_tokenizer="
             )
         config = self.config if config is None else _checked_config(config)
+        selector_layers(config, self.bridge.target.num_layers)  # a custom rule's answer, before any work
         request = HandoffRequest.from_texts(
             self.bridge, contexts, prompt, self.source_tokenizer, self.target_tokenizer,
             same=self.same_tokenizer, words=config.wants_words,
@@ -282,8 +290,11 @@ class HandoffEngine:
         measured before."""
         self._check_open()
         config = self.config if config is None else _checked_config(config)
+        checks.integer(repeats, "repeats", low=1, high=1000, what="a number of timed runs")
+        checks.instance(progress, "progress", bool, "True or False")
         if lengths is None:
             lengths = route_lengths(32768, self._route_limit())
+        lengths = check_lengths(lengths, self._route_limit())
         with self._timing_lock:
             return self._measure(config, lengths, repeats, progress)
 
@@ -303,6 +314,7 @@ class HandoffEngine:
         """What a cache of `tokens` context tokens under `config` calls before its route is decided
         (BridgedCache, engine=): on CUDA with route="auto", time the ladder's lengths it needs that
         this engine has not timed yet (nothing elsewhere)."""
+        checks.integer(tokens, "tokens", low=0, what="a count of context tokens")
         if config.route != "auto" or self.source is None or not self._on_cuda:
             return
         costs = self.state.route_costs(config)

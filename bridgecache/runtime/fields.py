@@ -18,11 +18,9 @@ from __future__ import annotations
 import math
 import operator
 
+from bridgecache.checks import FieldTypeError  # the boundary's type error (bridgecache.checks)
+
 __all__ = ["FieldTypeError", "count", "flag", "real"]
-
-
-class FieldTypeError(TypeError, ValueError):
-    """A configuration field of the wrong type (also a ValueError, as these checks raised before)."""
 
 
 def flag(value, name: str, *, optional: bool = False):

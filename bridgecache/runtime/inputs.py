@@ -5,21 +5,38 @@
     text = check_text(prompt, "prompt")         a str (empty allowed with allow_empty=True)
     messages = check_messages(messages)         chat messages: dicts with role and content strings
     check_fits(tokens, limit, "the context")    a context longer than the target's window, refused
+    selector_layers(config, num_layers)         a refresh rule's native_layers(): target layers
 
-`handoff`, `handoff_batch`, `Conversation` and the publishers call these where their arguments
+`handoff`, `handoff_batch`, `Conversation`, the engine, `BridgedCache` and the publishers call
+these (and bridgecache.checks, the boundary's primitives and error types) where their arguments
 enter, so that a wrong argument fails in microseconds with a message naming it, not after the
 source's prefill (or, for a str where a list belongs, by running one context per character).
 
-Knows the configuration's type and plain Python values; nothing about models or tokenizers.
+Knows the configuration's type, the Bridge and ContextWords types and plain Python values; models,
+tokenizers and engines only by what they must offer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import bridgecache.checks as checks
+from bridgecache.bridge.maps import Bridge
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.selection.words import ContextWords
 
-__all__ = ["check_config", "check_contexts", "check_fits", "check_messages", "check_text"]
+__all__ = [
+    "check_arguments",
+    "check_config",
+    "check_contexts",
+    "check_engine",
+    "check_fits",
+    "check_lengths",
+    "check_messages",
+    "check_setup",
+    "check_text",
+    "selector_layers",
+]
 
 
 def check_config(config) -> HandoffConfig:
@@ -50,19 +67,19 @@ def check_text(text, name: str, *, allow_empty: bool = False) -> str:
     return text
 
 
-def check_contexts(contexts) -> list[str]:
+def check_contexts(contexts, name: str = "contexts") -> list[str]:
     """`contexts` as a list of non-empty texts. A str is refused (iterating it would give one
     context per character); so are an empty list and any item that is not a non-empty str."""
     if isinstance(contexts, (str, bytes)):
         raise TypeError(
-            f"contexts is a {type(contexts).__name__} ({len(contexts)} characters); expected a list of "
+            f"{name} is a {type(contexts).__name__} ({len(contexts)} characters); expected a list of "
             "texts (one context: [text], or handoff() for a single one)"
         )
     if not isinstance(contexts, Sequence):
-        raise TypeError(f"contexts is a {type(contexts).__name__}; expected a list of texts")
+        raise TypeError(f"{name} is a {type(contexts).__name__}; expected a list of texts")
     if len(contexts) == 0:
-        raise ValueError("contexts is empty; expected at least one text")
-    return [check_text(text, f"contexts[{i}]") for i, text in enumerate(contexts)]
+        raise ValueError(f"{name} is empty; expected at least one text")
+    return [check_text(text, f"{name}[{i}]") for i, text in enumerate(contexts)]
 
 
 def check_messages(messages, name: str = "messages") -> list[dict]:
@@ -103,3 +120,90 @@ def check_fits(tokens: int, limit: int | None, what: str) -> int:
             "shorten it or split it"
         )
     return tokens
+
+
+def selector_layers(config: HandoffConfig, num_layers: int) -> tuple[int, ...]:
+    """The target layers `config`'s refresh rule asks computed natively (its `native_layers()`),
+    checked: ints in 0..num_layers-1 (a custom rule's -1 or 99 is refused here, not reported as a
+    layer or indexed later); () without a refresh."""
+    if config.refresh is None:
+        return ()
+    selector = config.refresh.selector
+    name = f"selector {type(selector).__name__}.native_layers({num_layers})"
+    return checks.layer_indices(selector.native_layers(num_layers), name, num_layers)
+
+
+def check_setup(bridge, source, target, source_tokenizer=None, target_tokenizer=None) -> None:
+    """The types of a handoff setup, before anything reads them (bridgecache.checks): a Bridge,
+    transformers models (the source may be None), tokenizers or None."""
+    checks.instance(bridge, "bridge", Bridge, "a bridgecache Bridge (Bridge.load, 'builtin:...' names)")
+    checks.model(source, "source", optional=True)
+    checks.model(target, "target")
+    checks.tokenizer(source_tokenizer, "source_tokenizer", optional=True)
+    checks.tokenizer(target_tokenizer, "target_tokenizer", optional=True)
+
+
+def check_lengths(lengths, limit: int) -> list[int]:
+    """Route-timing lengths: a non-empty list of context token counts, each 1..`limit` (both
+    models' windows less the prompt), checked before any tensor of that length is made."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+        raise checks.FieldTypeError(
+            f"lengths={checks.shown(lengths)}; expected a list of context lengths in tokens, "
+            f"not a {type(lengths).__name__}"
+        )
+    lengths = list(lengths)
+    if not lengths or len(lengths) > 64:
+        raise ValueError(f"lengths has {len(lengths)} entries; expected 1 to 64 context lengths")
+    return [
+        checks.integer(n, f"lengths[{i}]", low=1, high=limit, what="a context length in tokens (the windows)")
+        for i, n in enumerate(lengths)
+    ]
+
+
+def check_arguments(bridge, target, target_ids, target_mask, source_model, prompt_ids, words) -> None:
+    """A BridgedCache's arguments checked where they enter (bridgecache.checks): the types, the
+    ids' shape and vocabulary, the mask's shape and values, the words' shapes and order."""
+    checks.instance(bridge, "bridge", Bridge, "a bridgecache Bridge (Bridge.load, 'builtin:...' names)")
+    checks.model(target, "target")
+    checks.model(source_model, "source_model", optional=True)
+    checks.ids(target_ids, "target_ids", vocab=_vocab(target))
+    checks.mask(target_mask, "target_attention_mask", target_ids)
+    vocab = _vocab(source_model) if source_model is not None else None
+    checks.ids(prompt_ids, "prompt_ids", vocab=vocab, optional=True)
+    checks.instance(
+        words, "words", ContextWords, "ContextWords (selection.words.context_words)", optional=True
+    )
+    if words is None:
+        return
+    for side in ("source", "target"):
+        groups = getattr(words, side)
+        checks.ids(groups, f"words.{side}", batch=target_ids.shape[0])
+        if groups.shape[1] > 1 and bool((groups.diff(dim=1) < 0).any()):
+            raise ValueError(f"words.{side} decreases within a row; expected non-decreasing word groups")
+    if tuple(words.target.shape) != tuple(target_ids.shape):
+        raise ValueError(
+            f"words.target has shape {tuple(words.target.shape)}; expected the target_ids' shape "
+            f"{tuple(target_ids.shape)} (one group per target column; words of another context?)"
+        )
+
+
+def check_engine(engine, bridge, target, source_model) -> None:
+    """`engine` is a HandoffEngine built for exactly this bridge, target and (when given) source:
+    its plans, views and graphs are of those objects (compared by identity, never assumed)."""
+    from bridgecache.runtime.state import EngineState  # the engine's state; imports what this module does not
+
+    if not isinstance(getattr(engine, "state", None), EngineState) or not hasattr(engine, "bridge"):
+        raise checks.FieldTypeError(
+            f"engine={checks.shown(engine)}; expected a bridgecache HandoffEngine or None, "
+            f"not a {type(engine).__name__}"
+        )
+    checks.same(engine.bridge, bridge, "engine", "bridge")
+    checks.same(engine.target, target, "engine", "target model")
+    if source_model is not None:
+        checks.same(engine.source, source_model, "engine", "source model")
+    if getattr(engine, "_closed", False):
+        raise ValueError("engine is closed: build a new HandoffEngine")
+
+
+def _vocab(model) -> int | None:
+    return getattr(model.config.get_text_config(), "vocab_size", None)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.runtime.gate import GateDecision, layer_scores
+from bridgecache.runtime.inputs import selector_layers
 from bridgecache.runtime.native_work.layers import native_layer_kv, resolve_native_layers
 from bridgecache.runtime.native_work.pending import PendingPlan, PendingWork, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
@@ -119,8 +120,8 @@ def plan_native_work(
     refresh = config.refresh if not all_native and tr.bridge.method != "identity" else None
     selector = refresh.selector if refresh is not None else None
     words = words if refresh is not None and refresh.whole_words else None
-    if selector is not None:
-        native |= set(selector.native_layers(num_layers))
+    if selector is not None:  # checked: a custom rule's answer is the caller's input
+        native |= set(selector_layers(config, num_layers))
     read_context(tr, target, target_ids, native)
     eligible = translated & has_source
     budgets = [refresh_budget(refresh.amount, int(n)) if refresh else 0 for n in eligible.sum(1).tolist()]
