@@ -141,8 +141,8 @@ def mask(value, name: str, like: torch.Tensor, *, optional: bool = True):
     instance(value, name, torch.Tensor, f"a 0/1 torch.Tensor of shape {tuple(like.shape)}")
     if tuple(value.shape) != tuple(like.shape) or value.is_complex():
         raise ValueError(
-            f"{name} has shape {tuple(value.shape)} and dtype {value.dtype}; expected a 0/1 mask of the "
-            f"ids' shape {tuple(like.shape)}"
+            f"{name} has shape {tuple(value.shape)}; expected {tuple(like.shape)} (a 0/1 mask of the ids' "
+            f"shape, not {value.dtype})"
         )
     if value.numel() and not bool(((value == 0) | (value == 1)).all()):
         raise ValueError(f"{name} holds values other than 0 and 1; expected a 0/1 attention mask")

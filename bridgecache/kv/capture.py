@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+import bridgecache.checks as checks
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.source import SourceKV, position_ids_from_mask
@@ -34,6 +35,10 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     With left padding, pass `attention_mask` [batch, tokens] (0 on the padding): it travels with
     the KV, and positions follow generate()'s. An empty context (0 tokens) gives 0-row KV.
     """
+    checks.model(model, "model")
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    checks.ids(input_ids, "input_ids", vocab=vocab)
+    checks.mask(attention_mask, "attention_mask", input_ids)
     spec = model_spec(model)  # before any work: refuses an architecture a bridge cannot translate
     device = model.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)

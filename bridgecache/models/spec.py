@@ -12,6 +12,7 @@ import json
 import weakref
 from dataclasses import asdict, dataclass
 
+import bridgecache.checks as checks
 from bridgecache.models.layout import check_supported, layer_windows, rope_layers
 from bridgecache.untrusted import shown
 
@@ -111,8 +112,14 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
 
     Raises UnsupportedArchitectureError (layer, feature, what is supported) for a model a bridge
     cannot translate exactly (`bridgecache.models.layout.check_supported`)."""
-    check_supported(model_or_config)
     config = getattr(model_or_config, "config", model_or_config)
+    if not callable(getattr(config, "get_text_config", None)):
+        raise checks.FieldTypeError(
+            f"model_or_config={checks.shown(model_or_config)}; expected a transformers model or its "
+            f"config, not a {type(model_or_config).__name__}"
+        )
+    checks.tokenizer(tokenizer, "tokenizer", optional=True)
+    check_supported(model_or_config)
     config = config.get_text_config()
     n = config.num_hidden_layers
     heads = config.num_attention_heads

@@ -58,6 +58,7 @@ from bridgecache.runtime.inputs import (
     check_config,
     check_contexts,
     check_fits,
+    check_generate_kwargs,
     check_lengths,
     check_setup,
     check_text,
@@ -194,6 +195,7 @@ class HandoffEngine:
 
     def check_fits(self, request: HandoffRequest) -> None:
         """Refuse a request longer than either model's window, before any model runs."""
+        checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
         prompt = 0 if request.target_prompt is None else request.target_prompt.shape[1]
         sides = (
             ("target", request.target_ids.shape[1] + prompt, self.bridge.target.max_position_embeddings),
@@ -206,6 +208,7 @@ class HandoffEngine:
     def cache(self, request: HandoffRequest, config: HandoffConfig | None = None) -> BridgedCache:
         """The BridgedCache of a request (over this engine's state), nothing translated yet."""
         self._check_open()
+        checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
         self._check_weights()
         return BridgedCache(
             self.bridge,
@@ -225,6 +228,10 @@ class HandoffEngine:
     def generate(self, cache: BridgedCache, input_ids, attention_mask, **generate_kwargs):
         """transformers' `generate()` over `cache`, its first forward doing the cache's native
         work; returns what generate() returns."""
+        checks.instance(cache, "cache", BridgedCache, "a BridgedCache (engine.cache)")
+        checks.ids(input_ids, "input_ids")
+        checks.mask(attention_mask, "attention_mask", input_ids)
+        check_generate_kwargs(generate_kwargs)
         if self.target_tokenizer is not None:
             generate_kwargs.setdefault("pad_token_id", pad_token_id(self.target_tokenizer))
         return generate(self.target, cache, input_ids, attention_mask, **generate_kwargs)
@@ -238,6 +245,7 @@ class HandoffEngine:
         (`bridgecache.handoff`'s arguments; `source_kv`: the source's KV if already computed)."""
         check_text(context, "context", allow_empty=True)
         check_text(prompt, "prompt", allow_empty=True)
+        check_generate_kwargs(generate_kwargs)
         request = self.request([context], prompt, config=config, source_kv=source_kv)
         if request.target_ids.shape[1] + request.target_prompt.shape[1] == 0:
             raise ValueError("context and prompt are both empty (0 target tokens): nothing to continue from")
@@ -252,6 +260,7 @@ class HandoffEngine:
         """Every `context + prompt` continued in one batch (`bridgecache.handoff_batch`)."""
         contexts = check_contexts(contexts)
         check_text(prompt, "prompt", allow_empty=True)
+        check_generate_kwargs(generate_kwargs)
         request = self.request(contexts, prompt, config=config)
         new_tokens, generation, seconds, cache = self._run(request, config, generate_kwargs)
         texts = self.target_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

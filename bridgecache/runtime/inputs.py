@@ -18,6 +18,7 @@ tokenizers and engines only by what they must offer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import bridgecache.checks as checks
@@ -31,12 +32,16 @@ __all__ = [
     "check_contexts",
     "check_engine",
     "check_fits",
+    "check_generate_kwargs",
     "check_lengths",
     "check_messages",
     "check_setup",
     "check_text",
     "selector_layers",
 ]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_config(config) -> HandoffConfig:
@@ -64,6 +69,12 @@ def check_text(text, name: str, *, allow_empty: bool = False) -> str:
         raise TypeError(f"{name} is a {type(text).__name__}; expected a str")
     if not text and not allow_empty:
         raise ValueError(f"{name} is empty; expected some text")
+    lone = _SURROGATE.search(text)  # no tokenizer encodes one (UTF-8 has no form for it)
+    if lone is not None:
+        raise ValueError(
+            f"{name} holds a lone surrogate {lone.group()!r} at character {lone.start()}; expected text "
+            "that UTF-8 can encode (decode bytes with errors='replace')"
+        )
     return text
 
 
@@ -160,14 +171,16 @@ def check_lengths(lengths, limit: int) -> list[int]:
     ]
 
 
-def check_arguments(bridge, target, target_ids, target_mask, source_model, prompt_ids, words) -> None:
+def check_arguments(bridge, target, target_ids, target_mask, source_model, prompt_ids, words, alignment=None):
     """A BridgedCache's arguments checked where they enter (bridgecache.checks): the types, the
-    ids' shape and vocabulary, the mask's shape and values, the words' shapes and order."""
+    ids' shape and vocabulary, the mask's shape and values, the alignment's type (one per row),
+    the words' shapes and order."""
     checks.instance(bridge, "bridge", Bridge, "a bridgecache Bridge (Bridge.load, 'builtin:...' names)")
     checks.model(target, "target")
     checks.model(source_model, "source_model", optional=True)
     checks.ids(target_ids, "target_ids", vocab=_vocab(target))
     checks.mask(target_mask, "target_attention_mask", target_ids)
+    _check_alignment(alignment, target_ids.shape[0])
     vocab = _vocab(source_model) if source_model is not None else None
     checks.ids(prompt_ids, "prompt_ids", vocab=vocab, optional=True)
     checks.instance(
@@ -203,6 +216,29 @@ def check_engine(engine, bridge, target, source_model) -> None:
         checks.same(engine.source, source_model, "engine", "source model")
     if getattr(engine, "_closed", False):
         raise ValueError("engine is closed: build a new HandoffEngine")
+
+
+def _check_alignment(alignment, batch: int) -> None:
+    from tokenalign import Alignment
+
+    expected = "a tokenalign.Alignment (batch 1), a list of them (one per row) or None"
+    rows = alignment if isinstance(alignment, (list, tuple)) else [alignment]
+    if alignment is None:
+        return
+    if len(rows) != batch:
+        raise ValueError(f"alignment has {len(rows)} rows; expected {batch}, one per row of target_ids")
+    for i, row in enumerate(rows):
+        checks.instance(row, f"alignment[{i}]" if rows is alignment else "alignment", Alignment, expected)
+
+
+def check_generate_kwargs(kwargs: dict) -> dict:
+    """The counts a caller passes on to generate(), checked before any model runs (a NaN or a
+    negative count would otherwise fail inside transformers, or in our room for decoded tokens)."""
+    for key in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences"):
+        if kwargs.get(key) is not None:
+            low = 0 if key == "min_new_tokens" else 1
+            checks.integer(kwargs[key], key, low=low, high=1 << 24, what="a count")
+    return kwargs
 
 
 def _vocab(model) -> int | None:

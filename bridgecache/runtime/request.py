@@ -20,9 +20,12 @@ from typing import NamedTuple
 
 import torch
 
+import bridgecache.checks as checks
+from bridgecache.bridge.maps import Bridge
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import as_source
 from bridgecache.models.spec import tokenizer_fingerprint
+from bridgecache.runtime.inputs import check_text
 from bridgecache.runtime.selection.words import ContextWords, word_groups
 
 __all__ = [
@@ -89,6 +92,10 @@ def tokenize_context(
     same: whether the tokenizers agree, if known (an engine knows; None: compared here)."""
     from tokenalign import match, token_spans
 
+    check_text(text, "text", allow_empty=True)
+    checks.instance(bridge, "bridge", Bridge, "a bridgecache Bridge")
+    checks.tokenizer(source_tokenizer, "source_tokenizer")
+    checks.tokenizer(target_tokenizer, "target_tokenizer")
     as_batch = lambda ids: torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)  # noqa: E731
     if same is None:
         same = same_tokenization(source_tokenizer, target_tokenizer)
