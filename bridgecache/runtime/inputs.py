@@ -19,6 +19,7 @@ tokenizers and engines only by what they must offer.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 
 import bridgecache.checks as checks
@@ -37,6 +38,7 @@ __all__ = [
     "check_messages",
     "check_setup",
     "check_text",
+    "saved_costs_for",
     "selector_layers",
 ]
 
@@ -239,6 +241,20 @@ def check_generate_kwargs(kwargs: dict) -> dict:
             low = 0 if key == "min_new_tokens" else 1
             checks.integer(kwargs[key], key, low=low, high=1 << 24, what="a count")
     return kwargs
+
+
+def saved_costs_for(costs, key: str, device: str):
+    """`costs` (a route cost table read back from the cache directory, or None) if it was measured
+    for this setup (`key`) on this device; else None, with a warning naming what differs (a table
+    copied from another machine or edited by hand is measured again, never used for this one)."""
+    if costs is None or (costs.key == key and costs.device == device):
+        return costs
+    warnings.warn(
+        f"the saved route costs for {key} were measured for {checks.shown(costs.key, 30)} on "
+        f"{checks.shown(costs.device, 60)}, not for this setup on {device}: not used (measured again)",
+        stacklevel=3,
+    )
+    return None
 
 
 def _vocab(model) -> int | None:

@@ -26,9 +26,10 @@ import torch
 
 from bridgecache.kv.keynorm import key_norm_scales
 from bridgecache.kv.rope import RopeTables
+from bridgecache.runtime.inputs import saved_costs_for
 from bridgecache.runtime.interop.attention import NAME
 from bridgecache.runtime.interop.views import ModelView
-from bridgecache.runtime.route import RouteCosts, load_costs, route_key
+from bridgecache.runtime.route import RouteCosts, device_name, load_costs, route_key
 from bridgecache.runtime.translation.layers import LayerPlan, StackedPlan
 
 __all__ = ["EngineState", "GraphStore"]
@@ -190,7 +191,7 @@ class EngineState:
         measured or loaded, else those saved in the cache directory, else None."""
         key = self.route_key(config)
         if key not in self._route_costs:
-            costs = load_costs(key)
+            costs = saved_costs_for(load_costs(key), key, device_name(self._target))
             with self._lock:
                 self._route_costs.setdefault(key, costs)
         return self._route_costs[key]
