@@ -5,6 +5,7 @@
     instance(bridge, "bridge", Bridge, "a bridgecache Bridge (Bridge.load, load_builtin)")
     ids(target_ids, "target_ids", vocab=320)    [batch, tokens] integer ids in 0..vocab-1
     mask(mask, "target_attention_mask", ids)    the ids' shape, 0 or 1
+    path(value, "path")                         a str or PathLike the file system can look up
     integer(n, "lengths[0]", low=1, high=4096)  an int (not a bool) in [low, high]
     layer_indices(got, "selector.native_layers", 28)   a selector's answer: ints in 0..27
     same(engine.bridge, bridge, "engine", "bridge")    identity compared, never assumed
@@ -26,6 +27,8 @@ Knows plain Python values and tensors; nothing about bridges, caches or models' 
 from __future__ import annotations
 
 import operator
+import os
+from pathlib import Path
 
 import torch
 
@@ -40,6 +43,7 @@ __all__ = [
     "layer_indices",
     "mask",
     "model",
+    "path",
     "same",
     "shown",
     "tokenizer",
@@ -147,6 +151,25 @@ def mask(value, name: str, like: torch.Tensor, *, optional: bool = True):
     if value.numel() and not bool(((value == 0) | (value == 1)).all()):
         raise ValueError(f"{name} holds values other than 0 and 1; expected a 0/1 attention mask")
     return value
+
+
+def path(value, name: str) -> Path:
+    """`value` as a Path if it is a str or os.PathLike naming a path this system can look up: not
+    empty, no NUL, at most 4,096 bytes and 255 bytes a component (else the lookup itself fails
+    with an OSError that quotes the whole name). Whether it exists is the caller's question."""
+    instance(value, name, (str, os.PathLike), "a path (str or os.PathLike)")
+    try:
+        raw = os.fsencode(value)
+    except (UnicodeError, TypeError) as err:  # a lone surrogate the file system cannot encode
+        raise ValueError(
+            f"{name}={shown(value)}; expected a path the file system can encode ({err})"
+        ) from None
+    if not raw or b"\0" in raw:
+        raise ValueError(f"{name}={shown(value)}; expected a non-empty path without NUL characters")
+    if len(raw) > 4096 or any(len(part) > 255 for part in raw.split(b"/")):
+        expected = "a path of at most 4,096 bytes and 255 a component"
+        raise ValueError(f"{name}={shown(value)} ({len(raw):,} bytes); expected {expected}")
+    return Path(os.fsdecode(raw))
 
 
 def layer_indices(value, name: str, num_layers: int) -> tuple[int, ...]:

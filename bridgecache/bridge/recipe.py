@@ -172,8 +172,12 @@ class FitConfig:
             return
         try:
             object.__setattr__(self, "text", user_text(self.text, self.text_column))
-        except (TypeError, ValueError) as err:
-            _bad("text", _shown(self.text), f"a file or folder path, strings, or a dataset ({err})")
+        except (TypeError, ValueError, OSError) as err:  # OSError: a name the lookup refuses (too long)
+            _bad(
+                "text",
+                _shown(self.text),
+                f"a file or folder path, strings, or a dataset ({_shown(str(err))})",
+            )
         if self.domain != "prose":
             _bad("domain", self.domain, "the default with text= (domain picks built-in text only)")
 

@@ -16,6 +16,8 @@ is printed (bridgecache.untrusted).
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 from bridgecache.fitting.cached import bridge_for
@@ -47,12 +49,39 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for arg in argv or ():  # in-process callers: what no command line can hold (sys.argv can)
+        if not isinstance(arg, str) or not _encodable(arg):
+            print(
+                f"bridgecache: error: argument {printable(repr(arg), 80)} is not text a command line holds",
+                file=sys.stderr,
+            )
+            return 2
     args = _build_parser().parse_args(argv)
     try:
         return args.func(args)
     except _user_errors() as err:  # what a command did not catch itself: still one line
         print(f"bridgecache {args.command}: error: {printable(str(err), 2000)}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path named on the command line that no lookup takes: the user's too
+        if err.errno not in _NAME_ERRORS:
+            raise
+        print(f"bridgecache {args.command}: error: {printable(str(err), 300)}", file=sys.stderr)
+        return 2
+
+
+# errno of a lookup refused for the name itself: too long, a loop of links, a device without a
+# reader (a FIFO opened without blocking), a file where a folder belongs or the reverse.
+_NAME_ERRORS = {errno.ENAMETOOLONG, errno.ELOOP, errno.ENXIO, errno.ENOTDIR, errno.EISDIR, errno.EINVAL}
+
+
+def _encodable(arg: str) -> bool:
+    """Whether `arg` is a string a command line can hold: encodable to the file system's bytes (a
+    lone surrogate other than the surrogateescape ones that stand for undecodable bytes is not)."""
+    try:
+        os.fsencode(arg)
+    except UnicodeEncodeError:
+        return False
+    return "\0" not in arg
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -10,7 +10,9 @@ Knows paths and name shapes; nothing about models or statistics.
 from __future__ import annotations
 
 import re
-from pathlib import Path
+
+import bridgecache.checks as checks
+from bridgecache.untrusted import shown
 
 __all__ = ["check_model_reference"]
 
@@ -21,16 +23,20 @@ def check_model_reference(name: str, builtin_names) -> str | None:
     """None if `name` may load (built-in, model directory, hub-id-shaped); else the reason."""
     if name in builtin_names:
         return None
-    path = Path(name).expanduser()
+    try:  # a name the file system cannot look up (too long, NUL, unencodable) is no directory
+        path = checks.path(name, "model").expanduser()
+    except ValueError as err:
+        return str(err)
+    reference, name = str(name), shown(name)  # in messages: escaped, cut
     if path.is_dir():
         if not (path / "config.json").exists():
-            return f"{name!r} is a directory without config.json (not a saved transformers model)"
+            return f"{name} is a directory without config.json (not a saved transformers model)"
         return None
     if path.exists():
-        return f"{name!r} is a file; expected a model directory"
-    if _HUB_ID.match(name) and ".." not in name:
+        return f"{name} is a file; expected a model directory"
+    if _HUB_ID.match(reference) and ".." not in reference:
         return None
     return (
-        f"{name!r} is neither a built-in name ({', '.join(builtin_names)}), an existing model "
+        f"{name} is neither a built-in name ({', '.join(builtin_names)}), an existing model "
         "directory, nor a hub id like 'Qwen/Qwen2.5-0.5B'"
     )

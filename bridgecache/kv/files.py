@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+import bridgecache.checks as checks
 from bridgecache.files import clean_leftovers, publish, staging_folder
 from bridgecache.kv.source import (
     _FLOATS,
@@ -152,7 +153,7 @@ def load_kv(
     computed by another model, or holding another document's tokens, raises KVMismatchError.
     attention_mask: must agree with the file's, when given.
     """
-    path = Path(path)
+    path = checks.path(path, "path")  # a name the lookup can take (bridgecache.checks)
     if not path.is_file():
         raise KVFileError(f"no KV file at {path}" + (" (a directory)" if path.is_dir() else ""))
     clean_leftovers(path.parent)

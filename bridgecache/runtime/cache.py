@@ -266,8 +266,9 @@ class BridgedCache(DynamicCache):
     ):
         config = check_config(config)
         check_arguments(
-            bridge, target, target_ids, target_attention_mask, source_model, prompt_ids, words, alignment
-        )
+            bridge, target, target_ids, target_attention_mask, source_model, prompt_ids, words, alignment,
+            source_attention_mask,
+        )  # fmt: skip
         if engine is not None:
             check_engine(engine, bridge, target, source_model)
         selector_layers(config, bridge.target.num_layers)  # a custom rule's answer, before any work

@@ -37,6 +37,7 @@ from bridgecache.runtime.inputs import (
     check_config,
     check_contexts,
     check_engine,
+    check_generate_kwargs,
     check_messages,
     check_setup,
     check_text,
@@ -168,6 +169,9 @@ class Conversation:
     def ask(self, content: str, **generate_kwargs) -> Turn:
         """Add a user message, generate the reply on the same cache, add it; returns the Turn."""
         check_text(content, "content")
+        check_generate_kwargs(
+            generate_kwargs, getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        )
         start = time.perf_counter()
         ids, reused = self._prompt(content)
         generate_kwargs.setdefault("max_new_tokens", 64)

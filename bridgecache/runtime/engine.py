@@ -229,9 +229,9 @@ class HandoffEngine:
         """transformers' `generate()` over `cache`, its first forward doing the cache's native
         work; returns what generate() returns."""
         checks.instance(cache, "cache", BridgedCache, "a BridgedCache (engine.cache)")
-        checks.ids(input_ids, "input_ids")
+        checks.ids(input_ids, "input_ids", vocab=self.target.config.get_text_config().vocab_size)
         checks.mask(attention_mask, "attention_mask", input_ids)
-        check_generate_kwargs(generate_kwargs)
+        check_generate_kwargs(generate_kwargs, self.bridge.target.max_position_embeddings)
         if self.target_tokenizer is not None:
             generate_kwargs.setdefault("pad_token_id", pad_token_id(self.target_tokenizer))
         return generate(self.target, cache, input_ids, attention_mask, **generate_kwargs)
@@ -245,7 +245,7 @@ class HandoffEngine:
         (`bridgecache.handoff`'s arguments; `source_kv`: the source's KV if already computed)."""
         check_text(context, "context", allow_empty=True)
         check_text(prompt, "prompt", allow_empty=True)
-        check_generate_kwargs(generate_kwargs)
+        check_generate_kwargs(generate_kwargs, self.bridge.target.max_position_embeddings)
         request = self.request([context], prompt, config=config, source_kv=source_kv)
         if request.target_ids.shape[1] + request.target_prompt.shape[1] == 0:
             raise ValueError("context and prompt are both empty (0 target tokens): nothing to continue from")
@@ -260,7 +260,7 @@ class HandoffEngine:
         """Every `context + prompt` continued in one batch (`bridgecache.handoff_batch`)."""
         contexts = check_contexts(contexts)
         check_text(prompt, "prompt", allow_empty=True)
-        check_generate_kwargs(generate_kwargs)
+        check_generate_kwargs(generate_kwargs, self.bridge.target.max_position_embeddings)
         request = self.request(contexts, prompt, config=config)
         new_tokens, generation, seconds, cache = self._run(request, config, generate_kwargs)
         texts = self.target_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

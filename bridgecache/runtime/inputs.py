@@ -22,6 +22,8 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 
+import torch
+
 import bridgecache.checks as checks
 from bridgecache.bridge.maps import Bridge
 from bridgecache.runtime.config import HandoffConfig
@@ -173,7 +175,9 @@ def check_lengths(lengths, limit: int) -> list[int]:
     ]
 
 
-def check_arguments(bridge, target, target_ids, target_mask, source_model, prompt_ids, words, alignment=None):
+def check_arguments(
+    bridge, target, target_ids, target_mask, source_model, prompt_ids, words, alignment=None, source_mask=None
+):
     """A BridgedCache's arguments checked where they enter (bridgecache.checks): the types, the
     ids' shape and vocabulary, the mask's shape and values, the alignment's type (one per row),
     the words' shapes and order."""
@@ -182,6 +186,9 @@ def check_arguments(bridge, target, target_ids, target_mask, source_model, promp
     checks.model(source_model, "source_model", optional=True)
     checks.ids(target_ids, "target_ids", vocab=_vocab(target))
     checks.mask(target_mask, "target_attention_mask", target_ids)
+    checks.instance(
+        source_mask, "source_attention_mask", torch.Tensor, "a 0/1 tensor [batch, tokens]", optional=True
+    )
     _check_alignment(alignment, target_ids.shape[0])
     vocab = _vocab(source_model) if source_model is not None else None
     checks.ids(prompt_ids, "prompt_ids", vocab=vocab, optional=True)
@@ -233,13 +240,18 @@ def _check_alignment(alignment, batch: int) -> None:
         checks.instance(row, f"alignment[{i}]" if rows is alignment else "alignment", Alignment, expected)
 
 
-def check_generate_kwargs(kwargs: dict) -> dict:
+def check_generate_kwargs(kwargs: dict, window: int | None = None) -> dict:
     """The counts a caller passes on to generate(), checked before any model runs (a NaN or a
-    negative count would otherwise fail inside transformers, or in our room for decoded tokens)."""
+    negative count would otherwise fail inside transformers, or in our room for decoded tokens);
+    new tokens at most the target's `window` (its max_position_embeddings: a million new tokens
+    would grow the cache until memory runs out, far past what the model was trained to read)."""
     for key in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences"):
-        if kwargs.get(key) is not None:
+        # None is "the generation config's" for the lengths; generate() has no None for the others
+        if key in kwargs and (kwargs[key] is not None or key in ("num_beams", "num_return_sequences")):
             low = 0 if key == "min_new_tokens" else 1
-            checks.integer(kwargs[key], key, low=low, high=1 << 24, what="a count")
+            high = window if window and key.endswith("new_tokens") else 1 << 16
+            what = "a count (the target's window)" if high == window else "a count"
+            checks.integer(kwargs[key], key, low=low, high=high, what=what)
     return kwargs
 
 
