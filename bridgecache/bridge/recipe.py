@@ -176,7 +176,7 @@ class FitConfig:
             _bad(
                 "text",
                 _shown(self.text),
-                f"a file or folder path, strings, or a dataset ({_shown(str(err))})",
+                f"a file or folder path, strings, or a dataset ({str(err)[:300]})",
             )
         if self.domain != "prose":
             _bad("domain", self.domain, "the default with text= (domain picks built-in text only)")

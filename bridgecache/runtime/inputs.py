@@ -212,9 +212,8 @@ def check_arguments(
 def check_engine(engine, bridge, target, source_model) -> None:
     """`engine` is a HandoffEngine built for exactly this bridge, target and (when given) source:
     its plans, views and graphs are of those objects (compared by identity, never assumed)."""
-    from bridgecache.runtime.state import EngineState  # the engine's state; imports what this module does not
-
-    if not isinstance(getattr(engine, "state", None), EngineState) or not hasattr(engine, "bridge"):
+    parts = ("state", "bridge", "source", "target", "time_routes")  # what a HandoffEngine offers
+    if not all(hasattr(engine, part) for part in parts) or isinstance(engine, type):
         raise checks.FieldTypeError(
             f"engine={checks.shown(engine)}; expected a bridgecache HandoffEngine or None, "
             f"not a {type(engine).__name__}"

@@ -88,8 +88,11 @@ def test_handoff_with_no_bridge_is_refused_naming_it(setup, forwards):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_new_tokens=float("nan")), r"max_new_tokens=nan; expected a count >= 1"),
-        (dict(max_new_tokens=-1), r"max_new_tokens=-1; expected a count >= 1"),
+        (
+            dict(max_new_tokens=float("nan")),
+            r"max_new_tokens=nan; expected a count \(the target.s window\) >= 1",
+        ),
+        (dict(max_new_tokens=-1), r"max_new_tokens=-1; expected a count \(the target.s window\) >= 1"),
         (dict(num_beams="2"), r"num_beams='2'"),
         (
             dict(max_new_tokens=10**12),
