@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import bridgecache.bridge.storage as storage
+import bridgecache.checks as checks
 from bridgecache.bridge.format import (
     METHODS,
     BridgeFormatError,
@@ -240,6 +241,7 @@ class Bridge:
         """
         from bridgecache.bridge.resolve import check_fingerprints, resolve_bridge
 
+        checks.path(name_or_path, "name_or_path")  # a name any lookup can take (bridgecache.checks)
         directory = resolve_bridge(name_or_path, **hub_kwargs)
         meta, tensors = storage.read(directory)
         try:

@@ -204,6 +204,12 @@ class Conversation:
         (the cache keeps no trace of the message; it may drop tokens the next turn would not reuse)."""
         check_text(content, "content")
         replies = check_contexts(replies, "replies")
+        rows = [self.tokenizer(r.strip(), add_special_tokens=False)["input_ids"] for r in replies]
+        empty = next((i for i, row in enumerate(rows) if not row), None)
+        if empty is not None:  # before the forward: nothing of it would be scored
+            raise ValueError(
+                f"replies[{empty}]={checks.shown(replies[empty])} has no tokens; expected some text"
+            )
         ids, reused = self._prompt(content)
         length = self.cache.get_seq_length()
         out = self.target(
@@ -213,7 +219,6 @@ class Conversation:
             **cache_kwargs(self.target, self.cache),
         )
         prefix = Prefix(self.cache, out.logits[:, -1].float(), ids.shape[1], 0.0)
-        rows = [self.tokenizer(r.strip(), add_special_tokens=False)["input_ids"] for r in replies]
         scores = [total / count for total, count in score(self.target, prefix.copy(), rows)]
         _crop(self.cache, length)  # forget the message: the chat is as it was
         return scores
