@@ -58,7 +58,7 @@ def plant_costs(bridge, model, config=None, crossover: int = 256) -> RouteCosts:
     with HandoffEngine(bridge, model, model) as engine:
         key = engine.state.route_key(config or HandoffConfig())
     low, high = crossover // 16, crossover * 16
-    costs = RouteCosts(key, "planted", [low, high], [1.0, 0.01], [0.01, 1.0])
+    costs = RouteCosts(key, "cpu", [low, high], [1.0, 0.01], [0.01, 1.0])  # this device: another is not used
     save_costs(costs)
     return costs
 
@@ -192,7 +192,7 @@ def test_every_path_takes_the_route_the_measured_costs_give(setup, home, tmp_pat
     kw = dict(source_tokenizer=tok, target_tokenizer=tok)
     short = handoff(bridge, model, model, SHORT, " and", **kw, **GREEDY)
     assert short.cache.report().route == "native"
-    assert "measured on planted: at 24 context tokens" in short.cache.report().route_reason
+    assert "measured on cpu: at 24 context tokens" in short.cache.report().route_reason
     assert torch.equal(short.output_ids, native_ids(model, tok, SHORT, " and"))
     long = handoff(bridge, model, model, LONG, " and", **kw, **GREEDY)
     assert long.cache.report().route == "handoff" and long.cache.report().layers_translated
