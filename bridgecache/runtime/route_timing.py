@@ -5,8 +5,10 @@
 At each length: random ids (timing only: the work does not depend on which tokens), the source's
 KV of them (not timed: the source has read the document), then the time to the first token of
 a `BridgedCache` forced to each route (route="handoff" and route="native") over the engine's own
-state, as requests run it: two warm-ups (the second captures the CUDA graphs a repeated shape
-gets), then the median of `repeats`, device-synchronised. `route_lengths` gives the ladder.
+state, as requests run it: two warm-ups on CUDA (the second captures the CUDA graphs a repeated
+shape gets; one elsewhere), then the median of `repeats`, device-synchronised. `route_lengths`
+gives the CUDA ladder; `CALIBRATION` the CPU's few short lengths (its costs are scaled by FLOPs
+to other lengths: bridgecache.runtime.route).
 
 Knows engines, caches and generate(); the table and the decision are bridgecache.runtime.route's.
 """
@@ -26,9 +28,12 @@ from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.route import RouteCosts, device_name
 from bridgecache.runtime.selection.rules import GivenScores
 
-__all__ = ["LADDER", "measure_route_costs", "route_lengths"]
+__all__ = ["CALIBRATION", "LADDER", "calibration_lengths", "measure_route_costs", "route_lengths"]
 
 LADDER = tuple(256 * 2**i for i in range(10))  # 256 .. 131,072 context tokens
+# The CPU's lengths: a short one where a handoff's fixed cost shows and a longer one for the
+# slope; timed once per setup (seconds on two cores), every other length scaled by FLOPs.
+CALIBRATION = (64, 512)
 PROMPT_TOKENS = 16  # a question's length; what the source reads to choose the refresh
 
 
@@ -41,9 +46,15 @@ def route_lengths(tokens: int, limit: int, measured=()) -> list[int]:
     return [n for n in LADDER if n <= min(top, limit) and n not in measured]
 
 
+def calibration_lengths(limit: int) -> list[int]:
+    """The CPU's calibration lengths within `limit` (the models' window less the prompt)."""
+    return [n for n in CALIBRATION if n <= limit] or [max(1, limit)]
+
+
 @torch.no_grad()
 def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: bool = True) -> RouteCosts:
-    """Seconds to the first token of both routes at each of `lengths` (see the module docstring)."""
+    """Seconds to the first token of both routes at each of `lengths` (see the module docstring);
+    scale="length" on CUDA, "flops" elsewhere (`RouteCosts.predict`)."""
     lengths = sorted(set(lengths))
     if not lengths or lengths[0] < 1:
         raise ValueError(f"lengths={lengths}; expected context lengths >= 1 token")
@@ -74,6 +85,7 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         times["handoff"],
         times["native"],
         PROMPT_TOKENS,
+        "length" if device.type == "cuda" else "flops",
     )
 
 
@@ -108,7 +120,8 @@ def _first_token(engine, config, source_kv, context, prompt, full) -> None:
 
 
 def _median_seconds(run, device, repeats: int) -> float:
-    for _ in range(2):  # warm-ups: lazy initialisation; a shape's second request captures its graphs
+    # warm-ups: lazy initialisation; on CUDA a shape's second request captures its graphs
+    for _ in range(2 if device.type == "cuda" else 1):
         run()
     seconds = []
     for _ in range(repeats):
