@@ -5,10 +5,11 @@
 At each length: random ids (timing only: the work does not depend on which tokens), the source's
 KV of them (not timed: the source has read the document), then the time to the first token of
 a `BridgedCache` forced to each route (route="handoff" and route="native") over the engine's own
-state, as requests run it: two warm-ups on CUDA (the second captures the CUDA graphs a repeated
-shape gets; one elsewhere), then the median of `repeats`, device-synchronised. `route_lengths`
-gives the CUDA ladder; `CALIBRATION` the CPU's few short lengths (its costs are scaled by FLOPs
-to other lengths: bridgecache.runtime.route).
+state, as requests run it. On CUDA: two warm-ups (the second captures the CUDA graphs a repeated
+shape gets), then the median of `repeats`, device-synchronised. On the CPU (shared with other
+work): one warm-up, then `repeats` rounds alternating the routes, each route's fastest round.
+`route_lengths` gives the CUDA ladder; `CALIBRATION` the CPU's few short lengths (its costs are
+scaled by FLOPs to other lengths: bridgecache.runtime.route).
 
 Knows engines, caches and generate(); the table and the decision are bridgecache.runtime.route's.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -73,11 +75,16 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         question = torch.randint(3, vocab_t, (1, PROMPT_TOKENS), generator=generator).to(device)
         prompt = torch.randint(3, vocab_s, (1, PROMPT_TOKENS), generator=generator).to(source_device)
         inputs = (capture_kv(source, source_ids), context, prompt, torch.cat([context, question], dim=1))
-        for route in times:
-            routed = _timing_config(config, route, n, generator)
-            times[route].append(
-                _median_seconds(lambda c=routed, i=inputs: _first_token(engine, c, *i), device, repeats)
-            )
+        runs = {
+            route: partial(_first_token, engine, _timing_config(config, route, n, generator), *inputs)
+            for route in times
+        }
+        if device.type == "cuda":
+            for route, run in runs.items():
+                times[route].append(_median_seconds(run, device, repeats))
+        else:
+            for route, seconds in _fastest_interleaved(runs, repeats).items():
+                times[route].append(seconds)
     return RouteCosts(
         engine.state.route_key(config),
         device_name(target),
@@ -119,9 +126,23 @@ def _first_token(engine, config, source_kv, context, prompt, full) -> None:
     engine.generate(cache, full, torch.ones_like(full), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
 
+def _fastest_interleaved(runs: dict, repeats: int) -> dict:
+    """On a CPU shared with other work: one warm-up of each run, then `repeats` rounds that run
+    each once in turn; each run's fastest round (other work only ever adds time, and a load that
+    changes during the timing weighs on both routes alike)."""
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: min(times) for name, times in seconds.items()}
+
+
 def _median_seconds(run, device, repeats: int) -> float:
-    # warm-ups: lazy initialisation; on CUDA a shape's second request captures its graphs
-    for _ in range(2 if device.type == "cuda" else 1):
+    for _ in range(2):  # warm-ups: lazy initialisation; a shape's second request captures its graphs
         run()
     seconds = []
     for _ in range(repeats):
