@@ -121,3 +121,43 @@ def test_each_row_of_a_batch_is_sized_alone(models):
     assert cache.report().tokens_refreshed == 1  # the report speaks of the first row
     assert [len(set(row.tolist())) for row in cache.refreshed_columns] == [1, round(0.5 * 39)]
     assert cache.refreshed_columns[0, 0] == 7
+
+
+def test_every_path_takes_the_sizing(models, tmp_path):
+    """handoff, handoff_batch, Conversation.handoff and publish_context size the refresh by the
+    mass when the config says so (the config reaches each cache; the recipe names it)."""
+    import json
+
+    from tiny_models import CHATML, chat_tokenizer
+
+    from bridgecache import Conversation, handoff, handoff_batch
+    from bridgecache.integrations.publish import publish_context
+
+    model, bridge, tok = models
+    context = "the ship lost its mast near the rocks and a heron towed it in at dawn"
+    sized = HandoffConfig(refresh=RefreshConfig(0.5, "deviation", mass=0.3, floor=1))
+    fixed = HandoffConfig(refresh=RefreshConfig(0.5, "deviation"))
+    kw = dict(source_tokenizer=tok, target_tokenizer=tok, max_new_tokens=2, do_sample=False)
+    caches = {}
+    for name, config in (("sized", sized), ("fixed", fixed)):
+        chat = chat_tokenizer(CHATML)
+        conversation = Conversation.handoff(
+            bridge, model, model, [{"role": "user", "content": context}], source_tokenizer=chat,
+            target_tokenizer=chat, config=config,
+        )  # fmt: skip
+        conversation.ask("where?", max_new_tokens=2)
+        caches[name] = [
+            handoff(bridge, model, model, context, " where?", config=config, **kw).cache,
+            handoff_batch(
+                bridge, model, model, [context, context[:30]], " where?", config=config, **kw
+            ).cache,
+            conversation.cache,
+        ]
+        published = publish_context(
+            bridge, context, model, tok, tok, tmp_path / name, page_size=4, model_name="tiny", source=model,
+            config=config,
+        )  # fmt: skip
+        assert json.loads(published.manifest_path.read_text())["recipe"] == config.kv_recipe
+    for cache, plain in zip(caches["sized"], caches["fixed"], strict=True):
+        assert cache.handoff_config.refresh.mass == 0.3
+        assert 1 <= cache.report().tokens_refreshed < plain.report().tokens_refreshed
