@@ -286,14 +286,16 @@ class HandoffEngine:
         self, config: HandoffConfig | None = None, lengths=None, *, repeats: int = 3, progress: bool = True
     ) -> RouteCosts:
         """Time both routes (the handoff, the target's own prefill) under `config` at `lengths`
-        context tokens (default: 256 to 32K, as far as both models' windows allow), keep them for
+        context tokens (default: 256 to 32K on CUDA, as far as both models' windows allow; the
+        calibration lengths elsewhere, scaled by FLOPs to the others), keep them for
         this engine's route="auto" requests and save them in the cache directory for later
         processes on this device (bridgecache.runtime.route). Returns the costs, merged with any
         measured before."""
         self._check_open()
         config = self.config if config is None else _checked_config(config)
         if lengths is None:
-            lengths = route_lengths(32768, self._route_limit())
+            limit = self._route_limit()
+            lengths = route_lengths(32768, limit) if self._on_cuda else calibration_lengths(limit)
         with self._timing_lock:
             return self._measure(config, lengths, repeats, progress)
 

@@ -247,6 +247,8 @@ def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, ho
         assert more.lengths == [32, 64, 128] and more.handoff_s[:2] == costs.handoff_s
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as later:
         assert later.route_costs() == more  # from the cache directory
+        assert later.measure_route(repeats=1, progress=False).lengths == sorted({32, 64, 128, *CALIBRATION})
+        more = later.route_costs()
         result = later.handoff(SHORT, " and", **GREEDY)
     faster = "handoff" if more.predict(24)[0] <= more.predict(24)[1] else "native"
     assert result.cache.report().route == faster
