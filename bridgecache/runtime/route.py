@@ -261,6 +261,7 @@ def estimated_flops(config, bridge, source_config, target_config, tokens: int, p
     layers = target_config.get_text_config().num_hidden_layers
     whole = prefill_flops(target_config, tokens)
     refresh = config.refresh if bridge.method != "identity" else None
+    # a refresh sized by the scores' mass (RefreshConfig.mass) is estimated at its cap, `amount`
     refreshed = refresh_budget(refresh.amount, tokens) if refresh is not None else 0
     native = tuple(resolve_native_layers(config.native_layers, layers))
     work = handoff_flops(
