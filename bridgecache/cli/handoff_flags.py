@@ -1,8 +1,8 @@
 """The handoff flags of every command that hands a context over (eval, demo): one `HandoffConfig`.
 
 add_handoff_arguments(parser)   --native-head --native-tail --no-key-norm --native-layers
-                                --refresh --refresh-by --[no-]whole-words --[no-]word-ends
-                                --min-quality --route
+                                --refresh --refresh-by --refresh-mass --refresh-floor
+                                --[no-]whole-words --[no-]word-ends --min-quality --route
 handoff_config(args)            -> HandoffConfig (defaults: HandoffConfig()'s own)
 """
 
@@ -73,6 +73,19 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
         "deviation: translated vs native keys at layer 1 (CacheBlend's rule)",
     )
     group.add_argument(
+        "--refresh-mass",
+        type=float,
+        help="size the refresh per request: the fewest tokens holding this share in (0, 1) of the "
+        "selection scores' mass, at most --refresh (default: a fixed --refresh)",
+    )
+    group.add_argument(
+        "--refresh-floor",
+        type=_refresh,
+        default=RefreshConfig().floor,
+        help="with --refresh-mass, the fewest tokens refreshed: a fraction "
+        f"(default {RefreshConfig().floor}) or a count",
+    )
+    group.add_argument(
         "--whole-words",
         action=argparse.BooleanOptionalAction,
         help="a refreshed token brings the rest of its word or number with it (both tokenizations); "
@@ -90,8 +103,8 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ROUTES,
         default=_DEFAULT.route,
         help="auto (default): hand off only where that reaches the first token sooner than the "
-        "target's own prefill (measured once per device and pair on CUDA; FLOPs elsewhere); "
-        "handoff or native: always that side",
+        "target's own prefill (timed once per device, pair and config; on the CPU at short lengths, "
+        "scaled by FLOPs); handoff or native: always that side",
     )
     group.add_argument(
         "--min-quality",
@@ -113,8 +126,15 @@ def handoff_config(args) -> HandoffConfig:
         raise ValueError(
             f"--refresh is {amount}; expected a share of the context in (0, 1], a token count or none"
         )
+    mass, floor = getattr(args, "refresh_mass", None), getattr(args, "refresh_floor", RefreshConfig().floor)
+    if mass is not None and not 0 < mass < 1:  # NaN too
+        raise ValueError(f"--refresh-mass is {mass}; expected a share of the scores in (0, 1)")
+    if floor is None or (floor < 0 or isinstance(floor, float) and floor > 1):
+        raise ValueError(f"--refresh-floor is {floor}; expected a fraction in [0, 1] or a token count")
     refresh = (
-        None if amount is None else RefreshConfig(amount, args.refresh_by, args.whole_words, args.word_ends)
+        None
+        if amount is None
+        else RefreshConfig(amount, args.refresh_by, args.whole_words, args.word_ends, mass=mass, floor=floor)
     )
     quality = args.min_quality
     if quality is not None and not (math.isfinite(quality) and quality <= 1):

@@ -137,6 +137,7 @@ def _item_record(result, keys: dict[str, str], task: str, variant: Variant) -> d
     else:
         record["answer"] = result.answer
         record |= {f"pick_{c}": pick_choice(*zip(*result.scores[k], strict=True)) for c, k in keys.items()}
+        record["refreshed"] = result.refreshed.get(variant.name, [])
     return record
 
 

@@ -83,7 +83,7 @@ class ItemResult:
     scores: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     replies: dict[str, str] = field(default_factory=dict)  # generate: condition -> reply text
     cpu_s: dict[str, float] = field(default_factory=dict)  # generate: process seconds per stage
-    refreshed: dict[str, list[int]] = field(default_factory=dict)  # generate: refreshed columns
+    refreshed: dict[str, list[int]] = field(default_factory=dict)  # the refresh's columns (first row)
     native_prefill_s: float = 0.0
     source_prefill_s: float = 0.0
     handoff_s: dict[str, float] = field(default_factory=dict)
@@ -303,6 +303,7 @@ class _ItemRun:
             result.native_cost[variant.name] = report.native_cost_fraction
             result.guide_cost[variant.name] = report.guide_cost_fraction
             result.fallback[variant.name] = report.fallback
+            result.refreshed[variant.name] = prefix.cache.refreshed_columns[0].tolist()
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
             if self.task == "ppl":
                 other = prompts.context(other_text, variant.bridge, words=variant.config.wants_words)

@@ -64,7 +64,7 @@ def cache_entries(root: Path | None = None) -> list[CacheEntry]:
     for path in _children(root / "gguf"):
         entries.append(_entry(root, path, "download", "an assembled GGUF, moved into models/ once checked"))
     if (root / _ROUTE_COSTS).is_dir():
-        words = "the cost gate's times per device, pair and config (a CUDA engine times them again)"
+        words = "the cost gate's times per device, pair and config (an engine times them again)"
         entries.append(_entry(root, root / _ROUTE_COSTS, "timing", words))
     for name in _BENCHMARK_FOLDERS:
         if (root / name).exists():

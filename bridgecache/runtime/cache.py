@@ -242,9 +242,9 @@ class BridgedCache(DynamicCache):
             refresh takes whole words with them unless `RefreshConfig(whole_words=False)`; without
             them it refreshes token by token (the default, whole_words=None) or raises (True).
             `handoff_config` records what was done: whole_words resolved to True or False.
-        engine: the `HandoffEngine` whose plans, views and CUDA graphs this cache uses (and reuses
-            across caches; on CUDA with route="auto" it first times the routes at this length if it
-            has not: bridgecache.runtime.route); None: a private set, made for this cache and
+        engine: the `HandoffEngine` whose plans, views, CUDA graphs and route costs this cache
+            uses (and reuses across caches; the engine times the routes before its own requests,
+            never here: bridgecache.runtime.route); None: a private set, made for this cache and
             freed with it. Its models are checked against the bridge when it is built, not here.
     """
 
@@ -285,9 +285,6 @@ class BridgedCache(DynamicCache):
         config = config.with_words(words is not None)
         if engine is not None:
             state = engine.state
-            mask = target_attention_mask
-            tokens = target_ids.shape[1] if mask is None else int(mask.sum(1).max())
-            engine.time_routes(config, tokens)  # the cost gate's timing: once per ladder length
         else:  # a private state: the target's spec is checked here, as an engine checks it once
             bridge.target.check(model_spec(target), "target")
             state = EngineState(bridge, source_model, target, graph_bytes=0)

@@ -2,6 +2,8 @@
 
     HandoffConfig()                                          the defaults every path shares
     HandoffConfig(refresh=RefreshConfig(amount=0.1))         refresh 10% of the translated tokens
+    HandoffConfig(refresh=RefreshConfig(mass=0.5))           as many as hold half the rule's score
+                                                             mass, per request (at most 20%)
     HandoffConfig(refresh=RefreshConfig(whole_words=False))  token by token, words known or not
     HandoffConfig(refresh=None)                              translation only (loses facts)
     HandoffConfig(quality=QualityPolicy(min_quality=0.7))    gate on the bridge's held-out scores
@@ -28,6 +30,7 @@ __all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
 
 ROUTES = ("auto", "handoff", "native")  # HandoffConfig.route
 DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (benchmarks/reports/quality.md)
+DEFAULT_FLOOR = 0.02  # RefreshConfig.floor: the fewest refreshed when sized by the scores' mass
 _TOKENS = "a count of context tokens"
 
 
@@ -46,6 +49,13 @@ class RefreshConfig:
         the demo and the CLI). None (the default): whole words wherever the words are known;
         a `BridgedCache` built from ids without `words=` refreshes token by token. True: whole
         words, and a cache without words raises. False: token by token everywhere.
+    mass: None (the default): refresh `amount` tokens. A share in (0, 1): size the refresh per
+        request (per row) from the rule's scores: the fewest best-scored tokens whose scores hold
+        this share of the scores' sum over the translated tokens (negative scores count 0), at
+        most `amount` and at least `floor`. A request whose question points at a few tokens
+        refreshes few; one that spreads its attention refreshes up to `amount`.
+    floor: with `mass`, the fewest tokens refreshed: a fraction in [0, 1] of the translated
+        tokens or an int token count (capped at `amount`'s count). Default 0.02.
     word_ends: with whole words, each chosen word also brings the token after it (the target's
         side, within the same budget), so a refreshed number ends where the context ends it,
         and the word that token opens comes whole (bridgecache.runtime.selection.words). On by default: on
@@ -57,6 +67,8 @@ class RefreshConfig:
     by: str | Selector = "source"
     whole_words: bool | None = None
     word_ends: bool = True
+    mass: float | None = None
+    floor: float | int = DEFAULT_FLOOR
 
     def __post_init__(self):
         amount = self.amount
@@ -78,6 +90,24 @@ class RefreshConfig:
                 f"not a {type(self.by).__name__}"
             )
         selector_named(self.by)  # raises for an unknown rule
+        mass = self.mass
+        if mass is not None and (isinstance(mass, bool) or not isinstance(mass, (int, float))):
+            raise FieldTypeError(
+                f"RefreshConfig.mass={mass!r}; expected None or a share in (0, 1), "
+                f"not a {type(mass).__name__}"
+            )
+        if mass is not None and not 0.0 < mass < 1.0:  # NaN too
+            raise ValueError(f"RefreshConfig.mass={mass}; expected None or a share of the scores in (0, 1)")
+        floor = self.floor
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+            raise FieldTypeError(
+                f"RefreshConfig.floor={floor!r}; expected a fraction in [0, 1] or a token count, "
+                f"not a {type(floor).__name__}"
+            )
+        if isinstance(floor, float) and not 0.0 <= floor <= 1.0 or isinstance(floor, int) and floor < 0:
+            raise ValueError(
+                f"RefreshConfig.floor={floor}; expected a fraction in [0, 1] or a token count >= 0"
+            )
         flag(self.word_ends, "RefreshConfig.word_ends")
         flag(self.whole_words, "RefreshConfig.whole_words (None: where the words are known)", optional=True)
 
@@ -87,7 +117,7 @@ class RefreshConfig:
 
     @property
     def label(self) -> str:
-        """amount:rule[:words|:no-words][+whole-ends], the rule by its name or, for an instance,
+        """amount[@massM>=F]:rule[:words|:no-words][+whole-ends], the rule by its name or, for an instance,
         its repr (two rules with other parameters never share a label); whole_words=None (the
         default) adds nothing; +whole-ends: word_ends, unless token by token (the tag "+ends"
         named the earlier rule, whose ends could split the word they entered: pages made by it
@@ -95,7 +125,8 @@ class RefreshConfig:
         by = self.by if isinstance(self.by, str) else repr(self.by)
         words = {None: "", True: ":words", False: ":no-words"}[self.whole_words]
         ends = "+whole-ends" if self.word_ends and self.whole_words is not False else ""
-        return f"{self.amount}:{by}{words}{ends}"
+        sized = "" if self.mass is None else f"@mass{self.mass}>={self.floor}"
+        return f"{self.amount}{sized}:{by}{words}{ends}"
 
 
 @dataclass(frozen=True)

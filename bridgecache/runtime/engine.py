@@ -18,11 +18,12 @@ Who calls what, when:
   derived state from are unchanged, builds a `BridgedCache` over the engine's state, and calls
   transformers' own `generate()` on a view of the target whose first forward does the cache's
   native work (runtime/native_work/forward.py).
-- The cost gate (`HandoffConfig.route`, bridgecache.runtime.route): on CUDA, a request with
-  route="auto" longer than what the engine has timed first times both routes at the missing
-  lengths of a ladder (route_timing.py; seconds, once per device, pair and config: kept in the
-  cache directory), so each later request takes the faster route. A `BridgedCache(...,
-  engine=engine)` does the same; `measure_route()` does it up front (a server's start).
+- The cost gate (`HandoffConfig.route`, bridgecache.runtime.route): before a request with
+  route="auto" builds its cache, the engine times both routes where it has not: on CUDA at the
+  missing lengths of a ladder up to the request's, on the CPU at a few short calibration lengths
+  once, scaled by FLOPs to the others (route_timing.py; seconds, once per device, pair and config:
+  kept in the cache directory), so each later request takes the faster route. `measure_route()`
+  does it up front (a server's start); a `BridgedCache` built directly only reads what is kept.
 - `close()` (or leaving the `with` block) frees everything the engine made; the engine then
   refuses new requests. Caches it built stay usable: each holds what it still needs.
 
@@ -70,7 +71,12 @@ from bridgecache.runtime.native_work.forward import forward_with_pass
 from bridgecache.runtime.native_work.forward import launch as pass_launch
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.route import RouteCosts, save_costs
-from bridgecache.runtime.route_timing import PROMPT_TOKENS, measure_route_costs, route_lengths
+from bridgecache.runtime.route_timing import (
+    PROMPT_TOKENS,
+    calibration_lengths,
+    measure_route_costs,
+    route_lengths,
+)
 from bridgecache.runtime.state import EngineState
 
 __all__ = [
@@ -210,12 +216,16 @@ class HandoffEngine:
         self._check_open()
         checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
         self._check_weights()
+        config = self.config if config is None else _checked_config(config)
+        mask = request.target_mask
+        tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
+        self.time_routes(config.with_words(request.words is not None), tokens)
         return BridgedCache(
             self.bridge,
             request.source_kv,
             self.target,
             request.target_ids,
-            config=self.config if config is None else _checked_config(config),
+            config=config,
             alignment=request.alignment,
             target_attention_mask=request.target_mask,
             source_attention_mask=request.source_mask,
@@ -293,7 +303,8 @@ class HandoffEngine:
         self, config: HandoffConfig | None = None, lengths=None, *, repeats: int = 3, progress: bool = True
     ) -> RouteCosts:
         """Time both routes (the handoff, the target's own prefill) under `config` at `lengths`
-        context tokens (default: 256 to 32K, as far as both models' windows allow), keep them for
+        context tokens (default: 256 to 32K on CUDA, as far as both models' windows allow; the
+        calibration lengths elsewhere, scaled by FLOPs to the others), keep them for
         this engine's route="auto" requests and save them in the cache directory for later
         processes on this device (bridgecache.runtime.route). Returns the costs, merged with any
         measured before."""
@@ -302,7 +313,8 @@ class HandoffEngine:
         checks.integer(repeats, "repeats", low=1, high=1000, what="a number of timed runs")
         checks.instance(progress, "progress", bool, "True or False")
         if lengths is None:
-            lengths = route_lengths(32768, self._route_limit())
+            limit = self._route_limit()
+            lengths = route_lengths(32768, limit) if self._on_cuda else calibration_lengths(limit)
         lengths = check_lengths(lengths, self._route_limit())
         with self._timing_lock:
             return self._measure(config, lengths, repeats, progress)
@@ -320,13 +332,19 @@ class HandoffEngine:
         return min(windows) - PROMPT_TOKENS - 1
 
     def time_routes(self, config: HandoffConfig, tokens: int) -> None:
-        """What a cache of `tokens` context tokens under `config` calls before its route is decided
-        (BridgedCache, engine=): on CUDA with route="auto", time the ladder's lengths it needs that
-        this engine has not timed yet (nothing elsewhere)."""
+        """What a request of `tokens` context tokens under `config` calls before its cache is built
+        (`cache`): with route="auto", time what its route needs and is not kept yet. On CUDA the
+        ladder's lengths up to the request's; elsewhere the calibration lengths, once."""
         checks.integer(tokens, "tokens", low=0, what="a count of context tokens")
-        if config.route != "auto" or self.source is None or not self._on_cuda:
+        if config.route != "auto" or self.source is None:
             return
         costs = self.state.route_costs(config)
+        if not self._on_cuda:
+            if costs is None:
+                with self._timing_lock:
+                    if self.state.route_costs(config) is None:  # another thread may have measured
+                        self._measure(config, calibration_lengths(self._route_limit()), 3, progress=True)
+            return
         if costs is not None and not route_lengths(tokens, self._route_limit(), costs.lengths):
             return  # every ladder length up to this request is timed
         with self._timing_lock:

@@ -15,9 +15,14 @@ What "expected" rests on, in order:
    the ladder's lengths up to a request's on its first request past what it has measured (none
    longer but the smallest: no memory the request would not need), and keeps them in
    `$BRIDGECACHE_HOME/route-costs/` for every later process on that device.
-2. Otherwise FLOPs (a compute-bound device, e.g. the CPU): the handoff's native work and the
-   source's reading against the target's prefill of the context. With the default 20% refresh
-   it hands off at every length; a refresh of the whole context routes to the target.
+   On the CPU (compute-bound: time follows FLOPs) the engine times a few short calibration
+   lengths once instead (`route_timing.CALIBRATION`), kept the same way, and `RouteCosts` with
+   scale="flops" predicts other lengths affinely in each route's FLOPs between and beyond them:
+   the fixed cost of a handoff (the source's reading, the translation, small matrix products)
+   is measured, and the long contexts are never timed.
+2. Otherwise FLOPs (no source model to time with, or nothing measured yet): the handoff's native
+   work and the source's reading against the target's prefill of the context. With the default
+   20% refresh it hands off at every length; a refresh of the whole context routes to the target.
 
 The decision is made per cache before the source reads the prompt or anything is translated;
 `BridgedCache.report()` gives `route` and `route_reason`.
@@ -27,6 +32,7 @@ Knows configs, model configs and the cost tables; runs no model (route_timing.py
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -44,6 +50,7 @@ from bridgecache.runtime.report import handoff_flops, prefill_flops, reading_flo
 __all__ = ["RouteCosts", "RouteDecision", "decide_route", "route_key", "load_costs", "save_costs"]
 
 COSTS_FORMAT = 1  # bump when RouteCosts' fields change: older files are measured again
+SCALES = ("length", "flops")  # RouteCosts.scale
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,9 @@ class RouteDecision:
 @dataclass
 class RouteCosts:
     """Seconds to the first token of both routes, measured at `lengths` context tokens (ascending)
-    on `device`, for the setup `key` names (`route_key`)."""
+    on `device`, for the setup `key` names (`route_key`). scale: how other lengths are predicted,
+    "length" (log-log in the length: a launch-bound GPU) or "flops" (affine in each route's FLOPs:
+    a compute-bound CPU, `predict`)."""
 
     key: str
     device: str
@@ -65,21 +74,37 @@ class RouteCosts:
     handoff_s: list[float]
     native_s: list[float]
     prompt_tokens: int = 16
+    scale: str = "length"
     format: int = COSTS_FORMAT
 
     def __post_init__(self):
+        for name in ("lengths", "handoff_s", "native_s"):
+            if not isinstance(getattr(self, name), list):
+                raise TypeError(f"RouteCosts.{name}={getattr(self, name)!r}; expected a list")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.lengths):
+            raise ValueError(f"RouteCosts.lengths={self.lengths}; expected context lengths >= 1 token")
+        if self.scale not in SCALES:
+            raise ValueError(f"RouteCosts.scale={self.scale!r}; expected one of {', '.join(SCALES)}")
+        if not isinstance(self.key, str) or not isinstance(self.device, str):
+            raise TypeError(f"RouteCosts key={self.key!r}, device={self.device!r}; expected strings")
         if not (len(self.lengths) == len(self.handoff_s) == len(self.native_s)):
             raise ValueError("RouteCosts: lengths, handoff_s and native_s differ in length")
         if list(self.lengths) != sorted(set(self.lengths)):
             raise ValueError(f"RouteCosts.lengths={self.lengths}; expected ascending distinct lengths")
         for name in ("handoff_s", "native_s"):
-            if not all(math.isfinite(s) and s > 0 for s in getattr(self, name)):
+            seconds = getattr(self, name)
+            if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in seconds):
                 raise ValueError(f"RouteCosts.{name}={getattr(self, name)}; expected positive seconds")
 
-    def predict(self, tokens: int) -> tuple[float, float]:
+    def predict(self, tokens: int, flops=None) -> tuple[float, float]:
         """(handoff, native) seconds at `tokens` context tokens: piecewise linear in log-log between
         measured lengths; outside them, the nearest measured length's times scaled by the
-        length (the ratio of the two held)."""
+        length (the ratio of the two held). With scale="flops" and `flops` (n -> (the handoff's
+        FLOPs, the target's prefill FLOPs) at n context tokens), above the first measured length
+        each route's time is affine in its own FLOPs through the two measured lengths around
+        `tokens` (the last two beyond them; never below the lower one's time)."""
+        if self.scale == "flops" and flops is not None and len(self.lengths) > 1 and tokens > self.lengths[0]:
+            return self._affine_in_flops(tokens, flops)
         n = max(1, tokens)
         xs = [math.log(x) for x in self.lengths]
         x = math.log(n)
@@ -94,6 +119,16 @@ class RouteCosts:
                 i = next(i for i in range(1, len(xs)) if x <= xs[i])
                 w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
                 out.append(math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1])))
+        return out[0], out[1]
+
+    def _affine_in_flops(self, tokens: int, flops) -> tuple[float, float]:
+        i = next((i for i in range(1, len(self.lengths)) if tokens <= self.lengths[i]), len(self.lengths) - 1)
+        low, high, here = flops(self.lengths[i - 1]), flops(self.lengths[i]), flops(tokens)
+        out = []
+        for r, ys in enumerate((self.handoff_s, self.native_s)):
+            span = high[r] - low[r]
+            slope = max(0.0, (ys[i] - ys[i - 1]) / span) if span > 0 else 0.0
+            out.append(ys[i - 1] + slope * max(0.0, here[r] - low[r]))
         return out[0], out[1]
 
     def covers(self, tokens: int) -> bool:
@@ -112,6 +147,7 @@ class RouteCosts:
             [table[n][0] for n in lengths],
             [table[n][1] for n in lengths],
             self.prompt_tokens,
+            other.scale,
         )
 
 
@@ -146,15 +182,28 @@ def costs_path(key: str) -> Path:
 
 
 def load_costs(key: str) -> RouteCosts | None:
-    """The costs saved under `key`, or None (none saved, another format, or unreadable)."""
+    """The costs saved under `key`, or None (none saved, another format, or unreadable). A file
+    that reads but is not a table of this format for `key` (damaged, cut short, another shape) is
+    set aside as `<key>.json.bad` (kept to look at; measured again, never trusted)."""
     path = costs_path(key)
     try:
-        data = json.loads(path.read_text())
-        if data.get("format") != COSTS_FORMAT or data.get("key") != key:
-            return None
+        text = path.read_text()
+    except OSError:
+        return None  # none saved
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise TypeError(f"a {type(data).__name__}, not an object")
+        if data.get("format") != COSTS_FORMAT:
+            return None  # another version's table: it may still read it, so it stays
+        if data.get("key") != key:
+            raise ValueError(f"key {data.get('key')!r}")
         return RouteCosts(**data)
-    except (OSError, ValueError, TypeError):
-        return None  # missing or damaged: measured again, never trusted
+    except (ValueError, TypeError):
+        # another process may have set it aside first, or the folder is read-only
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(path.name + ".bad"))
+        return None
 
 
 def save_costs(costs: RouteCosts) -> Path:
@@ -178,16 +227,23 @@ def decide_route(
     """
     if config.route != "auto":
         return RouteDecision(config.route, f"HandoffConfig(route={config.route!r})")
+    bridge, source_config, target_config = models
     if costs is not None:
-        handoff, native = costs.predict(tokens)
+        flops = None
+        if costs.scale == "flops":
+            flops = lambda n: estimated_flops(  # noqa: E731
+                config, bridge, source_config, target_config, n, costs.prompt_tokens
+            )
+        handoff, native = costs.predict(tokens, flops)
         where = "measured" if costs.covers(tokens) else f"extrapolated from {costs.lengths[-1]} tokens"
+        if costs.scale == "flops":
+            where += f" ({', '.join(map(str, costs.lengths))} tokens timed, scaled by FLOPs)"
         route = "handoff" if handoff <= native else "native"
         return RouteDecision(
             route,
             f"{where} on {costs.device}: at {tokens} context tokens the handoff takes "
             f"{handoff * 1e3:.1f} ms to the first token, the target's own prefill {native * 1e3:.1f} ms",
         )
-    bridge, source_config, target_config = models
     work, whole = estimated_flops(config, bridge, source_config, target_config, tokens, prompt_tokens)
     route = "handoff" if work < whole else "native"
     return RouteDecision(
@@ -205,6 +261,7 @@ def estimated_flops(config, bridge, source_config, target_config, tokens: int, p
     layers = target_config.get_text_config().num_hidden_layers
     whole = prefill_flops(target_config, tokens)
     refresh = config.refresh if bridge.method != "identity" else None
+    # a refresh sized by the scores' mass (RefreshConfig.mass) is estimated at its cap, `amount`
     refreshed = refresh_budget(refresh.amount, tokens) if refresh is not None else 0
     native = tuple(resolve_native_layers(config.native_layers, layers))
     work = handoff_flops(

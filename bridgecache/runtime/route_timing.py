@@ -5,8 +5,11 @@
 At each length: random ids (timing only: the work does not depend on which tokens), the source's
 KV of them (not timed: the source has read the document), then the time to the first token of
 a `BridgedCache` forced to each route (route="handoff" and route="native") over the engine's own
-state, as requests run it: two warm-ups (the second captures the CUDA graphs a repeated shape
-gets), then the median of `repeats`, device-synchronised. `route_lengths` gives the ladder.
+state, as requests run it. On CUDA: two warm-ups (the second captures the CUDA graphs a repeated
+shape gets), then the median of `repeats`, device-synchronised. On the CPU (shared with other
+work): one warm-up, then `repeats` rounds alternating the routes, each route's fastest round.
+`route_lengths` gives the CUDA ladder; `CALIBRATION` the CPU's few short lengths (its costs are
+scaled by FLOPs to other lengths: bridgecache.runtime.route).
 
 Knows engines, caches and generate(); the table and the decision are bridgecache.runtime.route's.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -26,9 +30,12 @@ from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.route import RouteCosts, device_name
 from bridgecache.runtime.selection.rules import GivenScores
 
-__all__ = ["LADDER", "measure_route_costs", "route_lengths"]
+__all__ = ["CALIBRATION", "LADDER", "calibration_lengths", "measure_route_costs", "route_lengths"]
 
 LADDER = tuple(256 * 2**i for i in range(10))  # 256 .. 131,072 context tokens
+# The CPU's lengths: a short one where a handoff's fixed cost shows and a longer one for the
+# slope; timed once per setup (seconds on two cores), every other length scaled by FLOPs.
+CALIBRATION = (64, 512)
 PROMPT_TOKENS = 16  # a question's length; what the source reads to choose the refresh
 
 
@@ -41,9 +48,15 @@ def route_lengths(tokens: int, limit: int, measured=()) -> list[int]:
     return [n for n in LADDER if n <= min(top, limit) and n not in measured]
 
 
+def calibration_lengths(limit: int) -> list[int]:
+    """The CPU's calibration lengths within `limit` (the models' window less the prompt)."""
+    return [n for n in CALIBRATION if n <= limit] or [max(1, limit)]
+
+
 @torch.no_grad()
 def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: bool = True) -> RouteCosts:
-    """Seconds to the first token of both routes at each of `lengths` (see the module docstring)."""
+    """Seconds to the first token of both routes at each of `lengths` (see the module docstring);
+    scale="length" on CUDA, "flops" elsewhere (`RouteCosts.predict`)."""
     lengths = sorted(set(lengths))
     if not lengths or lengths[0] < 1:
         raise ValueError(f"lengths={lengths}; expected context lengths >= 1 token")
@@ -62,11 +75,16 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         question = torch.randint(3, vocab_t, (1, PROMPT_TOKENS), generator=generator).to(device)
         prompt = torch.randint(3, vocab_s, (1, PROMPT_TOKENS), generator=generator).to(source_device)
         inputs = (capture_kv(source, source_ids), context, prompt, torch.cat([context, question], dim=1))
-        for route in times:
-            routed = _timing_config(config, route, n, generator)
-            times[route].append(
-                _median_seconds(lambda c=routed, i=inputs: _first_token(engine, c, *i), device, repeats)
-            )
+        runs = {
+            route: partial(_first_token, engine, _timing_config(config, route, n, generator), *inputs)
+            for route in times
+        }
+        if device.type == "cuda":
+            for route, run in runs.items():
+                times[route].append(_median_seconds(run, device, repeats))
+        else:
+            for route, seconds in _fastest_interleaved(runs, repeats).items():
+                times[route].append(seconds)
     return RouteCosts(
         engine.state.route_key(config),
         device_name(target),
@@ -74,6 +92,7 @@ def measure_route_costs(engine, config, lengths, *, repeats: int = 3, progress: 
         times["handoff"],
         times["native"],
         PROMPT_TOKENS,
+        "length" if device.type == "cuda" else "flops",
     )
 
 
@@ -105,6 +124,21 @@ def _first_token(engine, config, source_kv, context, prompt, full) -> None:
         prompt_ids=prompt, engine=engine,
     )  # fmt: skip
     engine.generate(cache, full, torch.ones_like(full), max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+
+def _fastest_interleaved(runs: dict, repeats: int) -> dict:
+    """On a CPU shared with other work: one warm-up of each run, then `repeats` rounds that run
+    each once in turn; each run's fastest round (other work only ever adds time, and a load that
+    changes during the timing weighs on both routes alike)."""
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: min(times) for name, times in seconds.items()}
 
 
 def _median_seconds(run, device, repeats: int) -> float:

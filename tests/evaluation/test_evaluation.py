@@ -167,6 +167,27 @@ def test_choice_through_an_identity_bridge_keeps_every_pick(gemma, tok):
     assert s["chance"] == pytest.approx(1 / 3)
 
 
+def test_choice_records_name_the_refreshed_columns_of_each_arm(llama, tok):
+    from tiny_models import random_bridge
+
+    from bridgecache import RefreshConfig
+
+    items = _choice_items(llama, tok)
+    bridge = random_bridge(llama)
+    fixed = Variant(bridge, HandoffConfig(refresh=RefreshConfig(3, "deviation", whole_words=False)))
+    sized = Variant(
+        bridge,
+        HandoffConfig(
+            refresh=RefreshConfig(0.9, "deviation", whole_words=False, mass=0.01, floor=2), route="handoff"
+        ),
+    )  # the handoff: FLOPs at a 90% cap would route to the target's own prefill
+    ev = evaluate(llama, tok, llama, tok, items, "choice", [fixed, sized], progress=False)
+    for record in summarise(ev, fixed)["items"]:
+        assert len(set(record["refreshed"])) == 3
+    for record in summarise(ev, sized)["items"]:  # 1% of the mass: its floor
+        assert len(set(record["refreshed"])) == 2
+
+
 def test_chat_mode_reads_each_part_through_the_template_and_stays_exact(llama):
     tok = byte_tokenizer()
     tok.chat_template = (

@@ -28,10 +28,17 @@ from bridgecache import (
 from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
 from bridgecache.integrations.publish import bridged_pages, translate_context
 from bridgecache.runtime.engine import generate
-from bridgecache.runtime.route import RouteCosts, costs_path, decide_route, load_costs, save_costs
-from bridgecache.runtime.route_timing import route_lengths
+from bridgecache.runtime.route import (
+    RouteCosts,
+    costs_path,
+    decide_route,
+    estimated_flops,
+    load_costs,
+    save_costs,
+)
+from bridgecache.runtime.route_timing import CALIBRATION, route_lengths
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.route_timing]
 
 SHORT = "the ship came in at dawn"  # 24 bytes: below the planted crossover
 LONG = "the ship came in at dawn with salt and rope, and the crew went ashore. " * 8  # ~570 bytes
@@ -221,9 +228,13 @@ def test_costs_are_kept_per_config(setup, home):
     fewer = HandoffConfig(refresh=RefreshConfig(amount=0.1))
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
         assert engine.route_costs() is not None and engine.route_costs(fewer) is None
-        result = engine.handoff(SHORT, " and", config=fewer, **GREEDY)
-    assert result.cache.report().route == "handoff"  # no costs for it: FLOPs say hand off
-    assert "estimated from FLOPs" in result.cache.report().route_reason
+        ids = tok(SHORT, return_tensors="pt").input_ids
+        cache = BridgedCache(
+            bridge, capture_kv(model, ids), model, ids, config=fewer, source_model=model, engine=engine
+        )
+        assert engine.route_costs(fewer.with_words(False)) is None  # a cache built directly times nothing
+        assert cache.report().route == "handoff"  # no costs for it: FLOPs say hand off
+        assert "estimated from FLOPs" in cache.report().route_reason
 
 
 def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, home):
@@ -236,6 +247,8 @@ def test_measure_route_times_both_routes_and_a_later_engine_reads_them(setup, ho
         assert more.lengths == [32, 64, 128] and more.handoff_s[:2] == costs.handoff_s
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as later:
         assert later.route_costs() == more  # from the cache directory
+        assert later.measure_route(repeats=1, progress=False).lengths == sorted({32, 64, 128, *CALIBRATION})
+        more = later.route_costs()
         result = later.handoff(SHORT, " and", **GREEDY)
     faster = "handoff" if more.predict(24)[0] <= more.predict(24)[1] else "native"
     assert result.cache.report().route == faster
@@ -259,12 +272,91 @@ def test_the_routes_are_timed_under_a_config_that_holds_its_request(setup, home,
         assert costs.lengths == [64] and engine.route_costs(config) == costs
 
 
-def test_a_cpu_engine_never_times_the_routes_by_itself(setup, home):
+def test_a_cpu_engine_times_its_calibration_once_and_scales_it_by_flops(setup, home):
     bridge, model, tok = setup
     with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
-        engine.handoff(LONG, " and", **GREEDY)
-        assert engine.route_costs() is None
-    assert not (home / "route-costs").exists()
+        first = engine.handoff(SHORT, " and", **GREEDY)
+        costs = engine.route_costs()
+        assert costs.lengths == list(CALIBRATION) and costs.device == "cpu" and costs.scale == "flops"
+        engine.handoff(LONG, " and", **GREEDY)  # longer than the calibration: nothing timed again
+        assert engine.route_costs() is costs
+    assert load_costs(costs.key) == costs  # kept for later processes
+    models = (bridge, model.config, model.config)
+    config = HandoffConfig().with_words(True)
+    for text, result in ((SHORT, first),):
+        tokens = tok(text, return_tensors="pt").input_ids.shape[1]
+        expected = decide_route(config, costs, tokens=tokens, prompt_tokens=16, models=models)
+        assert result.cache.report().route == expected.route
+    long = decide_route(config, costs, tokens=5000, prompt_tokens=16, models=models)
+    assert "scaled by FLOPs" in long.reason and "extrapolated from 512 tokens" in long.reason
+
+
+def test_flops_scaled_costs_are_affine_in_each_routes_flops():
+    costs = RouteCosts("k", "cpu", [64, 512], [0.5, 0.9], [0.1, 0.8], scale="flops")
+    flops = lambda n: (1000.0 + n, 10.0 * n)  # noqa: E731 - (the handoff's, the target's prefill)
+    assert costs.predict(64, flops) == pytest.approx((0.5, 0.1))
+    assert costs.predict(512, flops) == pytest.approx((0.9, 0.8))
+    handoff_s, native_s = costs.predict(2048, flops)  # beyond: the same lines
+    assert handoff_s == pytest.approx(0.5 + 0.4 * (2048 - 64) / 448)
+    assert native_s == pytest.approx(0.1 + 0.7 * (2048 - 64) / 448)
+    assert costs.predict(32, flops) == costs.predict(32)  # below the first: scaled by the length
+    slower = RouteCosts("k", "cpu", [64, 512], [0.9, 0.5], [0.1, 0.8], scale="flops")
+    assert slower.predict(2048, flops)[0] == pytest.approx(0.9)  # a falling time is held, never below
+    with pytest.raises(ValueError, match="RouteCosts.scale='time'"):
+        RouteCosts("k", "cpu", [64], [0.1], [0.1], scale="time")
+
+
+def test_estimated_flops_of_the_handoff_grow_with_the_context(setup):
+    bridge, model, _ = setup
+    short = estimated_flops(HandoffConfig(), bridge, model.config, model.config, 64, 16)
+    long = estimated_flops(HandoffConfig(), bridge, model.config, model.config, 512, 16)
+    assert long[0] > short[0] > 0 and long[1] > short[1] > 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1, 2, 3]",
+        '"costs"',
+        '{"format": 1, "key": "abc", "device": "cpu"}',
+        '{"format": 1, "key": "abc", "device": "cpu", "lengths": "64", "handoff_s": [1], "native_s": [1]}',
+        '{"format": 1, "key": "abc", "device": "cpu", "lengths": [64.5], "handoff_s": [1], "native_s": [1]}',
+        '{"format": 1, "key": "other", "device": "cpu", "lengths": [64], "handoff_s": [1], "native_s": [1]}',
+        '{"format": 1, "key": "abc", "device": "cpu", "lengths": [64], "handoff_s": ["1"], "native_s": [1]}',
+    ],
+    ids=[
+        "a list",
+        "a string",
+        "no times",
+        "lengths a string",
+        "a fractional length",
+        "another key",
+        "text times",
+    ],
+)
+def test_a_saved_file_of_the_wrong_shape_is_set_aside_and_measured_again(home, text):
+    path = costs_path("abc")
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    assert load_costs("abc") is None  # no exception for the caller
+    assert not path.exists() and path.with_name("abc.json.bad").read_text() == text
+    assert load_costs("abc") is None  # nothing left to trip on
+    fresh = RouteCosts("abc", "cpu", [64, 512], [0.1, 0.2], [0.3, 0.4], scale="flops")
+    save_costs(fresh)
+    assert load_costs("abc") == fresh
+
+
+def test_a_cpu_engine_over_a_damaged_file_times_again(setup, home):
+    bridge, model, tok = setup
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        key = engine.state.route_key(HandoffConfig().with_words(True))
+    path = costs_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text("[64, 512]")
+    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+        engine.handoff(SHORT, " and", **GREEDY)
+        assert engine.route_costs().lengths == list(CALIBRATION)
+    assert load_costs(key).lengths == list(CALIBRATION) and path.with_name(path.name + ".bad").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA engines time the routes themselves")

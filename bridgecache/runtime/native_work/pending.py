@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PendingPlan", "PendingWork", "pending_columns", "ranked", "refresh_budget"]
+__all__ = ["PendingPlan", "PendingWork", "mass_budgets", "pending_columns", "ranked", "refresh_budget"]
 
 
 def refresh_budget(amount, eligible: int) -> int:
@@ -25,6 +25,22 @@ def refresh_budget(amount, eligible: int) -> int:
     if isinstance(amount, float):
         return min(eligible, round(amount * eligible))
     return min(eligible, amount)
+
+
+def mass_budgets(
+    scores: torch.Tensor, eligible: torch.Tensor, mass: float, floors: list, caps: list
+) -> list[int]:
+    """Per row, the fewest best-scored eligible columns whose scores hold `mass` of the row's
+    score sum (scores [batch, prefix], negative and -inf counting 0; eligible [batch, prefix]
+    bool), within [floors[i], caps[i]]; a row without mass gets its floor. Reads the scores
+    on the host once (the budgets size the work)."""
+    weights = scores.float().nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=0.0)
+    weights = torch.where(eligible.to(weights.device), weights, 0.0)
+    ordered = weights.sort(dim=1, descending=True).values
+    total = ordered.sum(1, keepdim=True)
+    held = (ordered.cumsum(1) < mass * total).sum(1) + 1  # the first prefix reaching the share
+    held = torch.where(total[:, 0] > 0, held, 0).tolist()
+    return [min(cap, max(floor, n)) for n, floor, cap in zip(held, floors, caps)]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from bridgecache.runtime.gate import GateDecision, layer_scores
 from bridgecache.runtime.inputs import selector_layers
 from bridgecache.runtime.native_work.layers import native_layer_kv, resolve_native_layers
-from bridgecache.runtime.native_work.pending import PendingPlan, PendingWork, refresh_budget
+from bridgecache.runtime.native_work.pending import PendingPlan, PendingWork, mass_budgets, refresh_budget
 from bridgecache.runtime.report import HandoffReport, handoff_flops, prefill_flops
 from bridgecache.runtime.route import RouteDecision, decide_route
 from bridgecache.runtime.selection.reading import SourceReader
@@ -143,6 +143,11 @@ def plan_native_work(
         chosen_by = (
             checked_scores(selector.scores(request), len(budgets), prefix, selector) if any(budgets) else None
         )
+        if chosen_by is not None and refresh.mass is not None:  # sized per row by the scores' mass
+            counts = eligible.sum(1).tolist()
+            floors = [min(b, refresh_budget(refresh.floor, n)) for b, n in zip(budgets, counts)]
+            budgets = mass_budgets(chosen_by, eligible, refresh.mass, floors, budgets)
+            plan = PendingPlan.prepare(always, eligible, budgets, device)
         if chosen_by is not None and words is not None:  # whole words on the target's side
             # padding lends nothing: a padded row picks what it picks alone
             chosen_by = word_ranking(
