@@ -238,6 +238,7 @@ def test_a_conversation_checks_its_config_engine_and_messages(setup, forwards):
     assert not forwards
 
 
+@pytest.mark.route_timing  # time_routes itself, not the suite's CPU stand-in (conftest)
 def test_route_timing_refuses_a_length_past_the_window_before_allocating(setup, monkeypatch):
     model, tok, bridge = setup
     engine = HandoffEngine(bridge, model, model)
