@@ -106,6 +106,7 @@ FLOORS = [
         "bridgecache.text",
         "bridgecache.untrusted",
         "bridgecache._moved",
+        "bridgecache._checkout",
     ),
     ("bridgecache.models",),
     ("bridgecache.kv", "bridgecache.bridge"),
