@@ -11,7 +11,7 @@ Floors, lower never importing upper: models/ (where a model comes from, what it 
 native work, handoffs) -> fitting/ and evaluation/ -> integrations/ -> cli/.
 """
 
-from bridgecache import _moved
+from bridgecache import _checkout, _moved  # noqa: F401 (_checkout first: bridgecache.kernels in a checkout)
 from bridgecache.bridge import Bridge, BridgeFormatError, LayerMap
 from bridgecache.fitting import FitConfig, fit_bridge
 from bridgecache.kv.capture import capture_kv

@@ -106,6 +106,7 @@ FLOORS = [
         "bridgecache.text",
         "bridgecache.untrusted",
         "bridgecache._moved",
+        "bridgecache._checkout",
     ),
     ("bridgecache.checks",),  # the boundary (untrusted.shown in its messages); every floor above uses it
     ("bridgecache.models",),

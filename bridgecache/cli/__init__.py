@@ -104,7 +104,3 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ZooError,
         *files,
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

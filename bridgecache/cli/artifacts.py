@@ -75,9 +75,12 @@ def run_inspect(args) -> int:
 
 def check_plot_path(path) -> str | None:
     """None if a plot can be written at `path` (a format matplotlib knows, a writable place)."""
-    from matplotlib.figure import Figure
-
     from bridgecache.files import writable_file
+
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # an optional dependency (the dev and examples extras)
+        return "needs matplotlib, which is not installed here (pip install matplotlib)"
 
     suffix = Path(path).suffix.lstrip(".").lower()
     known = Figure().canvas.get_supported_filetypes()

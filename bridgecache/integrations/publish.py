@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ from bridgecache.integrations.pages import (
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import engine_for
+
+_HICACHE_STORAGE_MODULE = "sglang.srt.mem_cache.hicache_storage"  # where HiCacheStorage lives (hicache.py)
 
 __all__ = [
     "BridgedPages",
@@ -315,19 +318,30 @@ def _writer(destination, layout):
         return lambda pages: write_page_store(pages, destination)
     if hasattr(destination, "write_pages"):
         return destination.write_pages
-    from bridgecache.integrations.hicache import LAYOUTS, is_hicache_storage, write_hicache  # imports sglang
-
-    if not is_hicache_storage(destination):
+    if not _is_hicache_storage(destination):
         raise TypeError(
             f"destination is a {type(destination).__name__}; expected a page store directory, a SGLang "
             "HiCacheStorage (or a list, one per TP rank) or an object with write_pages(pages)"
         )
+    from bridgecache.integrations.hicache import LAYOUTS, write_hicache  # SGLang is imported already
+
     if layout not in LAYOUTS:
         raise ValueError(
             f"layout is {layout!r}; publishing to a HiCacheStorage needs layout= (the engine's "
             f"--hicache-mem-layout: one of {LAYOUTS})"
         )
     return lambda pages: write_hicache(pages, destination, layout=layout)
+
+
+def _is_hicache_storage(destination) -> bool:
+    """Whether `destination` is a SGLang HiCacheStorage (or a list of them), asked without
+    importing SGLang: no object is an instance of a class whose module was never imported, so
+    refusing a bad destination never needs the engine installed."""
+    if _HICACHE_STORAGE_MODULE not in sys.modules:
+        return False
+    from bridgecache.integrations.hicache import is_hicache_storage
+
+    return is_hicache_storage(destination)
 
 
 def check_output_directory(directory) -> Path:

@@ -5,6 +5,7 @@ output paths are checked before the work; finished work is never lost to a late 
 from __future__ import annotations
 
 import json
+import sys
 import tracemalloc
 
 import pytest
@@ -212,3 +213,13 @@ def test_fit_recipe_keeps_a_finished_fit_when_the_destination_breaks(tmp_path, c
     made, kept = Bridge.from_pretrained(tmp_path / "made"), Bridge.from_pretrained(rescued[0])
     assert kept.calibration["recipe"] == made.calibration["recipe"]  # the refit, whole
     assert out.read_text() == "someone else's file"
+
+
+def test_inspect_plot_without_matplotlib_is_refused_in_one_line(bridge_dir, tmp_path, monkeypatch, capsys):
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as where it is not installed
+    assert main(["inspect", str(bridge_dir), "--plot", str(tmp_path / "p.png")]) == 2
+    printed = capsys.readouterr()
+    assert "--plot: needs matplotlib, which is not installed here" in printed.err
+    assert "Traceback" not in printed.err and not printed.out  # refused before the summary
+    assert not any(tmp_path.iterdir())

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +77,48 @@ def test_a_bad_destination_is_refused_before_any_work(tmp_path):
     with pytest.raises(TypeError, match="destination is a dict"):
         publish(_NoWork(), ids, {}, page_size=PAGE, model_name="tiny")
     assert a_file.read_text() == "x"
+
+
+# Optional engines and store clients (pyproject's extras, .ci/run's installs): none is needed to
+# refuse a bad argument, and a refusal never imports one.
+ENGINES = ("sglang", "lmcache", "vllm", "redis", "boto3", "botocore", "moto", "lm_eval")
+WITHOUT_ENGINES = r"""
+import json, sys
+
+sys.modules.update(dict.fromkeys(ENGINES))  # None: imports fail and find_spec says None, as if not installed
+import torch
+from bridgecache.integrations import publish, publish_context
+from bridgecache.integrations.vllm import VLLM_INSTALLED
+
+ids, refused = torch.zeros(1, 8, dtype=torch.long), []
+for destination, layout in [({}, None), ([], None), (object(), None), (DIRECTORY, "page_first")]:
+    try:
+        publish(None, ids, destination, page_size=4, model_name="tiny", layout=layout)
+    except (TypeError, ValueError) as err:
+        refused.append(str(err))
+try:
+    publish_context(None, "a b c", None, None, None, {"pages": []}, page_size=4)
+except TypeError as err:
+    refused.append(str(err))
+loaded = sorted(m for m, module in sys.modules.items() if module and m.partition(".")[0] in ENGINES)
+print(json.dumps({"refused": refused, "loaded": loaded, "vllm": VLLM_INSTALLED}))
+"""
+
+
+def test_bad_destinations_are_refused_without_any_engine_installed(tmp_path):
+    code = f"ENGINES, DIRECTORY = {ENGINES!r}, {str(tmp_path)!r}\n" + WITHOUT_ENGINES
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert [message.split(";")[0] for message in seen["refused"]] == [
+        "destination is a dict",
+        "destination is a list",
+        "destination is a object",
+        "layout= is for a HiCacheStorage destination",
+        "destination is a dict",
+    ]
+    assert seen["loaded"] == [] and seen["vllm"] is False  # the connector's module imports without vLLM
+    assert not any(tmp_path.iterdir())
 
 
 def test_publish_context_checks_config_text_and_window_before_the_source_runs(handoff, tmp_path):
