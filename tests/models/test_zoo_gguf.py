@@ -43,7 +43,7 @@ def test_each_block_type_matches_gguf_bit_for_bit(name):
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q5_1"])
 def test_a_tensor_of_many_steps_matches_gguf_bit_for_bit(name, monkeypatch):
-    """Dequantised in steps of a few blocks (the real step is 512K values), with a short last step."""
+    """Dequantised in steps of a few blocks (the real step is 1M values), with a short last step."""
     import bridgecache.models.gguf_weights as gguf_weights
 
     monkeypatch.setattr(gguf_weights, "_VALUES_PER_RUN", 3 * 256)
