@@ -17,6 +17,14 @@ process umask's mode: safetensors and `tempfile` create 0600 files and 0700 fold
 users of a shared cache could not read. `writable_destination(path)` / `writable_file(path)`
 check, before any long work, that a folder / a file could be created at `path`.
 
+`replace_file(path, data)` writes one small file by a temporary name and one rename (a failure
+half-way leaves nothing under `path`). `set_aside(path, problem)` renames a file bridgecache
+wrote and reads back, found damaged, to `<name>.bad-<UTC time>` beside it and warns
+(`DamagedFileWarning`): the next call writes a fresh one instead of failing on it forever, and
+the bad copy stays for whoever wants to look. `remove_tree(path, root)` deletes a file or folder
+under `root` without ever following a link (a link on the way from `root` is refused; links
+inside are removed, never their targets) and raises `RemovalError` naming what stayed.
+
 POSIX only (fcntl). Knows nothing about bridges, models or caches.
 """
 
@@ -26,24 +34,42 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
+import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
+    "DamagedFileWarning",
+    "RemovalError",
     "STAGING_PREFIX",
+    "TEMP_PREFIX",
     "apply_umask",
     "clean_leftovers",
     "current_umask",
     "directory_lock",
     "publish",
+    "remove_tree",
+    "replace_file",
+    "set_aside",
     "staging_folder",
     "writable_destination",
     "writable_file",
 ]
 
 STAGING_PREFIX = ".bridgecache-staging-"
+TEMP_PREFIX = ".bridgecache-tmp-"
+
+
+class DamagedFileWarning(UserWarning):
+    """A file bridgecache wrote and reads back was damaged; it was set aside and is made again."""
+
+
+class RemovalError(OSError):
+    """Something bridgecache meant to delete is still there (or was refused: a link on the way)."""
 
 
 def current_umask() -> int:
@@ -195,3 +221,94 @@ def _writable_ancestor(path: Path) -> str | None:
     except OSError as err:
         return f"cannot write in {ancestor} ({err.strerror or err})"
     return None
+
+
+def replace_file(path: str | Path, data: bytes | str) -> Path:
+    """Write `data` to `path` by a temporary name beside it and one rename, with the umask's mode.
+
+    A failure at any point (a full disk, a kill) leaves nothing under `path` but its old content:
+    the temporary file is removed on error; a killed writer's stays under a hidden
+    `TEMP_PREFIX` name that no reader looks at (and `bridgecache cache clear` removes)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def set_aside(path: str | Path, problem: str) -> Path | None:
+    """Rename a damaged file (or folder) to `<name>.bad-<UTC time>` beside it and warn; returns the
+    new name, or None when it could not be moved (it is then left as it is, and the warning says so)."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.bad-{stamp}")
+    if aside.exists() or aside.is_symlink():
+        aside = path.with_name(f"{path.name}.bad-{stamp}-{os.getpid()}-{time.monotonic_ns() % 10**6}")
+    try:
+        os.rename(path, aside)  # rename never follows a link at `path`: the link itself moves
+    except FileNotFoundError:
+        return None  # another process set it aside (or replaced it) first
+    except OSError as err:
+        warnings.warn(
+            f"{path} is damaged ({problem}) and could not be set aside ({err.strerror or err}); "
+            "it is ignored: delete it to stop this warning",
+            DamagedFileWarning,
+            stacklevel=2,
+        )
+        return None
+    warnings.warn(
+        f"{path} was damaged ({problem}); moved it to {aside.name} and made a new one",
+        DamagedFileWarning,
+        stacklevel=2,
+    )
+    return aside
+
+
+def remove_tree(path: str | Path, root: str | Path) -> None:
+    """Delete `path` (a file or a folder and all it holds) that lies under `root`, following no link.
+
+    Every component from `root` down to `path` must be a real folder (lstat): a link on the way is
+    refused, since deleting through it would reach outside `root`. Inside `path`, links are
+    removed themselves, never what they point at (shutil.rmtree's fd-based walk). Raises
+    RemovalError naming what is still there; a `path` that is already gone is fine."""
+    path, root = Path(path), Path(root)
+    relative = path.relative_to(root)  # ValueError: not under root, a caller's bug
+    here = root
+    for part in relative.parts:
+        here = here / part
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise RemovalError(f"refused to delete {path}: {here} is a link (it may lead out of {root})")
+        if here != path and not stat.S_ISDIR(st.st_mode):
+            return  # the way down is no longer a folder: nothing of ours below it
+    failures: list[str] = []
+
+    def failed(function, name, exc_info_or_exc) -> None:
+        err = exc_info_or_exc[1] if isinstance(exc_info_or_exc, tuple) else exc_info_or_exc
+        if not isinstance(err, FileNotFoundError):  # removed meanwhile: fine
+            failures.append(f"{name} ({getattr(err, 'strerror', None) or err})")
+
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, onerror=failed)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            failures.append(f"{path} ({err.strerror or err})")
+    if failures:
+        more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
+        raise RemovalError(f"could not delete {'; '.join(failures[:3])}{more}")

@@ -46,6 +46,8 @@ __all__ = [
     "window_ids",
     "builtin_windows",
     "chunks_of",
+    "pieces",
+    "PIECE_CHARS",
 ]
 
 DOMAINS = ("prose", "code")
@@ -168,27 +170,57 @@ def builtin_windows(tokenizer, seq_len: int, domain: str, split: str, seed: int)
 
 
 def window_ids(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
-    """Consecutive windows of `seq_len` token ids over `docs` joined by blank lines (no specials)."""
+    """Consecutive windows of `seq_len` token ids over `docs` joined by blank lines (no specials).
+
+    Tokenized piece by piece, as windows are taken: a document longer than `PIECE_CHARS` is cut
+    into pieces at word boundaries (`pieces`), so the memory and time spent are those of the
+    windows asked for plus one piece, not of the file (a 20 MB line once cost 4.5 GB to fill one
+    window). A cut between a word and the space before the next keeps the tokens of whitespace-
+    splitting tokenizers; a piece with no space in its second half is cut at its length."""
     buffer: list[int] = []
     for text in docs:
-        buffer.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
-        while len(buffer) >= seq_len:
-            yield buffer[:seq_len]
-            buffer = buffer[seq_len:]
+        for piece in pieces(text + "\n\n"):
+            buffer.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            taken = 0
+            while len(buffer) - taken >= seq_len:
+                yield buffer[taken : taken + seq_len]
+                taken += seq_len
+            del buffer[:taken]  # once per piece: never quadratic in the windows
+
+
+PIECE_CHARS = 1 << 18  # above every built-in calibration document: their windows are as before
+
+
+def pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in consecutive pieces of at most `limit` characters, each cut just before a space
+    that follows a non-space (in the second half of the piece) where there is one."""
+    start = 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut = text.rfind(" ", start + limit // 2, end)
+        while cut > start + limit // 2 and text[cut - 1].isspace():  # keep runs of spaces whole
+            cut = text.rfind(" ", start + limit // 2, cut)
+        end = cut if cut > start + limit // 2 else end
+        yield text[start:end]
+        start = end
+    yield text[start:]
 
 
 def chunks_of(docs: Iterable[str], chars: int) -> Iterator[str]:
     """Consecutive chunks of about `chars` characters over `docs` joined by blank lines, cut at
-    whitespace where one is in the second half of a chunk."""
-    buffer = ""
+    whitespace where one is in the second half of a chunk (linear in the text: a long document
+    is walked by position, never copied once per chunk)."""
+    carry = ""
     for text in docs:
-        buffer += text + "\n\n"
-        while len(buffer) >= chars:
-            end = buffer.rfind(" ", chars // 2, chars)
-            end = end if end > 0 else chars
-            chunk, buffer = buffer[:end].strip(), buffer[end:]
+        buffer, start = carry + text + "\n\n", 0
+        while len(buffer) - start >= chars:
+            end = buffer.rfind(" ", start + chars // 2, start + chars)
+            end = end if end > start else start + chars
+            chunk = buffer[start:end].strip()
+            start = end
             if chunk:
                 yield chunk
+        carry = buffer[start:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,10 +70,10 @@ def render_card(bridge) -> str:
 
 
 def write_card(bridge, directory: str | Path) -> Path:
-    """Write README.md into `directory`; returns its path."""
-    path = Path(directory) / CARD
-    path.write_text(render_card(bridge))
-    return path
+    """Write README.md into `directory` (by rename: never half a card); returns its path."""
+    from bridgecache.files import replace_file
+
+    return replace_file(Path(directory) / CARD, render_card(bridge))
 
 
 def _scores(bridge) -> dict:

@@ -6,7 +6,9 @@
     bridgecache cache clear [-y]         remove everything bridgecache wrote there
 
 Removing asks first unless --yes is given (and refuses without a terminal to ask on). A removed
-model is fetched again on its next use; a removed bridge is fitted again.
+model is fetched again on its next use; a removed bridge is fitted again. Only what bridgecache
+wrote and can prove is removed (bridgecache.models.cache_dir), never through a link; anything
+that could not be removed is named on stderr and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def add_cache_command(subparsers):
 
 def run_cache(args) -> int:
     from bridgecache.models import cache_dir
-    from bridgecache.models.zoo import cache_root
+    from bridgecache.models.zoo import ZooError, cache_root
 
     root = cache_root()
     entries = cache_dir.cache_entries(root)
@@ -62,13 +64,25 @@ def run_cache(args) -> int:
     what = f"{len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'} ({_size(total)}) from {root}"
     if not args.yes and not _confirm(f"remove {what}: {', '.join(e.name for e in chosen)}?"):
         return _fail("nothing removed (give --yes to remove without asking)")
+    removed, failures = [], []
     if args.action == "clear":
-        cache_dir.clear(root)
+        try:
+            removed = cache_dir.clear(root)
+        except cache_dir.CacheRemovalError as err:
+            removed, failures = err.removed, [str(err)]
     else:
         for entry in chosen:
-            cache_dir.remove_entry(entry.name, root)
-    print(f"removed {what}")
-    return 0
+            try:
+                removed.append(cache_dir.remove_entry(entry.name, root))
+            except ZooError as err:  # CacheRemovalError, or an entry that changed since it was listed
+                failures.append(str(err))
+    if not failures:
+        print(f"removed {what}")
+        return 0
+    if removed:
+        print(f"removed {len(removed)} of {len(chosen)}: {', '.join(e.name for e in removed)}")
+    print(f"bridgecache cache: error: not removed: {printable('; '.join(failures), 2000)}", file=sys.stderr)
+    return 1
 
 
 def _confirm(question: str) -> bool:

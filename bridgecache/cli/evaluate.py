@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from bridgecache.cli.handoff_flags import add_handoff_arguments, config_problem, handoff_config
+from bridgecache.files import replace_file
 from bridgecache.untrusted import printable
 
 __all__ = ["add_eval_command", "run_eval"]
@@ -218,7 +219,7 @@ def run_eval(args) -> int:
         text = json.dumps(_json_safe(summary), indent=1)
         try:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(text)
+            replace_file(args.json, text)  # a failure half-way leaves no half file under its name
         except OSError as err:  # checked up front, but the disk can fill: never lose the records
             import tempfile
 

@@ -1,6 +1,8 @@
 """A bridge per (source, target, FitConfig), fitted on first use and cached on disk.
 
 Cache: $BRIDGECACHE_HOME/bridges/<source>-to-<target>-<method>[-<hash of the other settings>]/.
+A cached bridge that fails to load (a damaged file) is set aside (`<folder>.bad-<time>`, with a
+DamagedFileWarning) and fitted again.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ def bridge_for(
     The config is part of the cache key: a bridge fitted with other settings is never returned
     for it. source, target: the models, if already loaded (else loaded by name).
     """
+    from bridgecache.bridge.format import BridgeFormatError
     from bridgecache.bridge.maps import Bridge
+    from bridgecache.files import set_aside
     from bridgecache.fitting import fit_bridge
     from bridgecache.models.zoo import cache_root, load_model
 
     config = config or FitConfig()
     directory = cache_root() / "bridges" / _bridge_dir_name(source_name, target_name, config)
     if (directory / "bridge.json").exists():
-        return Bridge.from_pretrained(directory)
+        try:
+            return Bridge.from_pretrained(directory)
+        except (BridgeFormatError, OSError) as err:  # damaged: fitted again, not a failure forever
+            set_aside(directory, str(err)[:200])
     source, source_tok = (source, None) if source is not None else load_model(source_name)
     target, target_tok = (target, None) if target is not None else load_model(target_name)
     from bridgecache.models.zoo import load_tokenizer

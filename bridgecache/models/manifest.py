@@ -16,16 +16,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import re
 from pathlib import Path
 
-from bridgecache.files import current_umask
+from bridgecache.files import TEMP_PREFIX, replace_file
 
-__all__ = ["MANIFEST", "STAMP", "file_sha256", "is_current", "leftovers", "verify_folder", "write_manifest"]
+__all__ = [
+    "MANIFEST",
+    "STAMP",
+    "file_sha256",
+    "is_current",
+    "leftovers",
+    "manifest_problem",
+    "verify_folder",
+    "write_manifest",
+]
 
 MANIFEST, STAMP = ".manifest.json", ".verified.json"
 _FORMAT = "bridgecache.manifest/1"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def file_sha256(path: Path) -> str:
@@ -76,9 +85,17 @@ def verify_folder(folder: Path) -> str | None:
     return None
 
 
+def manifest_problem(folder: Path) -> str | None:
+    """None if `folder` holds a well-formed manifest of this format (not checked against the
+    files: `verify_folder` does that), else the reason. Proves the folder is bridgecache's."""
+    files = _manifest_files(folder)
+    return files if isinstance(files, str) else None
+
+
 def leftovers(folder: Path) -> list[Path]:
     """Temporary files of manifest or stamp writes that a killed process left in `folder`."""
-    return [p for name in (MANIFEST, STAMP) for p in folder.glob(f".{name}-*")]
+    older = [p for name in (MANIFEST, STAMP) for p in folder.glob(f".{name}-*")]  # earlier versions' names
+    return older + list(folder.glob(TEMP_PREFIX + "*"))
 
 
 def _manifest_files(folder: Path) -> dict | str:
@@ -88,10 +105,17 @@ def _manifest_files(folder: Path) -> dict | str:
         files = manifest["files"]
         if manifest.get("format") != _FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
+        for name, want in files.items():  # every entry of the shape write_manifest gives it
+            want = want if isinstance(want, dict) else {}
+            size, sha = want.get("size"), want.get("sha256")
+            sized = isinstance(size, int) and not isinstance(size, bool) and size >= 0
+            relative = not name.startswith("/") and ".." not in Path(name).parts
+            if not (sized and isinstance(sha, str) and _SHA256.fullmatch(sha) and relative):
+                raise ValueError(f"entry {name[:80]!r} is not a relative name with a size and a sha256")
         return files
     except FileNotFoundError:
         return f"{folder / MANIFEST} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         return f"{folder / MANIFEST} is unreadable ({err})"
 
 
@@ -109,12 +133,4 @@ def _stat_table(folder: Path, files: dict) -> dict:
 
 def _write_json(path: Path, data: dict) -> None:
     """Write by rename: a reader (or a kill) never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_file(path, json.dumps(data, indent=1))

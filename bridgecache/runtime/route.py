@@ -32,17 +32,15 @@ Knows configs, model configs and the cost tables; runs no model (route_timing.py
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
-import os
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from bridgecache.files import replace_file, set_aside
 from bridgecache.models.zoo import cache_root
 from bridgecache.runtime.native_work.pending import refresh_budget
 from bridgecache.runtime.report import handoff_flops, prefill_flops, reading_flops
@@ -182,39 +180,79 @@ def costs_path(key: str) -> Path:
 
 
 def load_costs(key: str) -> RouteCosts | None:
-    """The costs saved under `key`, or None (none saved, another format, or unreadable). A file
-    that reads but is not a table of this format for `key` (damaged, cut short, another shape) is
-    set aside as `<key>.json.bad` (kept to look at; measured again, never trusted)."""
+    """The costs saved under `key`, or None (none saved, another format, or damaged).
+
+    A file that is not a cost table of this format for this key (cut short, a JSON list, a
+    length that is a string, a time that is NaN) is set aside as `<key>.json.bad-<time>` with a
+    DamagedFileWarning: the costs are measured (or estimated) again, never trusted, and the next
+    handoff does not trip on the same file."""
     path = costs_path(key)
     try:
-        text = path.read_text()
-    except OSError:
-        return None  # none saved
-    try:
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise TypeError(f"a {type(data).__name__}, not an object")
-        if data.get("format") != COSTS_FORMAT:
-            return None  # another version's table: it may still read it, so it stays
-        if data.get("key") != key:
-            raise ValueError(f"key {data.get('key')!r}")
-        return RouteCosts(**data)
-    except (ValueError, TypeError):
-        # another process may have set it aside first, or the folder is read-only
-        with contextlib.suppress(OSError):
-            os.replace(path, path.with_name(path.name + ".bad"))
+        if path.stat().st_size > _MAX_COSTS_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes; a cost table is a few kB")
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, RecursionError) as err:
+        set_aside(path, f"{type(err).__name__}: {str(err)[:120]}")
+        return None
+    if isinstance(data, dict) and _another_version(data):
+        return None  # another bridgecache's table (its format or fields): measured again and replaced
+    problem = _costs_problem(data, key)
+    if problem is None:
+        try:
+            return RouteCosts(**data)
+        except ValueError as err:  # ascending lengths, positive finite seconds
+            problem = str(err)
+    set_aside(path, problem)
+    return None
+
+
+_MAX_COSTS_BYTES = 1 << 20
+
+
+def _costs_problem(data, key: str) -> str | None:
+    """Why `data` is not the JSON of a RouteCosts for `key` (None: it is)."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    fields = RouteCosts.__dataclass_fields__.values()
+    missing = {f.name for f in fields if f.default is MISSING} - set(data)
+    if missing:
+        return f"no {', '.join(sorted(missing))}"
+    if data["key"] != key:
+        return f"key {str(data['key'])[:40]!r}, not {key!r}"
+    if not isinstance(data["device"], str):
+        return "'device' is not a text"
+    if not _is_count(data.get("prompt_tokens", 1)):
+        return "'prompt_tokens' is not a count"
+    for name, valid in (("lengths", _is_count), ("handoff_s", _is_number), ("native_s", _is_number)):
+        values = data[name]
+        if not isinstance(values, list) or not values or not all(valid(v) for v in values):
+            return f"'{name}' is not a non-empty list of {'counts' if name == 'lengths' else 'seconds'}"
+    return None
+
+
+def _another_version(data: dict) -> bool:
+    """A table another bridgecache wrote: another format number, or fields this one does not know."""
+    version = data.get("format")
+    other_format = version != COSTS_FORMAT and isinstance(version, int) and not isinstance(version, bool)
+    return other_format or not set(data) <= set(RouteCosts.__dataclass_fields__)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def save_costs(costs: RouteCosts) -> Path:
-    """Write `costs` atomically (a reader sees the old file or the new one, never a part)."""
+    """Write `costs` atomically (a reader sees the old file or the new one, never a part; a
+    failure half-way leaves nothing under the final name)."""
     path = costs_path(costs.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(costs), f, indent=1)
-    os.replace(tmp, path)
-    return path
+    return replace_file(path, json.dumps(asdict(costs), indent=1))
 
 
 def decide_route(

@@ -98,6 +98,32 @@ def test_bridge_for_keys_its_cache_on_the_fit_settings(monkeypatch, tmp_path):
     assert (first.native_head, again.native_head, other.native_head) == (2, 2, 3)
 
 
+def test_a_damaged_cached_bridge_is_set_aside_and_fitted_again(monkeypatch, tmp_path):
+    """A bridge in bridges/ that no longer loads (cut short, edited) does not break every later
+    call: it is renamed aside with a warning and fitted again."""
+    from bridgecache.files import DamagedFileWarning
+
+    monkeypatch.setenv("BRIDGECACHE_HOME", str(tmp_path))
+    model, tok = tiny_model("llama"), _byte_tokenizer()
+    fits = []
+
+    def fit(source, target, source_tok, target_tok, config, **kwargs):
+        fits.append(config)
+        return Bridge.identity(target, target_tok)
+
+    monkeypatch.setattr(fitting, "fit_bridge", fit)
+    monkeypatch.setattr(zoo, "load_tokenizer", lambda name: tok)
+    cli.bridge_for("a", "b", FitConfig(method="fullhead"), model, model)
+    folder = tmp_path / "bridges" / "a-to-b-fullhead"
+    (folder / "bridge.json").write_text("[]")  # parses, wrong shape
+    with pytest.warns(DamagedFileWarning, match="a-to-b-fullhead was damaged"):
+        again = cli.bridge_for("a", "b", FitConfig(method="fullhead"), model, model)
+    assert len(fits) == 2 and again.method == "identity"
+    assert [p.name.split(".bad-")[0] for p in (tmp_path / "bridges").glob("*.bad-*")] == ["a-to-b-fullhead"]
+    cli.bridge_for("a", "b", FitConfig(method="fullhead"), model, model)  # the new one loads
+    assert len(fits) == 2
+
+
 def test_handoff_keeps_a_pad_id_of_0(monkeypatch):
     from bridgecache.runtime.handoff import handoff
 

@@ -41,6 +41,18 @@ def test_each_block_type_matches_gguf_bit_for_bit(name):
     assert np.array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q5_1"])
+def test_a_tensor_of_many_steps_matches_gguf_bit_for_bit(name, monkeypatch):
+    """Dequantised in steps of a few blocks (the real step is 1M values), with a short last step."""
+    import bridgecache.models.gguf_weights as gguf_weights
+
+    monkeypatch.setattr(gguf_weights, "_VALUES_PER_RUN", 3 * 256)
+    qtype = GGMLQuantizationType[name]
+    data = _random_tensor(qtype, rows=5, blocks_per_row=7, rng=np.random.default_rng(1))
+    ours, reference = dequantize(data, qtype), gguf_dequantize(data, qtype)
+    assert np.array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
+
+
 def test_float_tensors_pass_through():
     rng = np.random.default_rng()
     values = rng.standard_normal((5, 8)).astype(np.float32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 import pytest
 import torch
@@ -26,9 +27,11 @@ from bridgecache import (
     handoff_batch,
 )
 from bridgecache.cli.handoff_flags import add_handoff_arguments, handoff_config
+from bridgecache.files import DamagedFileWarning
 from bridgecache.integrations.publish import bridged_pages, translate_context
 from bridgecache.runtime.engine import generate
 from bridgecache.runtime.route import (
+    COSTS_FORMAT,
     RouteCosts,
     costs_path,
     decide_route,
@@ -109,9 +112,62 @@ def test_saved_costs_round_trip_and_a_damaged_file_is_measured_again(home):
     assert path == costs_path("abc") and path.parent.parent == home
     assert load_costs("abc") == costs
     path.write_text(path.read_text()[:20])  # cut short
-    assert load_costs("abc") is None
+    with pytest.warns(DamagedFileWarning):
+        assert load_costs("abc") is None
     path.write_text(json.dumps({**json.loads(json.dumps(costs.__dict__)), "format": 0}))
     assert load_costs("abc") is None  # another format: never trusted
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[1, 2, 3]",  # parses, wrong shape
+        '{"key": "KEY"}',  # fields missing
+        "null",
+        '{"key": "KEY", "device": "cpu", "lengths": ["256"], "handoff_s": [0.1], "native_s": [0.1], '
+        '"prompt_tokens": 16, "format": 1}',  # a length that is a text
+        '{"key": "KEY", "device": "cpu", "lengths": [256], "handoff_s": [NaN], "native_s": [0.1], '
+        '"prompt_tokens": 16, "format": 1}',
+        '{"key": "OTHER", "device": "cpu", "lengths": [256], "handoff_s": [0.1], "native_s": [0.1], '
+        '"prompt_tokens": 16, "format": 1}',  # another setup's table under this key
+        "\x00\xff not json",
+    ],
+)
+def test_a_damaged_cost_table_is_set_aside_and_later_handoffs_work(setup, home, content):
+    """A cost table that parses but has the wrong shape no longer breaks every default handoff:
+    it is renamed aside with a warning, the routes are timed again (a CPU engine's calibration)
+    into a new table, and the next handoff finds nothing to trip on."""
+    bridge, model, tok = setup
+    with HandoffEngine(bridge, model, model) as engine:
+        key = engine.state.route_key(HandoffConfig())
+    path = costs_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(content.replace("KEY", key))
+    kw = dict(source_tokenizer=tok, target_tokenizer=tok)
+    with pytest.warns(DamagedFileWarning, match="moved it to"):
+        first = handoff(bridge, model, model, SHORT, " and", **kw, **GREEDY)
+    assert first.cache.report().route_reason.startswith("measured")
+    assert load_costs(key) is not None  # a table of this setup, timed again
+    aside = list(path.parent.glob(f"{path.name}.bad-*"))
+    assert len(aside) == 1 and aside[0].read_text() == content.replace("KEY", key)
+    clear_engines()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left to warn about
+        again = handoff(bridge, model, model, SHORT, " and", **kw, **GREEDY)
+    assert torch.equal(again.output_ids, first.output_ids)
+
+
+def test_another_versions_table_is_measured_again_without_a_warning(home):
+    """A table of another format, or with a field this version does not know, is not damaged:
+    it is not used, and not set aside (the newer bridgecache that wrote it still reads it)."""
+    costs = RouteCosts("abc", "cpu", [256], [0.1], [0.3])
+    path = save_costs(costs)
+    for data in ({"format": COSTS_FORMAT + 1, "key": "abc"}, {**costs.__dict__, "spread_s": [0.01]}):
+        path.write_text(json.dumps(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert load_costs("abc") is None
+        assert path.exists()
 
 
 def test_the_rule_takes_the_faster_side_and_says_why(setup):
@@ -338,8 +394,10 @@ def test_a_saved_file_of_the_wrong_shape_is_set_aside_and_measured_again(home, t
     path = costs_path("abc")
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    assert load_costs("abc") is None  # no exception for the caller
-    assert not path.exists() and path.with_name("abc.json.bad").read_text() == text
+    with pytest.warns(DamagedFileWarning, match="moved it to abc.json.bad-"):
+        assert load_costs("abc") is None  # no exception for the caller
+    (aside,) = path.parent.glob("abc.json.bad-*")
+    assert not path.exists() and aside.read_text() == text
     assert load_costs("abc") is None  # nothing left to trip on
     fresh = RouteCosts("abc", "cpu", [64, 512], [0.1, 0.2], [0.3, 0.4], scale="flops")
     save_costs(fresh)
@@ -353,10 +411,16 @@ def test_a_cpu_engine_over_a_damaged_file_times_again(setup, home):
     path = costs_path(key)
     path.parent.mkdir(parents=True)
     path.write_text("[64, 512]")
-    with HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine:
+    with (
+        HandoffEngine(bridge, model, model, source_tokenizer=tok, target_tokenizer=tok) as engine,
+        pytest.warns(DamagedFileWarning),
+    ):
         engine.handoff(SHORT, " and", **GREEDY)
         assert engine.route_costs().lengths == list(CALIBRATION)
-    assert load_costs(key).lengths == list(CALIBRATION) and path.with_name(path.name + ".bad").exists()
+    assert (
+        load_costs(key).lengths == list(CALIBRATION)
+        and len(list(path.parent.glob(path.name + ".bad-*"))) == 1
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA engines time the routes themselves")
