@@ -141,7 +141,7 @@ class HandoffEngine:
         config: HandoffConfig | None = None,
         graph_bytes: int = DEFAULT_GRAPH_BYTES,
     ):
-        self.config = _checked_config(config)
+        self.config = check_config(config)
         checks.integer(graph_bytes, "graph_bytes", low=0, what="a byte count")
         check_setup(bridge, source, target, source_tokenizer, target_tokenizer)
         check_models(bridge, source, target, source_tokenizer, target_tokenizer)
@@ -190,7 +190,7 @@ class HandoffEngine:
             raise ValueError(
                 "this engine was built without tokenizers: pass source_tokenizer= and target_tokenizer="
             )
-        config = self.config if config is None else _checked_config(config)
+        config = self.config if config is None else check_config(config)
         selector_layers(config, self.bridge.target.num_layers)  # a custom rule's answer, before any work
         request = HandoffRequest.from_texts(
             self.bridge, contexts, prompt, self.source_tokenizer, self.target_tokenizer,
@@ -216,7 +216,7 @@ class HandoffEngine:
         self._check_open()
         checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
         self._check_weights()
-        config = self.config if config is None else _checked_config(config)
+        config = self.config if config is None else check_config(config)
         mask = request.target_mask
         tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
         self.time_routes(config.with_words(request.words is not None), tokens)
@@ -304,12 +304,11 @@ class HandoffEngine:
     ) -> RouteCosts:
         """Time both routes (the handoff, the target's own prefill) under `config` at `lengths`
         context tokens (default: 256 to 32K on CUDA, as far as both models' windows allow; the
-        calibration lengths elsewhere, scaled by FLOPs to the others), keep them for
-        this engine's route="auto" requests and save them in the cache directory for later
-        processes on this device (bridgecache.runtime.route). Returns the costs, merged with any
-        measured before."""
+        calibration lengths elsewhere, scaled by FLOPs to the others), keep them for this engine's
+        route="auto" requests and save them in the cache directory for later processes on this
+        device (bridgecache.runtime.route). Returns the costs, merged with any measured before."""
         self._check_open()
-        config = self.config if config is None else _checked_config(config)
+        config = self.config if config is None else check_config(config)
         checks.integer(repeats, "repeats", low=1, high=1000, what="a number of timed runs")
         checks.instance(progress, "progress", bool, "True or False")
         if lengths is None:
@@ -321,7 +320,7 @@ class HandoffEngine:
 
     def route_costs(self, config: HandoffConfig | None = None) -> RouteCosts | None:
         """The costs the cost gate uses for `config` on this device (None: not measured)."""
-        return self.state.route_costs(self.config if config is None else _checked_config(config))
+        return self.state.route_costs(self.config if config is None else check_config(config))
 
     @property
     def _on_cuda(self) -> bool:
@@ -332,27 +331,22 @@ class HandoffEngine:
         return min(windows) - PROMPT_TOKENS - 1
 
     def time_routes(self, config: HandoffConfig, tokens: int) -> None:
-        """What a request of `tokens` context tokens under `config` calls before its cache is built
-        (`cache`): with route="auto", time what its route needs and is not kept yet. On CUDA the
-        ladder's lengths up to the request's; elsewhere the calibration lengths, once."""
+        """Before a request's cache is built (`cache`), with route="auto": time what its route
+        needs and is not kept (CUDA: the ladder up to `tokens`; elsewhere the calibration, once)."""
         checks.integer(tokens, "tokens", low=0, what="a count of context tokens")
-        if config.route != "auto" or self.source is None:
+        if config.route != "auto" or self.source is None or not self._untimed(config, tokens):
             return
-        costs = self.state.route_costs(config)
-        if not self._on_cuda:
-            if costs is None:
-                with self._timing_lock:
-                    if self.state.route_costs(config) is None:  # another thread may have measured
-                        self._measure(config, calibration_lengths(self._route_limit()), 3, progress=True)
-            return
-        if costs is not None and not route_lengths(tokens, self._route_limit(), costs.lengths):
-            return  # every ladder length up to this request is timed
         with self._timing_lock:
-            costs = self.state.route_costs(config)  # another thread may have measured meanwhile
-            measured = costs.lengths if costs is not None else ()
-            missing = route_lengths(tokens, self._route_limit(), measured)
+            missing = self._untimed(config, tokens)  # another thread may have measured meanwhile
             if missing:
                 self._measure(config, missing, repeats=3, progress=True)
+
+    def _untimed(self, config: HandoffConfig, tokens: int) -> list[int]:
+        """The lengths a request of `tokens` context tokens needs timed and this engine has not."""
+        costs, limit = self.state.route_costs(config), self._route_limit()
+        if not self._on_cuda:  # the calibration lengths, once: FLOPs scale them to the others
+            return [] if costs is not None else calibration_lengths(limit)
+        return route_lengths(tokens, limit, costs.lengths if costs is not None else ())
 
     def _measure(self, config, lengths, repeats: int, progress: bool) -> RouteCosts:
         new = measure_route_costs(self, config, lengths, repeats=repeats, progress=progress)
@@ -411,17 +405,8 @@ def reserve_decode_room(target, cache, generate_kwargs: dict) -> None:
 
 
 def _weights_identity(*models) -> tuple:
-    found = []
-    for model in models:
-        weight = None if model is None else model.get_input_embeddings().weight
-        found.append(
-            None if weight is None else (id(weight), weight._version, weight.data_ptr(), weight.device)
-        )
-    return tuple(found)
-
-
-def _checked_config(config) -> HandoffConfig:
-    return check_config(config)
+    weights = [None if model is None else model.get_input_embeddings().weight for model in models]
+    return tuple(None if w is None else (id(w), w._version, w.data_ptr(), w.device) for w in weights)
 
 
 # ---------------------------------------------------------------------- the module-level engines
