@@ -47,6 +47,8 @@ def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -
     rows: token id lists (any lengths, each longer than `scored_from`). Token j of a row is predicted
     by the row's logits at j - 1, or by `prefix.last_logits` for j = 0. Rows run as one batch:
     right padding never reaches a real token (attention is causal), so no mask is needed.
+    A cache holding fewer rows than `prefix.length` (some context positions left out) puts the
+    rows at positions `prefix.length` on all the same.
     """
     if any(len(row) <= scored_from for row in rows):
         raise ValueError("every row needs at least one scored token")
@@ -58,9 +60,13 @@ def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -
     for r, row in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row)
     ids = ids.to(_device(target))
+    positions = {}
+    if cache.get_seq_length() != prefix.length:  # rows sit after the whole context, cached or not
+        start = prefix.length
+        positions["position_ids"] = torch.arange(start, start + width - 1, device=ids.device).expand(n, -1)
     # The last column predicts nothing we score: feed only what predicts a row token.
     logits = (
-        target(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(target, cache)).logits
+        target(input_ids=ids[:, :-1], use_cache=True, **positions, **cache_kwargs(target, cache)).logits
         if width > 1
         else None
     )
