@@ -135,7 +135,7 @@ def build(out: Path, items: int) -> None:
         rows = [make(rng) for _ in range(items)]
         path = out / f"{task}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(f"{path}: {len(rows)} items ({len(functions)} stdlib functions)" if task == "stdlib-code" else path)
+        print(f"{path}: {len(rows)} items")
 
 
 def run(args) -> None:
@@ -152,7 +152,8 @@ def run(args) -> None:
     target, target_tok = load_model(bridge.target.name)
     source, source_tok = load_model(bridge.source.name)
     check_models(bridge, source, target, source_tok, target_tok)
-    print(f"loaded {bridge.source.name} -> {bridge.target.name} in {time.perf_counter() - start:.1f} s", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"loaded {bridge.source.name} -> {bridge.target.name} in {seconds:.1f} s", flush=True)
     variant = Variant(bridge, HandoffConfig(route="handoff"))
     args.out.mkdir(parents=True, exist_ok=True)
     arms = None if args.arms == ["none"] else ("all" if args.arms == ["all"] else args.arms)
