@@ -164,6 +164,7 @@ def choice_metrics(picks: dict[str, Sequence[int]], answers: Sequence[int], n_ch
 
 # (A, B) pairs whose paired difference is reported when both arms were computed.
 COMPARISONS = (
+    ("bridged", "native"),
     ("bridged", "chosen_only"),
     ("bridged", "translation"),
     ("bridged", "source_alone"),

@@ -114,13 +114,16 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
             counts = source_tokens if arm == "source_alone" else tokens
             return -mean_nll([nll[arm][i] for i in ix], [counts[i] for i in ix])
 
-        out |= arm_metrics(quality, list(keys), len(items))
+        if evaluation.arms:
+            out |= arm_metrics(quality, list(keys), len(items))
     else:
         picks = {c: [pick_choice(*zip(*r.scores[k], strict=True)) for r in items] for c, k in keys.items()}
         answers = [r.answer for r in items]
         out |= choice_metrics(picks, answers, [len(r.scores["native"]) for r in items])
         right = {c: [int(p == a) for p, a in zip(ps, answers)] for c, ps in picks.items()}
-        out |= arm_metrics(lambda arm, ix: sum(right[arm][i] for i in ix) / len(ix), list(keys), len(items))
+        if evaluation.arms:
+            share = lambda arm, ix: sum(right[arm][i] for i in ix) / len(ix)  # noqa: E731
+            out |= arm_metrics(share, list(keys), len(items))
     out["native_prefill_s"] = sum(r.native_prefill_s for r in items)
     out["handoff_s"] = sum(r.handoff_s[variant.name] for r in items)
     out["source_prefill_s"] = sum(r.source_prefill_s for r in items)
