@@ -1,7 +1,7 @@
 """Evidence study (issue 58): tasks where the target is stronger than the source, every arm.
 
     python benchmarks/evidence.py build --out DIR [--items 48]
-    python benchmarks/evidence.py run --bridge BRIDGE --tasks DIR/two-hop.jsonl ... --out DIR
+    python benchmarks/evidence.py run --bridge BRIDGE [BRIDGE ...] --tasks DIR/two-hop.jsonl ... --out DIR
         [--arms all] [--chat] [--limit N]
 
 `build` writes three 4-choice tasks (JSONL, `bridgecache eval --task choice` format), made only from
@@ -141,19 +141,31 @@ def build(out: Path, items: int) -> None:
 def run(args) -> None:
     import torch
 
-    from bridgecache import Bridge, HandoffConfig
+    from bridgecache import Bridge
     from bridgecache.bridge.builtin import check_models
-    from bridgecache.evaluation import Variant, evaluate, format_table, load_items, summarise
     from bridgecache.models.zoo import load_model
 
     torch.set_num_threads(args.threads)
-    bridge = Bridge.from_pretrained(args.bridge)
-    start = time.perf_counter()
-    target, target_tok = load_model(bridge.target.name)
-    source, source_tok = load_model(bridge.source.name)
-    check_models(bridge, source, target, source_tok, target_tok)
-    seconds = time.perf_counter() - start
-    print(f"loaded {bridge.source.name} -> {bridge.target.name} in {seconds:.1f} s", flush=True)
+    models: dict = {}  # name -> (model, tokenizer), loaded once for every bridge that reads it
+
+    def model(name: str):
+        if name not in models:
+            start = time.perf_counter()
+            models[name] = load_model(name)
+            print(f"loaded {name} in {time.perf_counter() - start:.1f} s", flush=True)
+        return models[name]
+
+    for reference in args.bridge:
+        bridge = Bridge.from_pretrained(reference)
+        (target, target_tok), (source, source_tok) = model(bridge.target.name), model(bridge.source.name)
+        check_models(bridge, source, target, source_tok, target_tok)
+        _run_pair(args, bridge, source, source_tok, target, target_tok)
+
+
+def _run_pair(args, bridge, source, source_tok, target, target_tok) -> None:
+    from bridgecache import HandoffConfig
+    from bridgecache.evaluation import Variant, evaluate, format_table, load_items, summarise
+
     variant = Variant(bridge, HandoffConfig(route="handoff"))
     args.out.mkdir(parents=True, exist_ok=True)
     arms = None if args.arms == ["none"] else ("all" if args.arms == ["all"] else args.arms)
@@ -183,7 +195,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--items", type=int, default=48)
     r = sub.add_parser("run")
-    r.add_argument("--bridge", required=True)
+    r.add_argument("--bridge", nargs="+", required=True, help="one or more bridges, run in turn")
     r.add_argument("--tasks", type=Path, nargs="+", required=True)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--arms", nargs="+", default=["all"])
