@@ -188,6 +188,76 @@ def _run_pair(args, bridge, source, source_tok, target, target_tok) -> None:
         print(f"{path.stem}: {len(items)} items in {seconds:.0f} s -> {args.out / name}\n", flush=True)
 
 
+_ARMS = ("native", "source_alone", "bridged", "translation", "chosen_only", "wrong_document", "random_map")
+_ARMS += ("no_context", "other_native")
+_DIFFS = (
+    ("bridged", "native"),
+    ("bridged", "chosen_only"),
+    ("translation", "wrong_document"),
+    ("translation", "random_map"),
+    ("translation", "no_context"),
+)
+
+
+def table(folder: Path) -> None:
+    """Markdown tables of every result JSON in `folder`: accuracy per arm (Wilson 95%), then the
+    gap recovered, retention and paired differences (bootstrap 95%) and the handoff's cost."""
+    from bridgecache.evaluation.answers import wilson
+
+    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+    def pct(x):
+        return "n/a" if x is None or x != x else f"{100 * x:.1f}"
+
+    def ci(pair):
+        return (
+            ""
+            if pair is None or pair[0] is None or pair[0] != pair[0]
+            else f" [{pct(pair[0])}, {pct(pair[1])}]"
+        )
+
+    print("| pair | task | chat | n | " + " | ".join(_ARMS) + " |")
+    print("|---" * (len(_ARMS) + 4) + "|")
+    for r in results:
+        cells = []
+        for arm in _ARMS:
+            if f"acc_{arm}" not in r:
+                cells.append("-")
+                continue
+            right = sum(1 for item in r["items"] if item[f"pick_{arm}"] == item["answer"])
+            cells.append(f"{pct(r[f'acc_{arm}'])}{ci(wilson(right, r['n']))}")
+        task = Path(r["data"]).stem
+        print(
+            f"| {r['source']} -> {r['target']} | {task} | {'yes' if r.get('chat') else 'no'} | {r['n']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    print()
+    heads = ["gap recovered", "retention"] + [f"{a} - {b}" for a, b in _DIFFS]
+    print(
+        "| pair | task | chat | "
+        + " | ".join(heads)
+        + " | native FLOPs | + choosing | chosen share | map uses input | wall s |"
+    )
+    print("|---" * (len(heads) + 8) + "|")
+    for r in results:
+        cells = [
+            f"{pct(r.get('gap_recovered'))}{ci(r.get('gap_recovered_ci'))}",
+            f"{pct(r['retention'])}{ci(r['retention_ci'])}",
+        ]
+        for a, b in _DIFFS:
+            key = f"diff_{a}_{b}"
+            cells.append(f"{pct(r[key])}{ci(r[key + '_ci'])}" if key in r else "-")
+        cells += [pct(r["native_cost_fraction"]), pct(r["guide_cost_fraction"]), pct(r.get("chosen_share"))]
+        cells += [str(r.get("map_uses_input")), f"{r.get('wall_s', 0):.0f}"]
+        task = Path(r["data"]).stem
+        print(
+            f"| {r['source']} -> {r['target']} | {task} | {'yes' if r.get('chat') else 'no'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,7 +272,12 @@ def main(argv=None) -> int:
     r.add_argument("--chat", action="store_true")
     r.add_argument("--limit", type=int)
     r.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("table")
+    t.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "table":
+        table(args.folder)
+        return 0
     if args.command == "build":
         build(args.out, args.items)
     else:
