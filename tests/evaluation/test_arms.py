@@ -252,3 +252,21 @@ def test_cli_arms_flag(tmp_path, llama, tok, capsys):
     assert result["arms"] == ["translation", "chosen_only"] and "acc_chosen_only" in result
     assert main([*argv, "--arms", "sauce"]) == 2
     assert "unknown arm 'sauce'" in capsys.readouterr().err
+
+
+def test_rows_sharing_a_question_score_as_each_row_alone(llama, tok):
+    ids = tok("the mast broke near the rocks", return_tensors="pt")["input_ids"]
+    question = tok("\nQuestion: what broke\nAnswer:", add_special_tokens=False)["input_ids"]
+    rows = [
+        question + tok(c, add_special_tokens=False)["input_ids"] for c in (" the mast", " a sail", " oar")
+    ]
+    together = score(llama, native_prefix(llama, ids), rows, len(question))
+    alone = [score(llama, native_prefix(llama, ids), [row], len(question))[0] for row in rows]
+    for (a, n), (b, m) in zip(together, alone):
+        assert a == pytest.approx(b, abs=1e-4) and n == m
+    # and after a cache that left positions out (the chosen-tokens arm)
+    columns = torch.tensor([0, 3, ids.shape[1] - 1])
+    together = score(llama, chosen_prefix(llama, ids, columns), rows, len(question))
+    alone = [score(llama, chosen_prefix(llama, ids, columns), [row], len(question))[0] for row in rows]
+    for (a, _), (b, _) in zip(together, alone):
+        assert a == pytest.approx(b, abs=1e-4)
