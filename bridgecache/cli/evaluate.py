@@ -2,6 +2,7 @@
 
     bridgecache eval --bridge DIR --data FILE.jsonl|builtin:NAME [--task ppl|choice|generate] [--limit N]
                      [--json OUT] [--source NAME --target NAME] [--chat] [--no-progress]
+                     [--arms all|ARM [ARM ...]]
                      [--controls FILE] [handoff flags: --native-head N --native-tail N --no-key-norm
                      --native-layers N|L+L+..|all --refresh FRACTION|TOKENS|none
                      --refresh-by source|deviation --[no-]whole-words --[no-]word-ends --min-quality Q
@@ -10,12 +11,14 @@
 The handoff flags make one `HandoffConfig`, with its defaults (a 20% refresh chosen by the
 source's attention, whole words with the token that ends each), as every other path. Models come
 from the bridge's metadata (`bridge.source.name`, `bridge.target.name`: a built-in name, hub id or
-local directory) unless --source/--target say otherwise. Generation tasks are answered after
-native prefill, no context, another item's context and the bridged cache. Prints the table of
-`report.format_table`; --json writes `report.summarise`'s object. Every option, the bridge, the
-data, the model names, the controls file and both output paths (--json, --controls: never an
-input, a folder of one, or a file that holds something else) are checked before a model loads;
-errors exit with status 2 and one line naming the file, line and field.
+local directory) unless --source/--target say otherwise. --arms adds the evidence arms of
+`bridgecache.evaluation.arms` (source alone, translation only, chosen tokens alone, wrong document,
+random map; choice and ppl tasks) with the gap recovered and paired differences. Generation tasks
+are answered after native prefill, no context, another item's context and the bridged cache.
+Prints the table of `report.format_table`; --json writes `report.summarise`'s object. Every
+option, the bridge, the data, the model names, the controls file and both output paths (--json,
+--controls: never an input, a folder of one, or a file that holds something else) are checked
+before a model loads; errors exit with status 2 and one line naming the file, line and field.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 from bridgecache.cli.handoff_flags import add_handoff_arguments, config_problem, handoff_config
+from bridgecache.evaluation.arms import EXTRA_ARMS, check_arms
 from bridgecache.files import replace_file
 from bridgecache.untrusted import printable
 
@@ -56,6 +60,12 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--target", help="target model (default: the bridge's target)")
     parser.add_argument(
         "--chat", action="store_true", help="read contexts and questions through each model's chat template"
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        metavar="ARM",
+        help=f"extra arms: 'all' or names from {', '.join(EXTRA_ARMS)} (choice and ppl tasks)",
     )
     add_handoff_arguments(parser)
     parser.add_argument(
@@ -170,6 +180,7 @@ def run_eval(args) -> int:
     problem = _check_outputs(args)  # before anything is read: a late failure would lose the run
     if args.limit is not None and args.limit < 1:
         problem = problem or f"--limit is {args.limit}; expected an integer >= 1"
+    arms = ("all" if args.arms == ["all"] else args.arms) if args.arms else None
     if problem:
         return fail(problem)
     try:  # everything that can be checked before the models load (seconds to minutes)
@@ -178,6 +189,8 @@ def run_eval(args) -> int:
         task = data_task(args.data, args.task)
         items = None if builtin else load_items(args.data, task, limit=args.limit)[1]
         controls = ControlScores(args.controls)  # a damaged file is refused now, not mid-run
+        # names, task and --chat now; one tokenizer for a ppl task's source alone once they load
+        check_arms(arms, task, same_tokenizer=True, chat=args.chat)
     except (BridgeFormatError, EvaluationError, OSError, ValueError) as err:
         return fail(err)
     source_name = args.source or bridge.source.name
@@ -202,9 +215,9 @@ def run_eval(args) -> int:
             items = load_items(args.data, task, target_tok, args.limit)[1]
         evaluation = evaluate(
             source, source_tok, target, target_tok, items, task, [variant],
-            chat=args.chat, progress=not args.no_progress, controls=controls,
+            chat=args.chat, progress=not args.no_progress, controls=controls, arms=arms,
         )  # fmt: skip
-    except EvaluationError as err:
+    except (EvaluationError, ValueError) as err:
         return fail(err)
     summary = summarise(
         evaluation,

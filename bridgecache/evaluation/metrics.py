@@ -16,6 +16,14 @@ the highest (ties: the lowest index). Unnormalised sums favour short choices.
     retention               acc_bridged / acc_native (NaN when acc_native is 0)
     retention_above_chance  (acc_bridged - chance) / (acc_native - chance), chance = mean 1/choices
 
+Arms (evaluation.arms), from a per-item quality where higher is better (choice: correct 0/1;
+ppl: minus the token-weighted NLL):
+    gap_recovered           (bridged - source_alone) / (native - source_alone): the share of what the
+                            target adds over the source alone that the handoff keeps (NaN unless
+                            native beats the source alone: there is no gap to recover)
+    diff_A_B                quality of arm A minus arm B (paired), e.g. diff_bridged_chosen_only,
+                            diff_translation_wrong_document, diff_translation_random_map
+
 Confidence intervals: percentile bootstrap over items (paired: one resample of items serves every
 condition), seeded, so a ratio over 16 items is not read as more exact than it is.
 
@@ -37,6 +45,9 @@ __all__ = [
     "bootstrap_ci",
     "ppl_metrics",
     "choice_metrics",
+    "COMPARISONS",
+    "arm_metrics",
+    "map_uses_input",
 ]
 
 
@@ -149,3 +160,52 @@ def choice_metrics(picks: dict[str, Sequence[int]], answers: Sequence[int], n_ch
         )
     )
     return out
+
+
+# (A, B) pairs whose paired difference is reported when both arms were computed.
+COMPARISONS = (
+    ("bridged", "native"),
+    ("bridged", "chosen_only"),
+    ("bridged", "translation"),
+    ("bridged", "source_alone"),
+    ("translation", "wrong_document"),
+    ("translation", "random_map"),
+    ("translation", "no_context"),
+)
+
+
+def arm_metrics(quality: Callable[[str, list[int]], float], arms: Sequence[str], n_items: int) -> dict:
+    """Gap recovered and paired differences between arms, each with a paired bootstrap interval.
+
+    quality(arm, item_indices): the arm's quality on those items, higher better (the same
+    resample of items serves every arm). arms: the arms computed."""
+    out: dict = {}
+    everyone = list(range(n_items))
+    if {"native", "bridged", "source_alone"} <= set(arms):
+
+        def gap(ix: list[int]) -> float:
+            source = quality("source_alone", ix)
+            return ratio(quality("bridged", ix) - source, _positive(quality("native", ix) - source))
+
+        out["gap_recovered"] = gap(everyone)
+        out["gap_recovered_ci"] = list(bootstrap_ci(n_items, gap))
+    for a, b in COMPARISONS:
+        if a in arms and b in arms:
+            diff = lambda ix, a=a, b=b: quality(a, ix) - quality(b, ix)  # noqa: E731
+            out[f"diff_{a}_{b}"] = diff(everyone)
+            out[f"diff_{a}_{b}_ci"] = list(bootstrap_ci(n_items, diff))
+    return out
+
+
+def map_uses_input(summary: dict) -> bool | None:
+    """Whether translation only with the right document beats both the wrong document and the
+    random map, each paired interval above zero (None when either arm was not computed). A map
+    that ignores its input scores the same with any document and fails this."""
+    intervals = [summary.get(f"diff_translation_{arm}_ci") for arm in ("wrong_document", "random_map")]
+    if any(ci is None for ci in intervals):
+        return None
+    return all(not math.isnan(ci[0]) and ci[0] > 0 for ci in intervals)
+
+
+def _positive(x: float) -> float:
+    return x if x > 0 else math.nan

@@ -110,6 +110,14 @@ class Prompts:
             return []
         return self.source_tok(text, add_special_tokens=False)["input_ids"]
 
+    def source_prompt_and_scored(self, item: PplItem | ChoiceItem) -> tuple[list[int], list[list[int]]]:
+        """The prompt and the scored strings in the SOURCE's tokens (plain text): what the source
+        reads and is scored on when it answers alone (evaluation.arms "source_alone")."""
+        plain = isinstance(item, PplItem)
+        texts = [item.continuation] if plain else [" " + c.strip() for c in item.choices]
+        ids = [self.source_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return self.source_prompt(item), ids
+
     def scored(self, item: PplItem | ChoiceItem) -> list[list[int]]:
         """Target ids of each scored string: [continuation] or one per choice ([]: a generation
         item's reply is generated, not scored)."""

@@ -4,7 +4,8 @@
 `metrics.py` (ppl: nll_* / ppl_* / *_gain_recovered; choice: acc_* / retention) or `answers.py`
 (generate: acc_* with Wilson intervals, partial_*, retention; CPU seconds too), the timings summed
 over items (`native_prefill_s`, `handoff_s`, `source_prefill_s`, `align_s`, `speedup`) and the
-per-item records (for plots). `format_table(summary)` renders it for people.
+per-item records (for plots), and with extra arms (evaluation.arms) their scores, the gap recovered
+and the paired differences (metrics.arm_metrics). `format_table(summary)` renders it for people.
 
 This module knows nothing about models or data files.
 """
@@ -14,7 +15,15 @@ from __future__ import annotations
 import math
 
 from bridgecache.evaluation.answers import correct, generation_metrics
-from bridgecache.evaluation.metrics import choice_metrics, pick_choice, ppl_metrics
+from bridgecache.evaluation.metrics import (
+    COMPARISONS,
+    arm_metrics,
+    choice_metrics,
+    map_uses_input,
+    mean_nll,
+    pick_choice,
+    ppl_metrics,
+)
 from bridgecache.evaluation.runner import Evaluation, Variant
 
 __all__ = ["summarise", "format_table", "HANDOFF_NOTE"]
@@ -42,6 +51,14 @@ _CHOICE_ROWS = (
     ("no_context", "(c) no context"),
     ("other_native", "(d) native, unrelated context"),
 )
+_ARM_ROWS = (  # the extra arms (evaluation.arms), where computed
+    ("source_alone", "(s) source alone"),
+    ("translation", "(t) translation only"),
+    ("chosen_only", "(k) chosen tokens alone"),
+    ("wrong_document", "(w) translation, wrong document"),
+    ("random_map", "(r) translation, random map"),
+)
+_PER_VARIANT = ("translation", "chosen_only", "wrong_document", "random_map")
 
 
 def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
@@ -52,6 +69,8 @@ def _conditions(evaluation: Evaluation, variant: Variant) -> dict[str, str]:
         del keys["other_native"]  # one item evaluated alone has no unrelated context
     if evaluation.task == "ppl":
         keys["other_bridged"] = f"other_bridged[{variant.name}]"
+    for arm in evaluation.arms:
+        keys[arm] = f"{arm}[{variant.name}]" if arm in _PER_VARIANT else arm
     return keys
 
 
@@ -89,10 +108,22 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
         nll = {c: [-r.scores[k][0][0] for r in items] for c, k in keys.items()}
         out["scored_tokens_mean"] = sum(tokens) / len(tokens)
         out |= ppl_metrics(nll, tokens)
+        source_tokens = [r.scores["source_alone"][0][1] for r in items] if "source_alone" in keys else tokens
+
+        def quality(arm: str, ix: list[int]) -> float:  # minus the token-weighted NLL
+            counts = source_tokens if arm == "source_alone" else tokens
+            return -mean_nll([nll[arm][i] for i in ix], [counts[i] for i in ix])
+
+        if evaluation.arms:
+            out |= arm_metrics(quality, list(keys), len(items))
     else:
         picks = {c: [pick_choice(*zip(*r.scores[k], strict=True)) for r in items] for c, k in keys.items()}
         answers = [r.answer for r in items]
         out |= choice_metrics(picks, answers, [len(r.scores["native"]) for r in items])
+        right = {c: [int(p == a) for p, a in zip(ps, answers)] for c, ps in picks.items()}
+        if evaluation.arms:
+            share = lambda arm, ix: sum(right[arm][i] for i in ix) / len(ix)  # noqa: E731
+            out |= arm_metrics(share, list(keys), len(items))
     out["native_prefill_s"] = sum(r.native_prefill_s for r in items)
     out["handoff_s"] = sum(r.handoff_s[variant.name] for r in items)
     out["source_prefill_s"] = sum(r.source_prefill_s for r in items)
@@ -103,6 +134,12 @@ def summarise(evaluation: Evaluation, variant: Variant, **meta) -> dict:
     guides = [r.guide_cost[variant.name] for r in items if variant.name in r.guide_cost]
     out["guide_cost_fraction"] = sum(guides) / len(guides) if guides else 0.0
     out["fallbacks"] = sum(1 for r in items if r.fallback.get(variant.name))
+    out["arms"] = list(evaluation.arms)
+    if evaluation.arms:
+        out["map_uses_input"] = map_uses_input(out)
+    shares = [r.chosen_share[variant.name] for r in items if variant.name in r.chosen_share]
+    if shares:
+        out["chosen_share"] = sum(shares) / len(shares)  # chosen_only: context columns read
     out["note"] = HANDOFF_NOTE
     out["items"] = [_item_record(r, keys, evaluation.task, variant) for r in items]
     return out
@@ -154,6 +191,30 @@ def _ci(interval) -> str:
     return "" if math.isnan(lo) else f"  [95% CI {100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _arm_lines(s: dict) -> list[str]:
+    """The gap recovered and the paired differences between arms, where computed."""
+    lines = []
+    if "gap_recovered" in s:
+        lines.append(
+            f"  gap recovered (b-s)/(a-s)           {_pct(s['gap_recovered'])}{_ci(s['gap_recovered_ci'])}"
+            + ("" if not math.isnan(s["gap_recovered"]) else "  (the target is not stronger here)")
+        )
+    unit = "minus NLL per token" if s["task"] == "ppl" else "accuracy points"
+    for a, b in COMPARISONS:
+        if f"diff_{a}_{b}" not in s:
+            continue
+        value, (lo, hi) = s[f"diff_{a}_{b}"], s[f"diff_{a}_{b}_ci"]
+        scale, form = (1, "+.4f") if s["task"] == "ppl" else (100, "+.1f")
+        interval = "" if math.isnan(lo) else f"  [95% CI {scale * lo:{form}}, {scale * hi:{form}}]"
+        lines.append(f"  {a} - {b}: {scale * value:{form}}{interval}  ({unit})")
+    if s.get("chosen_share") is not None:
+        lines.append(f"  chosen tokens alone read {_pct(s['chosen_share']).strip()} of the context's columns")
+    if s.get("map_uses_input") is not None:
+        verdict = "yes" if s["map_uses_input"] else "NO (an interval reaches zero)"
+        lines.append(f"  translation beats wrong document and random map: {verdict}")
+    return [""] + lines if lines else []
+
+
 def format_table(s: dict) -> str:
     """A readable report of one summary."""
     lines = [
@@ -171,8 +232,9 @@ def format_table(s: dict) -> str:
     ]
     if s["task"] == "ppl":
         lines.append(f"  {'condition':<34}{'NLL/token':>10}{'PPL':>10}")
-        for key, label in _PPL_ROWS:
-            lines.append(f"  {label:<34}{s[f'nll_{key}']:>10.4f}{s[f'ppl_{key}']:>10.2f}")
+        for key, label in _PPL_ROWS + _ARM_ROWS:
+            if f"nll_{key}" in s:
+                lines.append(f"  {label:<34}{s[f'nll_{key}']:>10.4f}{s[f'ppl_{key}']:>10.2f}")
         lines += [
             "",
             f"  context-gain recovered (c-b)/(c-a)  {_pct(s['context_gain_recovered'])}"
@@ -195,13 +257,15 @@ def format_table(s: dict) -> str:
         lines += ["", f"  retention (b)/(a)                   {_pct(s['retention'])}{_ci(s['retention_ci'])}"]
     else:
         lines.append(f"  {'condition':<34}{'accuracy':>10}")
-        for key, label in _CHOICE_ROWS:
-            lines.append(f"  {label:<34}{_pct(s[f'acc_{key}']):>10}")
+        for key, label in _CHOICE_ROWS + _ARM_ROWS:
+            if f"acc_{key}" in s:
+                lines.append(f"  {label:<34}{_pct(s[f'acc_{key}']):>10}")
         lines += [
             "",
             f"  retention (b)/(a)                   {_pct(s['retention'])}{_ci(s['retention_ci'])}",
             f"  retention above chance ({_pct(s['chance']).strip()})   {_pct(s['retention_above_chance'])}",
         ]
+    lines += _arm_lines(s)
     n = s["n"]
     lines += [
         "",

@@ -7,6 +7,9 @@ Conditions per item, each scoring the same target tokens (the continuation, or e
                    cut to this context's length in target tokens (its whole text if shorter)
     bridged        per variant: the source's KV of the context, translated by the variant's bridge
     other_bridged  per variant, ppl only: the same for the other item's (cut) context
+and the extra arms asked for (`arms=`; evaluation.arms says what each feeds the target): the source
+alone, and per variant translation only, the chosen tokens alone, the wrong document's source KV
+and a random map (choice and ppl tasks).
 A `Variant` is a bridge with its native-anchor options, so several bridges share one pass over the
 data: the source prefill, the target's native prefills and the controls are computed once.
 
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from bridgecache.evaluation.arms import check_arms, chosen_columns, score_arms, source_alone
 from bridgecache.evaluation.controls import ControlScores
 from bridgecache.evaluation.decoding import reply_ids, stop_ids
 from bridgecache.evaluation.items import EvaluationError, GenerationItem, PplItem
@@ -71,7 +75,9 @@ class ItemResult:
     """One evaluated item.
 
     scores: condition -> per scored string (sum of log p, tokens). Conditions: "native",
-        "no_context", "other_native", and "bridged[NAME]" / "other_bridged[NAME]" per variant.
+        "no_context", "other_native", "source_alone" (its own tokens), and per variant
+        "bridged[NAME]" / "other_bridged[NAME]", and the extra arms "translation[NAME]",
+        "chosen_only[NAME]", "wrong_document[NAME]", "random_map[NAME]" (evaluation.arms).
     context_tokens / source_tokens: the context's length in each model's own tokenization.
     """
 
@@ -91,6 +97,7 @@ class ItemResult:
     native_cost: dict[str, float] = field(default_factory=dict)  # handoff FLOPs / native prefill FLOPs
     guide_cost: dict[str, float] = field(default_factory=dict)  # choosing refreshed tokens, same unit
     fallback: dict[str, str | None] = field(default_factory=dict)  # the quality gate's reason, if any
+    chosen_share: dict[str, float] = field(default_factory=dict)  # chosen_only: columns read / context
 
 
 @dataclass
@@ -101,6 +108,7 @@ class Evaluation:
     variants: list[Variant]
     items: list[ItemResult]
     skipped: list[tuple[int, str]]
+    arms: tuple[str, ...] = ()  # the extra arms computed (evaluation.arms.EXTRA_ARMS)
 
 
 class _Prefixes:
@@ -197,6 +205,7 @@ def evaluate(
     log=None,
     controls: ControlScores | None = None,
     others: list | None = None,
+    arms=None,
 ) -> Evaluation:
     """Score `items` under every condition; see the module docstring.
 
@@ -208,6 +217,9 @@ def evaluate(
     others: generation only, one item per item of `items` whose context is that item's unrelated
         context (so one item evaluated alone still gets the control); default: the next item
         evaluated.
+    arms: the extra arms to compute besides native, bridged, no context and unrelated context
+        (evaluation.arms.EXTRA_ARMS): None, "all" (every one the task allows) or a list of names;
+        a name the task cannot take is a ValueError before any model runs.
     """
     if others is not None and (task != "generate" or len(others) != len(items)):
         raise ValueError(
@@ -218,6 +230,7 @@ def evaluate(
     if not variants:
         raise ValueError("give at least one variant (a bridge and its native anchors)")
     prompts = Prompts(source_tokenizer, target_tokenizer, chat)
+    extra = check_arms(arms, task, prompts.same, chat)
     prepared, skipped = _prepare(items, prompts, variants[0].bridge, source, target, log)
     controls = controls if controls is not None else ControlScores(None)
     # generation works on one item (its unrelated control is then skipped); the others need two
@@ -233,7 +246,7 @@ def evaluate(
         )
     _warm_up(source, target)
     prefixes = _Prefixes(source, target, size=1 if task == "generate" else 4)  # generate reads each once
-    run = _ItemRun(task, variants, prompts, prefixes, target, controls)
+    run = _ItemRun(task, variants, prompts, prefixes, target, controls, extra)
     order = sorted(prepared)
     results = []
     for position, i in enumerate(tqdm(order, desc="eval", disable=not progress)):
@@ -242,7 +255,7 @@ def evaluate(
             results.append(run(i, items[i], prepared[i], j, items[j]))
         else:  # the caller's item: no index among those evaluated
             results.append(run(i, items[i], prepared[i], None, others[i]))
-    return Evaluation(task, list(variants), results, skipped)
+    return Evaluation(task, list(variants), results, skipped, extra)
 
 
 @dataclass
@@ -255,6 +268,8 @@ class _ItemRun:
     prefixes: _Prefixes
     target: object
     controls: ControlScores
+    arms: tuple[str, ...] = ()
+    random_bridges: dict = field(default_factory=dict)  # id(bridge) -> its random map (made once)
 
     def __call__(self, i: int, item, own: _Prepared, j: int | None, other_item) -> ItemResult:
         prompts, target = self.prompts, self.target
@@ -292,22 +307,28 @@ class _ItemRun:
                 target, other_native, own.rows(other_prompt), len(other_prompt)
             )
             self.controls.put(key, {**result.scores, "native_prefill_s": result.native_prefill_s})
+        if "source_alone" in self.arms:
+            result.scores["source_alone"] = source_alone(self.prefixes.source, self.prompts, item, own)
 
         for variant in self.variants:
             start = time.perf_counter()
             context = prompts.context(item.context, variant.bridge, words=variant.config.wants_words)
             result.align_s[variant.name] = time.perf_counter() - start
-            prefix = self._bridged(variant, context, item)
+            prefix = self.bridged(variant, context, item)
             result.handoff_s[variant.name] = prefix.seconds
             report = prefix.cache.report()
             result.native_cost[variant.name] = report.native_cost_fraction
             result.guide_cost[variant.name] = report.guide_cost_fraction
             result.fallback[variant.name] = report.fallback
             result.refreshed[variant.name] = prefix.cache.refreshed_columns[0].tolist()
+            columns = None
+            if "chosen_only" in self.arms:  # before scoring: the score's forward extends the cache
+                columns = chosen_columns(prefix.cache, result.context_tokens)
             result.scores[f"bridged[{variant.name}]"] = score(target, prefix, own.rows(), len(own.prompt))
+            score_arms(self, variant, context, item, own, other_item, columns, result)
             if self.task == "ppl":
                 other = prompts.context(other_text, variant.bridge, words=variant.config.wants_words)
-                prefix = self._bridged(variant, other, item)
+                prefix = self.bridged(variant, other, item)
                 result.scores[f"other_bridged[{variant.name}]"] = score(
                     target, prefix, own.rows(other_prompt), len(other_prompt)
                 )
@@ -362,7 +383,7 @@ class _ItemRun:
             context = prompts.context(item.context, variant.bridge, words=variant.config.wants_words)
             result.align_s[variant.name] = time.perf_counter() - start
             clock = time.process_time()
-            prefix = self._bridged(variant, context, item)
+            prefix = self.bridged(variant, context, item)
             result.cpu_s[f"handoff[{variant.name}]"] = time.process_time() - clock
             result.handoff_s[variant.name] = prefix.seconds
             report = prefix.cache.report()
@@ -373,20 +394,29 @@ class _ItemRun:
             result.replies[f"bridged[{variant.name}]"] = reply(prefix, own.prompt)
         return result
 
-    def _bridged(self, variant: Variant, context: Context, item) -> Prefix:
-        source_kv, _ = self.prefixes.source_kv(context.source_ids)
+    def bridged(
+        self, variant: Variant, context: Context, item, *, bridge=None, source_ids=None, config=None
+    ) -> Prefix:
+        """The variant's bridged prefix of `context`; an arm may swap the bridge (a random map),
+        the source ids the map reads (another document's) or the config (translation only)."""
+        bridge = variant.bridge if bridge is None else bridge
+        config = variant.config if config is None else config
+        if config.route == "auto":  # quality of the bridge: the cost gate's speed choice never
+            config = config.replace(route="handoff")  # sends a scored item to the target's prefill
+        source_ids = context.source_ids if source_ids is None else source_ids
+        source_kv, _ = self.prefixes.source_kv(source_ids)
         prompt = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)
         return bridged_prefix(
-            variant.bridge,
+            bridge,
             source_kv,
             self.target,
             context.target_ids,
             context.alignment,
-            config=variant.config,
+            config=config,
             source_model=self.prefixes.source,
             prompt_ids=prompt,
             words=context.words,
-            engine=self.prefixes.engine(variant.bridge),
+            engine=self.prefixes.engine(bridge),
         )
 
 

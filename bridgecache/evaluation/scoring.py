@@ -4,6 +4,8 @@ A `Prefix` is a target cache holding a context plus the logits that predict the 
     native_prefix(target, ids)                      the target prefills ids itself
     bridged_prefix(bridge, source_kv, target, ...)  BridgedCache + the forward over the columns it
                                                     leaves to the target (native tail, held-back token)
+    chosen_prefix(target, ids, columns)             the target reads only `columns` of ids, at
+                                                    their own positions (no other cache rows)
 Both are timed up to the first logits after the context, the cost a handoff replaces (only the
 last position's logits are computed: a 150K-token vocabulary head over every position would
 add ~20% to a prefill that no serving system pays).
@@ -25,7 +27,8 @@ from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.likelihood import Prefix, score
 from bridgecache.runtime.native_work.forward import forward_with_pass
 
-__all__ = ["Prefix", "native_prefix", "bridged_prefix", "score"]  # Prefix, score: runtime.likelihood
+# Prefix, score: runtime.likelihood's
+__all__ = ["Prefix", "native_prefix", "bridged_prefix", "chosen_prefix", "score"]
 
 
 def _device(model) -> torch.device:
@@ -77,3 +80,27 @@ def bridged_prefix(
     )
     logits = out.logits[:, -1].float()
     return Prefix(cache, logits, ids.shape[1], time.perf_counter() - start)
+
+
+@torch.no_grad()
+def chosen_prefix(target, ids: torch.Tensor, columns: torch.Tensor) -> Prefix:
+    """The target reads only the context tokens at `columns` ([n] ascending, the last one the
+    context's last column) of ids [1, T], each at its own position: a cache of n rows, the other
+    positions never seen. Scoring after it places the rows at positions T on (`score`)."""
+    length = ids.shape[1]
+    if columns.numel() == 0 or int(columns[-1]) != length - 1 or bool((columns.diff() <= 0).any()):
+        raise ValueError(
+            f"chosen_prefix: columns {columns.tolist()[:8]}...; expected ascending columns ending at "
+            f"the context's last one ({length - 1})"
+        )
+    device = _device(target)
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    out = target(
+        input_ids=ids[:, columns].to(device),
+        position_ids=columns[None].to(device),
+        use_cache=True,
+        logits_to_keep=1,
+        **cache_kwargs(target, cache),
+    )
+    return Prefix(cache, out.logits[:, -1].float(), length, time.perf_counter() - start)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import bridgecache.checks as checks
 from bridgecache.models.layout import check_supported, layer_windows, rope_layers
+from bridgecache.models.zoo import builtin_name
 from bridgecache.untrusted import shown
 
 __all__ = [
@@ -107,6 +108,14 @@ class ModelSpec:
             )
 
 
+def _recorded_name(config) -> str:
+    """What a bridge records of a model it was not given a name for: the built-in name of a zoo
+    model (never its cache folder's path), else the path or hub id it was loaded from, else its
+    model type."""
+    path = getattr(config, "_name_or_path", "") or ""
+    return builtin_name(path) or path or config.model_type
+
+
 def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> ModelSpec:
     """Spec of a transformers model (or config) and, optionally, its tokenizer.
 
@@ -130,7 +139,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
     if isinstance(bos, list):
         bos = bos[0]
     return ModelSpec(
-        name=name or getattr(config, "_name_or_path", "") or config.model_type,
+        name=name or _recorded_name(config),
         model_type=config.model_type,
         num_layers=n,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,

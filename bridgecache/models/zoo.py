@@ -51,6 +51,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "GGUF_FILE",
     "ZooError",
+    "builtin_name",
     "cache_root",
     "load_model",
     "load_tokenizer",
@@ -179,6 +180,24 @@ def _exclusive(lock_path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def builtin_name(folder) -> str | None:
+    """The built-in name of a zoo model folder (what `load_model(name)` loaded), else None.
+
+    A zoo folder is `<cache root>/models/<name>` holding the `.complete` marker that names the
+    entry's file; checked by its own contents, not the current cache root, so a folder read after
+    `BRIDGECACHE_HOME` changed is still known. Bridges record this name instead of the folder's
+    absolute path (a path of one machine's cache)."""
+    if not folder:
+        return None
+    folder = Path(folder)
+    entry = BUILTIN_MODELS.get(folder.name)
+    marker = folder / ".complete"
+    if entry is None or folder.parent.name != "models" or not marker.is_file():
+        return None
+    made_from = marker.read_text().strip()
+    return entry.name if made_from == (entry.sha256 or "verified chunks") else None
 
 
 def load_model(

@@ -45,32 +45,61 @@ def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -
     """Per row: (sum of log p of tokens rows[r][scored_from:], their count), each row fed after the prefix.
 
     rows: token id lists (any lengths, each longer than `scored_from`). Token j of a row is predicted
-    by the row's logits at j - 1, or by `prefix.last_logits` for j = 0. Rows run as one batch:
-    right padding never reaches a real token (attention is causal), so no mask is needed.
+    by the row's logits at j - 1, or by `prefix.last_logits` for j = 0. The unscored tokens every
+    row starts with (a question before its choices) are fed once; the rest of the rows run as one
+    batch: right padding never reaches a real token (attention is causal), so no mask is needed.
+    A cache holding fewer rows than `prefix.length` (some context positions left out) puts the
+    rows at positions `prefix.length` on all the same.
     """
     if any(len(row) <= scored_from for row in rows):
         raise ValueError("every row needs at least one scored token")
-    n, width = len(rows), max(len(row) for row in rows)
-    cache = prefix.cache
+    n, cache, device = len(rows), prefix.cache, _device(target)
+    shifted = cache.get_seq_length() != prefix.length  # rows sit after the whole context, cached or not
+    shared = _shared(rows, scored_from) if n > 1 else 0
+    before = prefix.last_logits[0:1]  # predicts the first token fed in the batch
+    if shared:
+        head = torch.tensor([rows[0][:shared]], device=device)
+        positions = _positions(shifted, prefix.length, shared, 1, device)
+        out = target(
+            input_ids=head, use_cache=True, logits_to_keep=1, **positions, **cache_kwargs(target, cache)
+        )
+        before = out.logits[0, -1:].float()
     if n > 1:
         cache.batch_repeat_interleave(n)
+    width = max(len(row) for row in rows) - shared
     ids = torch.zeros(n, width, dtype=torch.long)
     for r, row in enumerate(rows):
-        ids[r, : len(row)] = torch.tensor(row)
-    ids = ids.to(_device(target))
+        ids[r, : len(row) - shared] = torch.tensor(row[shared:])
+    ids = ids.to(device)
     # The last column predicts nothing we score: feed only what predicts a row token.
-    logits = (
-        target(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(target, cache)).logits
-        if width > 1
-        else None
-    )
+    logits = None
+    if width > 1:
+        positions = _positions(shifted, prefix.length + shared, width - 1, n, device)
+        logits = target(
+            input_ids=ids[:, :-1], use_cache=True, **positions, **cache_kwargs(target, cache)
+        ).logits
     results = []
     for r, row in enumerate(rows):
-        parts = [prefix.last_logits[0:1]]
+        parts = [before]  # part k predicts token shared + k
         if logits is not None:
-            parts.append(logits[r, : len(row) - 1].float())
-        logprobs = torch.log_softmax(torch.cat(parts)[scored_from:], dim=-1)
-        wanted = ids[r, scored_from : len(row)]
+            parts.append(logits[r, : len(row) - shared - 1].float())
+        logprobs = torch.log_softmax(torch.cat(parts)[scored_from - shared :], dim=-1)
+        wanted = ids[r, scored_from - shared : len(row) - shared]
         total = logprobs.gather(-1, wanted[:, None]).sum()
         results.append((float(total), len(row) - scored_from))
     return results
+
+
+def _shared(rows: list[list[int]], scored_from: int) -> int:
+    """How many leading tokens every row has in common, at most `scored_from` (none is scored)."""
+    count = 0
+    while count < scored_from and all(row[count] == rows[0][count] for row in rows):
+        count += 1
+    return count
+
+
+def _positions(shifted: bool, start: int, length: int, batch: int, device) -> dict:
+    """position_ids for `length` new tokens at `start` when the cache's length is not the position."""
+    if not shifted:
+        return {}
+    return {"position_ids": torch.arange(start, start + length, device=device).expand(batch, -1)}

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-import string
 
 import pytest
 import torch
+from eval_items import VOCAB, choice_items, contexts, greedy, ppl_items
 from tiny_models import byte_tokenizer, tiny_model
 
 from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
 from bridgecache.cli import main
-from bridgecache.evaluation import ChoiceItem, EvaluationError, PplItem, Variant, evaluate, summarise
+from bridgecache.evaluation import EvaluationError, PplItem, Variant, evaluate, summarise
 from bridgecache.evaluation.builtin import CONTINUATION_TOKENS, builtin_items
 from bridgecache.evaluation.prompts import Prompts
 from bridgecache.models.spec import model_spec
 from bridgecache.text import documents
-
-VOCAB = 258  # 256 bytes + <s> + </s>
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,47 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()
-
-
-_LETTERS = string.ascii_lowercase + " "
-
-
-@torch.no_grad()
-def _greedy(model, tok, text: str, n: int, alphabet: str = _LETTERS) -> str:
-    """The model's greedy continuation of `text`, restricted to `alphabet` (lowercase letters and
-    space by default, so the text round-trips through the tokenizer exactly)."""
-    ids = tok(text, return_tensors="pt")["input_ids"]
-    allowed = torch.full((VOCAB,), -math.inf)
-    allowed[[tok(c, add_special_tokens=False)["input_ids"][0] for c in alphabet]] = 0
-    out = []
-    for _ in range(n):
-        nxt = int((model(ids).logits[0, -1] + allowed).argmax())
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return tok.decode(out)
-
-
-def _contexts(n: int, chars: int, seed: int = 0) -> list[str]:
-    g = torch.Generator().manual_seed(seed)
-    letters = string.ascii_lowercase + "     "
-    return [
-        "".join(letters[int(i)] for i in torch.randint(len(letters), (chars,), generator=g)) for _ in range(n)
-    ]
-
-
-def _ppl_items(model, tok, n=3, chars=40) -> list[PplItem]:
-    return [PplItem(c, _greedy(model, tok, c, 12)) for c in _contexts(n, chars)]
-
-
-def _choice_items(model, tok, n=3, chars=40) -> list[ChoiceItem]:
-    items = []
-    for k, context in enumerate(_contexts(n, chars, seed=1)):
-        question = "what next"
-        right = _greedy(model, tok, f"{context}\nQuestion: {question}\nAnswer: ", 6, string.ascii_lowercase)
-        wrong = [w for w in ("zq xv", "kkk jj", "wpw") if w != right][:2]
-        choices = [right, *wrong] if k % 2 == 0 else [*wrong, right]
-        items.append(ChoiceItem(context, question, tuple(choices), choices.index(right)))
-    return items
 
 
 # Larger initial weights than the default 0.02 make the random models' predictions peaked, so
@@ -98,7 +54,7 @@ def _run(model, tok, items, task, bridge=None, **kwargs):
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_identity_bridge_recovers_all_of_the_gain(family, tok, request):
     model = request.getfixturevalue(family)
-    items = _ppl_items(model, tok)
+    items = ppl_items(model, tok)
     ev, s = _run(model, tok, items, "ppl")
     for record in s["items"]:
         assert record["nll_bridged"] == pytest.approx(record["nll_native"], abs=1e-4)
@@ -112,7 +68,7 @@ def test_identity_bridge_recovers_all_of_the_gain(family, tok, request):
 
 
 def test_native_nll_equals_one_plain_forward_pass(llama, tok):
-    items = _ppl_items(llama, tok, n=2)
+    items = ppl_items(llama, tok, n=2)
     _, s = _run(llama, tok, items, "ppl")
     for item, record in zip(items, s["items"]):
         ctx = tok(item.context)["input_ids"]
@@ -134,7 +90,7 @@ def test_a_damaged_bridge_loses_gain_and_the_metrics_say_so(llama, tok):
     bridge = Bridge.identity(llama)
     for layer in bridge.layers:
         layer.value_weight.mul_(0.0)  # values carry nothing
-    _, s = _run(llama, tok, _ppl_items(llama, tok), "ppl", bridge=bridge)
+    _, s = _run(llama, tok, ppl_items(llama, tok), "ppl", bridge=bridge)
     assert s["nll_bridged"] > s["nll_native"] + 0.05
     assert s["context_gain_recovered"] < 0.95 and s["content_gain_recovered"] < 0.95
 
@@ -145,7 +101,7 @@ def test_key_norm_variants_are_scored_apart_and_the_projection_repairs_short_key
         layer.key_weight.mul_(0.1)  # keys 10x too short: flatter attention over the context
     config = HandoffConfig(native_head=1, refresh=None)
     variants = [Variant(bridge, config), Variant(bridge, config.replace(key_norm=False))]
-    ev = evaluate(gemma, tok, gemma, tok, _ppl_items(gemma, tok), "ppl", variants, progress=False)
+    ev = evaluate(gemma, tok, gemma, tok, ppl_items(gemma, tok), "ppl", variants, progress=False)
     projected, plain = (summarise(ev, v) for v in variants)
     assert "key_norm=False" in variants[1].name and (projected["key_norm"], plain["key_norm"]) == (
         True,
@@ -157,7 +113,7 @@ def test_key_norm_variants_are_scored_apart_and_the_projection_repairs_short_key
 
 
 def test_choice_through_an_identity_bridge_keeps_every_pick(gemma, tok):
-    items = _choice_items(gemma, tok)
+    items = choice_items(gemma, tok)
     ev, s = _run(gemma, tok, items, "choice")
     for result in ev.items:
         native, bridged = result.scores["native"], result.scores[f"bridged[{ev.variants[0].name}]"]
@@ -172,7 +128,7 @@ def test_choice_records_name_the_refreshed_columns_of_each_arm(llama, tok):
 
     from bridgecache import RefreshConfig
 
-    items = _choice_items(llama, tok)
+    items = choice_items(llama, tok)
     bridge = random_bridge(llama)
     fixed = Variant(bridge, HandoffConfig(refresh=RefreshConfig(3, "deviation", whole_words=False)))
     sized = Variant(
@@ -194,7 +150,7 @@ def test_chat_mode_reads_each_part_through_the_template_and_stays_exact(llama):
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )
-    items = [PplItem(c, " " + _greedy(llama, tok, c, 8)) for c in _contexts(3, 30)]
+    items = [PplItem(c, " " + greedy(llama, tok, c, 8)) for c in contexts(3, 30)]
     prompts = Prompts(tok, tok, chat=True)
     context = prompts.context(items[0].context, Bridge.identity(llama))
     assert tok.decode(context.target_ids[0]) == f"<s>user: {items[0].context}</s>\n"
@@ -207,7 +163,7 @@ def test_chat_mode_reads_each_part_through_the_template_and_stays_exact(llama):
 
 
 def test_items_longer_than_a_window_are_skipped_and_counted(llama, tok):
-    items = _ppl_items(llama, tok, n=3)
+    items = ppl_items(llama, tok, n=3)
     items.insert(1, PplItem("x" * 600, " tail"))  # 601 tokens > the tiny model's 512 positions
     messages = []
     ev, s = _run(llama, tok, items, "ppl", log=messages.append)
@@ -271,7 +227,7 @@ def saved(tmp_path_factory, llama, tok):
     bridge = Bridge.identity(model_spec(llama, tok, name=str(model_dir)))
     bridge.save_pretrained(root / "bridge")
     data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(vars(item)) + "\n" for item in _ppl_items(llama, tok)))
+    data.write_text("".join(json.dumps(vars(item)) + "\n" for item in ppl_items(llama, tok)))
     return root
 
 
@@ -362,7 +318,7 @@ def test_a_second_run_reads_the_controls_and_scores_the_same(llama, tok, tmp_pat
     from bridgecache.evaluation.runner import ControlScores, Variant
 
     bridge = Bridge.identity(llama)
-    items = _choice_items(llama, tok)
+    items = choice_items(llama, tok)
     plain = HandoffConfig(refresh=None)
     variants = [Variant(bridge, plain), Variant(bridge, plain.replace(native_layers=1))]
     path = tmp_path / "controls.json"

@@ -200,10 +200,19 @@ def test_the_shipped_bridges_recipes_load():
     from bridgecache.bridge.recipe import recipe_of
 
     names = builtin.builtin_names()
-    assert names
+    # calibration sequences per shipped bridge (the escalation bridge's recipe was sized to fit in
+    # half an hour on the shared 2-core CPU: benchmarks/reports/evidence-2026-12-07.md)
+    sizes = {
+        "qwen2.5-coder-1.5b->qwen2.5-coder-0.5b": 64,
+        "smollm2-135m->qwen2.5-coder-0.5b": 64,
+        "qwen2.5-coder-0.5b->qwen2.5-coder-1.5b": 32,
+    }
+    assert set(names) == set(sizes)
     for name in names:
-        config = FitConfig.from_recipe(recipe_of(Bridge.from_pretrained(f"builtin:{name}")))
-        assert config.method == "fullhead" and config.num_sequences == 64
+        bridge = Bridge.from_pretrained(f"builtin:{name}")
+        config = FitConfig.from_recipe(recipe_of(bridge))
+        assert config.method == "fullhead" and config.num_sequences == sizes[name]
+        assert f"{bridge.source.name}->{bridge.target.name}" == name  # built-in names, no paths
 
 
 def test_a_recipe_value_out_of_range_is_a_format_error(tmp_path):
