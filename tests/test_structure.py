@@ -235,7 +235,8 @@ def test_only_the_lm_eval_adapter_imports_lm_eval():
                 found = [node.module or ""]
             else:
                 continue
-            if any(m == "lm_eval" or m.startswith("lm_eval.") for m in found) and not name.startswith(adapter):
+            needs = any(m == "lm_eval" or m.startswith("lm_eval.") for m in found)
+            if needs and not name.startswith(adapter):
                 users.append(name)
     assert not users, f"modules importing lm_eval outside {adapter}: {sorted(users)}"
     assert not any(adapter in imported for imported in _graph()["bridgecache.integrations"])
