@@ -126,12 +126,8 @@ class BridgecacheLM(LM):
         results: list = [None] * len(pairs)
         for context, members in tqdm(by_context.items(), desc="bridgecache", disable=disable_tqdm):
             rows = [self._continuation(pairs[k][1], k) for k in members]
-            if not context:  # nothing to hand off: the target after its start token
-                rows, prefix = [[_start(self.target_tok)] + row for row in rows], None
-            else:
-                prefix = self._prefix(context, max(map(len, rows)), members[0])
-            scored = self._score_rows(prefix, rows)
-            for k, row in zip(members, scored):
+            prefix = self._prefix(context, max(map(len, rows)), members[0])
+            for k, row in zip(members, score_rows(self.target, prefix, rows)):
                 results[k] = (row.logprob, row.greedy)
                 self.cache_hook.add_partial("loglikelihood", requests[k].args, results[k])
         return results
@@ -143,10 +139,7 @@ class BridgecacheLM(LM):
         for k, request in enumerate(tqdm(requests, desc="bridgecache", disable=disable_tqdm)):
             context, gen_kwargs = _args(request, 2, "generate_until")
             until, max_tokens = _generation_options(gen_kwargs, k)
-            if context:
-                prefix = self._prefix(context, max_tokens, k)
-            else:
-                prefix = native_prefix(self.target, torch.tensor([[_start(self.target_tok)]]))
+            prefix = self._prefix(context, max_tokens, k)
             ids = reply_ids(
                 self.target, prefix, [], max_tokens, stop=self.stop, tokenizer=self.target_tok, until=until
             )
@@ -177,7 +170,10 @@ class BridgecacheLM(LM):
     # ------------------------------------------------------------------ the handoff
 
     def _prefix(self, text: str, after: int, k: int) -> Prefix:
-        """The target's bridged prefix of context `text` (request k; `after` tokens follow it)."""
+        """The target's bridged prefix of context `text` (request k; `after` tokens follow it);
+        for an empty context, the target's own prefill of its start token (nothing to hand off)."""
+        if not text:
+            return native_prefix(self.target, torch.tensor([[_start(self.target_tok)]]))
         context = self.prompts.context(text, self.bridge, words=self.config.wants_words)
         for name, model, ids, more in (
             ("target", self.target, context.target_ids, after),
@@ -200,12 +196,6 @@ class BridgecacheLM(LM):
             words=context.words,
             engine=self.engine,
         )
-
-    def _score_rows(self, prefix: Prefix | None, rows: list[list[int]]):
-        if prefix is None:  # rows begin with the start token: prefill it, score the rest
-            first = native_prefix(self.target, torch.tensor([rows[0][:1]]))
-            return score_rows(self.target, first, [row[1:] for row in rows])
-        return score_rows(self.target, prefix, rows)
 
     def _continuation(self, text: str, k: int) -> list[int]:
         ids = self.target_tok(text, add_special_tokens=False)["input_ids"] if text else []
