@@ -2,8 +2,8 @@
 of tests/integrations/lm_eval_task/ (facts.jsonl, offline):
 - its loglikelihoods equal `bridgecache eval`'s (evaluation.evaluate) on the same items read as
   ppl items (the whole lm_eval context bridged, the choice scored after it), request by request,
-  and so do its choices; through a random bridge (the bridge is used) and on the real shipped
-  smollm2-135m -> qwen2.5-coder-0.5b bridge;
+  and so do its choices; through a random bridge (the bridge is used), a bridge fitted across two
+  tokenizers, and the real shipped smollm2-135m -> qwen2.5-coder-0.5b bridge;
 - through an identity bridge, generate_until is the target's own greedy reply cut at the stop
   string, and loglikelihood_rolling and an empty context are the target's own plain forward;
 - `python -m bridgecache.integrations.lm_eval --model bridgecache` finds the model by name;
@@ -106,6 +106,23 @@ def test_choice_scores_equal_bridgecache_evals_through_a_random_bridge(llama, to
     _check_agreement(samples, DOCS[:3], bridged)
     # the bridge is what was read: the target's own reading scores otherwise
     assert max(abs(b[0] - n[0]) for b, n in zip(bridged, native)) > 0.1
+
+
+def test_choice_scores_equal_bridgecache_evals_across_tokenizers(llama, tok):
+    """A fitted bridge onto a target whose vocabulary reads "Answer" as one token (tokenalign's path)."""
+    from bridgecache import FitConfig, fit_bridge
+
+    target_tok = byte_tokenizer(extra="Answer")
+    target = tiny_model("qwen2", vocab_size=259, initializer_range=0.3, max_position_embeddings=1024)
+    text = [doc["context"] for doc in DOCS]
+    small = dict(num_sequences=3, seq_len=24, layers_k=1, heldout_every=3, score_heldout=False)
+    bridge = fit_bridge(llama, target, tok, target_tok, FitConfig(text=text, **small))
+    assert bridge.alignment_policy == "last"  # aligned across tokenizers, not read as one
+    lm = BridgecacheLM(bridge, llama, target, source_tokenizer=tok, target_tokenizer=target_tok)
+    samples = _run(lm, CHOICE, limit=2)
+    bridged, _ = _eval_scores(llama, tok, target, target_tok, bridge, DOCS[:2])
+    _check_agreement(samples, DOCS[:2], bridged)
+    assert len(target_tok(_context(DOCS[0]))["input_ids"]) < len(tok(_context(DOCS[0]))["input_ids"])
 
 
 def test_identity_generation_is_the_targets_own_greedy_reply(llama, tok):
