@@ -14,6 +14,7 @@ lm_eval is imported through `require_engine`: where .ci/run installed it, a brok
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,7 +185,7 @@ def test_the_command_line_finds_the_model_by_name(llama, tok, tmp_path):
         "--model_args", args, "--tasks", CHOICE, "--include_path", str(TASKS), "--limit", "2",
         "--log_samples", "--output_path", str(out),
     ]  # fmt: skip
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (samples_file,) = out.rglob(f"samples_{CHOICE}_*.jsonl")
