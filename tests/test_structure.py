@@ -223,3 +223,22 @@ def test_no_test_module_imports_another():
                     f"{path.relative_to(tests)} imports {a.name}" for a in node.names if a.name in names
                 ]
     assert not wrong, wrong
+
+
+def test_only_the_lm_eval_adapter_imports_lm_eval():
+    """lm-evaluation-harness stays optional: `import bridgecache` (or any other module) never needs it."""
+    adapter = "bridgecache.integrations.lm_eval"
+    users = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found = [node.module or ""]
+            else:
+                continue
+            needs = any(m == "lm_eval" or m.startswith("lm_eval.") for m in found)
+            if needs and not name.startswith(adapter):
+                users.append(name)
+    assert not users, f"modules importing lm_eval outside {adapter}: {sorted(users)}"
+    assert not any(adapter in imported for imported in _graph()["bridgecache.integrations"])

@@ -1,11 +1,13 @@
 """Greedy replies after a prefix: the generation task's model-level primitive.
 
-    reply_ids(target, prefix, prompt, max_new_tokens, stop_ids=..., one_line=...)
+    reply_ids(target, prefix, prompt, max_new_tokens, stop_ids=..., one_line=..., until=...)
 
 The prompt is fed after the prefix's cache in one forward, then one token at a time, always the
 most likely (greedy, as RULER scores). It stops at a stop id (the tokenizer's EOS and the chat
-template's end-of-turn), after `max_new_tokens`, or, with `one_line`, once the reply holds a
-complete non-empty line (`line_done`). It consumes the prefix's cache, as `scoring.score` does.
+template's end-of-turn), after `max_new_tokens`, with `one_line` once the reply holds a
+complete non-empty line (`line_done`), or once its text holds one of the `until` strings
+(lm-evaluation-harness's stop sequences; the caller cuts the text there). It consumes the
+prefix's cache, as `scoring.score` does.
 
 This module knows nothing about tasks or metrics; tokenizers only decode.
 """
@@ -46,14 +48,15 @@ def reply_ids(
     stop: set[int] = frozenset(),
     tokenizer=None,
     one_line: bool = False,
+    until: tuple[str, ...] = (),
 ) -> list[int]:
     """The target's greedy reply (token ids, stop id excluded) to `prompt` fed after `prefix`.
 
     prompt: target ids read after the prefix (may be empty: the prefix's own logits start).
-    tokenizer: decodes the reply for `one_line` (needed only then).
+    tokenizer: decodes the reply for `one_line` and `until` (needed only then).
     """
-    if one_line and tokenizer is None:
-        raise ValueError("one_line needs the tokenizer to see where a line ends")
+    if (one_line or until) and tokenizer is None:
+        raise ValueError("one_line and until need the tokenizer to read the reply's text")
     device = target.get_input_embeddings().weight.device
     cache = prefix.cache
     logits = prefix.last_logits
@@ -67,8 +70,10 @@ def reply_ids(
         if token in stop:
             break
         reply.append(token)
-        if one_line and line_done(tokenizer.decode(reply, skip_special_tokens=True)):
-            break
+        if one_line or until:
+            text = tokenizer.decode(reply, skip_special_tokens=True)
+            if (one_line and line_done(text)) or any(u in text for u in until):
+                break
         if len(reply) == max_new_tokens:
             break
         ids = torch.tensor([[token]], dtype=torch.long, device=device)

@@ -9,6 +9,8 @@ HiCache L3 store, or LMCache.
 `vllm`: a KV connector (kv_consumer) that loads page-store pages into vLLM's paged cache.
 `lmcache`: a publisher that stores pages as LMCache chunks (vLLM + LMCache fleets).
 See docs/serving.md.
+`lm_eval`: lm-evaluation-harness's model "bridgecache" (imports lm_eval; never imported here;
+docs/lm-eval.md).
 """
 
 from bridgecache.integrations.keys import EngineMismatchError, bridge_salt, check_page_key, page_keys

@@ -2,8 +2,10 @@
 
 A `Prefix` is a target cache holding a context plus the logits that predict the next token.
 `score(target, prefix, rows, scored_from)` feeds each row after the prefix (one batch, right
-padded) and sums the log-probabilities of its tokens from `scored_from` on. It consumes the
-prefix's cache (the forward appends to it): copy a prefix first to score it twice.
+padded) and sums the log-probabilities of its tokens from `scored_from` on; `score_rows` also
+says whether each row is the target's greedy choice token by token (lm-evaluation-harness's
+`is_greedy`). Both consume the prefix's cache (the forward appends to it): copy a prefix first to
+score it twice.
 
 Knows transformers' caches and forward; nothing about tasks, tokenizers or metrics.
 """
@@ -18,7 +20,7 @@ from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
 
-__all__ = ["Prefix", "score"]
+__all__ = ["Prefix", "RowScore", "score", "score_rows"]
 
 
 @dataclass
@@ -40,9 +42,24 @@ def _device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class RowScore:
+    """One scored row: logprob, the sum of log p of its scored tokens; tokens, their count;
+    greedy, whether every scored token is the most likely one where it stands."""
+
+    logprob: float
+    tokens: int
+    greedy: bool
+
+
 def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -> list[tuple[float, int]]:
-    """Per row: (sum of log p of tokens rows[r][scored_from:], their count), each row fed after the prefix.
+    """Per row: (sum of log p of tokens rows[r][scored_from:], their count); see `score_rows`."""
+    return [(row.logprob, row.tokens) for row in score_rows(target, prefix, rows, scored_from)]
+
+
+@torch.no_grad()
+def score_rows(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -> list[RowScore]:
+    """Per row, a `RowScore` of tokens rows[r][scored_from:], each row fed after the prefix.
 
     rows: token id lists (any lengths, each longer than `scored_from`). Token j of a row is predicted
     by the row's logits at j - 1, or by `prefix.last_logits` for j = 0. The unscored tokens every
@@ -86,7 +103,8 @@ def score(target, prefix: Prefix, rows: list[list[int]], scored_from: int = 0) -
         logprobs = torch.log_softmax(torch.cat(parts)[scored_from - shared :], dim=-1)
         wanted = ids[r, scored_from - shared : len(row) - shared]
         total = logprobs.gather(-1, wanted[:, None]).sum()
-        results.append((float(total), len(row) - scored_from))
+        greedy = bool((logprobs.argmax(-1) == wanted).all())
+        results.append(RowScore(float(total), len(row) - scored_from, greedy))
     return results
 
 
