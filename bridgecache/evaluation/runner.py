@@ -401,8 +401,6 @@ class _ItemRun:
         the source ids the map reads (another document's) or the config (translation only)."""
         bridge = variant.bridge if bridge is None else bridge
         config = variant.config if config is None else config
-        if config.route == "auto":  # quality of the bridge: the cost gate's speed choice never
-            config = config.replace(route="handoff")  # sends a scored item to the target's prefill
         source_ids = context.source_ids if source_ids is None else source_ids
         source_kv, _ = self.prefixes.source_kv(source_ids)
         prompt = torch.tensor([self.prompts.source_prompt(item)], dtype=torch.long)

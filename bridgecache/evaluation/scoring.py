@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
+from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.likelihood import Prefix, score
 from bridgecache.runtime.native_work.forward import forward_with_pass
 
@@ -67,7 +68,12 @@ def bridged_prefix(
     and the target's forward over the native work and columns [P, T) (native tail + held-back
     token) that yields the logits after the context: one forward, which also does the cache's
     native work (`forward_with_pass`). engine: the `HandoffEngine` whose plans and graphs to use.
+    A config that routes "auto" runs the handoff: this scores the bridge, and the cost gate's speed
+    choice (a CPU engine times both routes) must not answer a scored item with the target's prefill.
     """
+    config = HandoffConfig() if config is None else config
+    if config.route == "auto":
+        config = config.replace(route="handoff")
     ids = ids.to(_device(target))
     start = time.perf_counter()
     cache = BridgedCache(
