@@ -175,8 +175,6 @@ def load_gguf_model(
     `from_pretrained(..., gguf_file=...)` derives from the same file; from_pretrained_kwargs go
     to `from_pretrained` (device_map, attn_implementation, ...).
     """
-    from gguf.constants import GGMLQuantizationType
-    from tqdm.auto import tqdm
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     # copy-on-write: torch wants a writable array (nothing writes to it; the file is never changed)
@@ -184,6 +182,26 @@ def load_gguf_model(
     processor = _processor(table["architecture"], config)
     parsed: dict = {"config": processor.config, "tensors": {}}
     names = {t["name"]: t["parameter"] for t in table["tensors"] if t["parameter"] is not None}
+    # One intra-op thread while dequantising: each step is ~10 short ops, each a parallel region
+    # whose barrier waits for a descheduled thread on a busy CPU (a 0.5B model: 58.5 s of
+    # dequantisation on 2 threads, 7.4 s on 1, load average ~3 on 2 cores). Restored after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tensors = _dequantised(data, table, processor, parsed, names, dtype, progress, gguf_path)
+    finally:
+        torch.set_num_threads(threads)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class wants a path
+    return model_class.from_pretrained(
+        None, config=config, state_dict=tensors, dtype=dtype, **from_pretrained_kwargs
+    )
+
+
+def _dequantised(data, table, processor, parsed, names, dtype, progress, gguf_path) -> dict:
+    """{parameter name: tensor in `dtype`} of every tensor the model has a place for."""
+    from gguf.constants import GGMLQuantizationType
+    from tqdm.auto import tqdm
+
     tensors = {}
     for entry in tqdm(
         table["tensors"], desc=f"reading {Path(gguf_path).name}", disable=not progress, leave=False
@@ -198,10 +216,7 @@ def load_gguf_model(
         )
         if result.name in names:
             tensors[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class wants a path
-    return model_class.from_pretrained(
-        None, config=config, state_dict=tensors, dtype=dtype, **from_pretrained_kwargs
-    )
+    return tensors
 
 
 def _raw(data: np.ndarray, entry: dict, qtype) -> np.ndarray:
