@@ -138,6 +138,8 @@ def attention_reference(
     window: int | None,
     softcap: float | None,
     out: torch.Tensor,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Write the function of the module docstring into `out` [B, Nq, Hq, D]; shapes as in
     `column_attention`. Reads the block bounds on the host (one transfer per call on CUDA)."""
@@ -145,38 +147,47 @@ def attention_reference(
     group = hq // key.shape[1]
     first = first_column[:, None].expand(bsz, n_q)
     low = first if window is None else torch.maximum(first, query_columns - window + 1)
+    if chunk is not None:  # the start of each query's chunk, counted from its row's first column
+        low = torch.maximum(low, first + (query_columns - first).clamp_min(0) // chunk * chunk)
     lo = torch.searchsorted(key_columns, low.contiguous()).tolist()  # first visible key per query
     hi = torch.searchsorted(key_columns, query_columns.contiguous(), right=True).tolist()
-    chunk = _REF_CHUNK if softcap is None else _REF_CHUNK // 4  # float32 scores per head
+    explicit = softcap is not None or sinks is not None
+    block = _REF_CHUNK // 4 if explicit else _REF_CHUNK  # float32 scores per head
     for b in range(bsz):
-        for s in range(0, n_q, chunk):
-            e = min(s + chunk, n_q)
+        for s in range(0, n_q, block):
+            e = min(s + block, n_q)
             k0, k1 = lo[b][s], max(hi[b][e - 1], lo[b][s])  # columns ascend: the block's key range
             if k1 == k0:
                 out[b, s:e].zero_()
                 continue
             cols = query_columns[b, s:e, None]
             keys = key_columns[k0:k1]
-            seen = (keys <= cols) & (keys >= first_column[b])
-            if window is not None:
-                seen &= cols - keys < window
+            seen = (keys <= cols) & (keys >= low[b, s:e, None])
             q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, k0:k1], value[b : b + 1, :, k0:k1]
-            if softcap is None:
+            if explicit:
+                o = _explicit(q, k, v, seen, scale, softcap, sinks, group)
+            else:
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=seen, scale=scale, enable_gqa=group > 1
                 )
-            else:
-                o = _softcapped(q, k, v, seen, scale, softcap, group)
             o = o[0].transpose(0, 1)  # [block, Hq, D]
             out[b, s:e] = torch.where(seen.any(-1)[:, None, None], o, 0.0)
 
 
-def _softcapped(q, k, v, seen, scale, softcap, group) -> torch.Tensor:
-    """Masked attention with capped logits, float32 arithmetic: q [1, Hq, M, D], k / v [1, Hkv, N, D]."""
+def _explicit(q, k, v, seen, scale, softcap, sinks, group) -> torch.Tensor:
+    """Masked attention with capped logits and / or a sink logit per head (a softmax column with no
+    value), float32 arithmetic: q [1, Hq, M, D], k / v [1, Hkv, N, D], sinks [Hq] or None."""
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
-    logits = softcap * torch.tanh((q.float() @ k.transpose(-1, -2)) * (scale / softcap))
-    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    logits = (q.float() @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = logits.softmax(-1).nan_to_num(0.0)
     return (probs @ v).to(q.dtype)
 
 
