@@ -46,7 +46,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend
-from .attention_launch import configs, merge_shares, prune, split_config, split_count
+from .attention_launch import SEARCH_K, configs, merge_shares, prune, search_steps, split_config, split_count
 from .checks import FLOATS, expect, last_contiguous
 from .reference import attention_reference
 
@@ -248,20 +248,7 @@ _KERNEL = LazyKernel(
 
 # Interpreter: small blocks, so tests cross block edges on both axes and reach unmasked blocks.
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
-_SEARCH_K = 32  # probes per search step
 _LOG2E = 1.4426950408889634
-
-
-def triton_supports(head_dim: int) -> bool:
-    return 16 <= head_dim <= 256
-
-
-def _search_steps(n: int) -> int:
-    """Steps of _lower_bounds that pin an answer in [0, n]: (K + 1) ** steps > n."""
-    steps = 0
-    while (_SEARCH_K + 1) ** steps <= n:
-        steps += 1
-    return steps
 
 
 def launch_attention(
@@ -295,13 +282,13 @@ def launch_attention(
         key_columns, first_column, first_column if sinks is None else sinks,
         out, *out.stride()[:3],
         part, stats, splits,
-        n_q, n_k, hq, hq // key.shape[1], _search_steps(n_k), qk_mul, cap_mul, window or 0, chunk or 1,
+        n_q, n_k, hq, hq // key.shape[1], search_steps(n_k), qk_mul, cap_mul, window or 0, chunk or 1,
         next_pow2(n_q), next_pow2(n_k),
     )  # fmt: skip
     meta = dict(
         D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_CHUNK=chunk is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, FP32=fp32,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=_SEARCH_K,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=SEARCH_K,
         SPLIT=splits > 1,
     )  # fmt: skip
 
@@ -343,20 +330,10 @@ _SCHEMA = (
 
 @torch.library.custom_op("bridgecache::column_attention", mutates_args=("out",), schema=_SCHEMA)
 def _column_attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_columns: torch.Tensor,
-    key_columns: torch.Tensor,
-    first_column: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    chunk: int | None,
-    sinks: torch.Tensor | None,
-    backend: str,
-    out: torch.Tensor,
-) -> None:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_columns: torch.Tensor,
+    key_columns: torch.Tensor, first_column: torch.Tensor, scale: float, window: int | None,
+    softcap: float | None, chunk: int | None, sinks: torch.Tensor | None, backend: str, out: torch.Tensor,
+) -> None:  # fmt: skip
     _run_attention(query, key, value, query_columns, key_columns, first_column, scale, window, softcap,
                    chunk, sinks, backend, out)  # fmt: skip
 
@@ -450,7 +427,7 @@ def column_attention(
     if n_k == 0:
         return out.zero_()
     choice = resolve_backend(backend, query.device)
-    if choice == "triton" and not triton_supports(dim):
+    if choice == "triton" and not 16 <= dim <= 256:
         if backend == "triton":
             raise ValueError(f"the Triton kernel takes head dims 16..256, got {dim}")
         choice = "torch"
@@ -464,19 +441,6 @@ def column_attention(
     chunk = None if chunk is None else int(chunk)
     first_column = first_column.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
-    run(
-        query,
-        key,
-        value,
-        query_columns,
-        key_columns,
-        first_column,
-        float(scale),
-        window,
-        softcap,
-        chunk,
-        sinks,
-        choice,
-        out,
-    )
+    run(query, key, value, query_columns, key_columns, first_column, float(scale), window, softcap, chunk,
+        sinks, choice, out)  # fmt: skip
     return out

@@ -3,6 +3,7 @@ and the split launch for few queries over many keys.
 
     configs(), prune(...)       the autotuner's lists per (padded head dim, float32 operands)
     split_count(programs, ...)  key shares per query block (1: no split)
+    search_steps(n)             steps of the kernel's key search over n columns (SEARCH_K probes each)
     split_config(n_q, ...)      the split launch's fixed blocks
     merge_shares(part, stats, out, sinks)   the exact softmax over every share from each share's partial one
 
@@ -22,7 +23,7 @@ import torch
 
 from ._dispatch import next_pow2
 
-__all__ = ["configs", "prune", "split_count", "split_config", "merge_shares"]
+__all__ = ["SEARCH_K", "configs", "prune", "search_steps", "split_count", "split_config", "merge_shares"]
 
 # (BLOCK_M, BLOCK_N, warps, stages) the autotuner tries, per (padded head dim, float32 operands).
 # Chosen from offline sm_90 builds (Triton 3.9, ptxas): 16-bit lists hold no register spills except
@@ -69,6 +70,17 @@ def prune(configs, named_args, **kwargs):
 _SPLIT_MAX_QUERIES = 64
 _LOG2E = 1.4426950408889634
 _SPLIT_BLOCK_N = 64
+
+
+SEARCH_K = 32  # probes per step of the kernel's search over key columns
+
+
+def search_steps(n: int) -> int:
+    """Steps of the kernel's `_lower_bounds` that pin an answer in [0, n]: (K + 1) ** steps > n."""
+    steps = 0
+    while (SEARCH_K + 1) ** steps <= n:
+        steps += 1
+    return steps
 
 
 def split_count(programs: int, n_q: int, n_k: int, sms: int) -> int:

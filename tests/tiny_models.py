@@ -102,6 +102,10 @@ _LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
 }  # fmt: skip
+_GPT_OSS_YARN = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 128,
+}  # fmt: skip
 ARCHITECTURES = {
     "llama (llama3 rope)": ("LlamaConfig", dict(rope_parameters=_LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
@@ -140,7 +144,13 @@ ARCHITECTURES = {
     "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 1, 1], pad_token_id=0)),
     "gpt_oss (sinks)": (
         "GptOssConfig",
-        dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),
+        dict(
+            sliding_window=8,
+            layer_types=_ALTERNATING,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=_GPT_OSS_YARN,
+        ),
     ),  # fmt: skip
     "deepseek_v3 (MLA)": (
         "DeepseekV3Config",
@@ -155,6 +165,19 @@ ARCHITECTURES = {
             first_k_dense_replace=4,
             head_dim=8,
             num_key_value_heads=4,
+        ),
+    ),  # fmt: skip
+    # Llama 4's chunked layers and NoPE layers (each with its query temperature: floor_scale small
+    # enough that it bites within 30 tokens); its RoPE layers (complex tables) are refused by name
+    "llama4_text (chunked, NoPE)": (
+        "Llama4TextConfig",
+        dict(
+            attention_chunk_size=8,
+            num_local_experts=2,
+            no_rope_layers=[0, 0, 0, 0],
+            floor_scale=4,
+            attn_scale=0.5,
+            layer_types=["chunked_attention"] * 3 + ["full_attention"],
         ),
     ),  # fmt: skip
     "llama4_text (chunked)": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2)),
@@ -172,7 +195,12 @@ def tiny_architecture_config(name: str):
 
 def tiny_architecture(name: str, seed: int = 0):
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()
+    with torch.no_grad():  # GPT-OSS's sinks start near 0 (std 0.02): logits of a few units, as trained ones
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 2.0)
+    return model
 
 
 # Chat templates of two families (the Zephyr style of SmolLM2's tokenizer, Qwen's ChatML).

@@ -14,11 +14,11 @@ rows from the module's own q_proj (or Phi-3's fused qkv_proj), q_norm (where pre
 over the whole projection) and the rotary tables the model passes in (`position_embeddings`; none
 on a layer without RoPE); keys and values are the captured cache. Causal masking and logit
 soft-capping follow the module's attributes; the sliding window is the cache layout's
-(`bridgecache.models.layout.layer_window`).
+(`bridgecache.models.layout.layer_window`); GPT-OSS's sink logits take their share of each
+softmax (`softmax_with_sinks`).
 
 Knows the attention layout of transformers' Llama-style modules (q_proj or qkv_proj, optional
 q_norm, position_embeddings, scaling, num_key_value_groups); nothing about bridges or tokenizers.
-Attention sinks (learned extra logits) are not modelled: `model_spec` refuses such models.
 """
 
 from __future__ import annotations
@@ -27,10 +27,20 @@ import math
 
 import torch
 
-from bridgecache.kv.rope import rotate
-from bridgecache.models.layout import layer_window, rope_layers
+from bridgecache.kv.rope import both_halves, rotate
+from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature, rope_layers
 
-__all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
+__all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules", "softmax_with_sinks"]
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of `logits` [..., heads..., rows, keys] beside one more logit per
+    head (`sinks`, shaped as the head axes before rows: GPT-OSS's sinks, a column with no value),
+    that column dropped; None: the plain softmax."""
+    if sinks is None:
+        return logits.softmax(-1)
+    column = sinks.to(logits)[..., None, None].expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, column], dim=-1).softmax(-1)[..., :-1]
 
 
 def boundary_rows(tokens: int, count: int = 32, first: int = 1) -> torch.Tensor:
@@ -93,7 +103,7 @@ class QueryRecorder:
 
     def _hook(self, module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        tables = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
         q, norm = _project_queries(module, h), getattr(module, "q_norm", None)
@@ -104,9 +114,13 @@ class QueryRecorder:
         if norm is not None and not whole:
             q = norm(q)
         if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
+            cos, sin = (both_halves(t, module.head_dim) for t in tables)
             q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
         else:
             q = q.float()
+            temperature = query_temperature(module, rows)  # Llama 4's NoPE layers: [rows]
+            if temperature is not None:
+                q = q * temperature[:, None]
         self.queries[module.layer_idx] = q
 
 
@@ -119,11 +133,14 @@ def token_weights(
     scaling: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw key and value weights (r^K, r^V) of every token: each [batch, kv_heads, tokens] float32.
 
     queries: [batch, q_heads, rows, d] boundary queries; keys (post-RoPE), values:
-    [batch, kv_heads, tokens, d]; rows: [rows] int64 query positions.
+    [batch, kv_heads, tokens, d]; rows: [rows] int64 query positions; sinks: [q_heads] sink
+    logits (GPT-OSS) or None; chunk: queries see keys of their own chunk only (Llama 4) or None.
     """
     b, hq, nb, d = queries.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -137,8 +154,10 @@ def token_weights(
     allowed = i <= u
     if sliding_window:
         allowed &= u - i < sliding_window
+    if chunk:
+        allowed &= u // chunk == i // chunk
     logits = logits.masked_fill(~allowed, float("-inf"))
-    attn = logits.softmax(-1)
+    attn = softmax_with_sinks(logits, None if sinks is None else sinks.view(hkv, hq // hkv))
     out = attn @ v  # [b, hkv, group, rows, d]
     a2 = attn * attn
     r_value = a2.sum((2, 3))
@@ -165,6 +184,8 @@ def layer_weights(
             scaling=module.scaling,
             sliding_window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
+            sinks=layer_sinks(module),
+            chunk=layer_chunk(module),
         )
         r_keys.append(r_k)
         r_values.append(r_v)

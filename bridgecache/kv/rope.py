@@ -26,7 +26,7 @@ import torch
 
 from bridgecache.models.layout import rope_layers, rotary_module
 
-__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "NO_ROPE"]
+__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "both_halves", "NO_ROPE"]
 
 NO_ROPE = "no_rope"  # RopeTables.layer_types entry of a layer without rotary embeddings
 
@@ -35,6 +35,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1) over the two halves of the last axis."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def both_halves(table: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A cos or sin table [..., head_dim] as `rotate` reads it: GPT-OSS's rotary module returns
+    each frequency once ([..., head_dim / 2], for its own half-split rotation), `rotate_half`'s
+    convention holds it twice."""
+    return torch.cat([table, table], dim=-1) if 2 * table.shape[-1] == head_dim else table
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,9 +140,18 @@ class RopeTables:
         positions = positions.to(device)
         with torch.no_grad():
             if self._takes_layer_type:
-                cos, sin = rotary(probe, positions, layer_type=layer_type)
+                tables = rotary(probe, positions, layer_type=layer_type)
             else:
-                cos, sin = rotary(probe, positions)
+                tables = rotary(probe, positions)
+        # Llama 4: one complex table (freqs_cis) [..., head_dim / 2]; model_spec refuses its layers
+        # with RoPE (pairs (2j, 2j + 1)), so only its NoPE layers' shape is read here
+        is_complex = isinstance(tables, torch.Tensor) and tables.is_complex()
+        cos, sin = (tables.real, tables.imag) if is_complex else tables
+        dim = (
+            getattr(self.config, "head_dim", None)
+            or self.config.hidden_size // self.config.num_attention_heads
+        )
+        cos, sin = both_halves(cos, dim), both_halves(sin, dim)
         if self.layer_types[layer] == NO_ROPE:  # the identity rotation, in the tables' shape
             return torch.ones_like(cos, dtype=torch.float32), torch.zeros_like(sin, dtype=torch.float32)
         return cos.float(), sin.float()
@@ -151,7 +167,8 @@ def _no_rope_flags(spec) -> dict:
 
 def _module_name(model_type: str) -> str:
     # gemma3_text lives in transformers.models.gemma3; others are named after their type
-    return {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type.replace("-", "_"))
+    known = {"gemma3_text": "gemma3", "gemma2_text": "gemma2", "llama4_text": "llama4"}
+    return known.get(model_type, model_type.replace("-", "_"))
 
 
 def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:

@@ -2,6 +2,10 @@
 
     layer_windows(config)        per layer, the sliding window its cache keeps (None: every token)
     layer_window(module)         the same for one attention module (its config and `layer_idx`)
+    layer_sinks(module)          its learned sink logits [q_heads] (GPT-OSS), or None
+    layer_chunks(config)         per layer, the chunk its queries attend within (Llama 4), or None
+    layer_chunk(module)          the same for one attention module
+    query_temperature(module, p) the scale Llama 4's NoPE layers give queries at positions p, or None
     check_supported(model)       raise UnsupportedArchitectureError for what a bridge cannot do exactly
 
 The window comes from transformers' own `get_layer_types_and_kwargs`, the reading
@@ -9,9 +13,13 @@ The window comes from transformers' own `get_layer_types_and_kwargs`, the readin
 the fit's attention weights attend over exactly what the target's cache keeps (Mistral, Phi-3 and
 StarCoder2 pass their window as a keyword and keep no attribute for it).
 
-Supported: per-head K/V on every layer ("full_attention" or "sliding_attention"), RoPE over the
+Supported: per-head K/V on every layer ("full_attention", "sliding_attention", or Llama 4's
+"chunked_attention": its cache keeps a window of the chunk size, as transformers' does, and
+bridgecache's own attention masks to the chunk), RoPE over the
 whole head in the half-split layout of `rotate_half` (any rope type and scaling), or no RoPE on a
-layer. Everything else is refused by name before any model runs: a bridge would be silently wrong.
+layer; a learned sink logit per head (GPT-OSS: a softmax column with no value, not part of the
+cache, which bridgecache's own attention adds where the model's does). Everything else is refused
+by name before any model runs: a bridge would be silently wrong.
 Knows transformers configs; nothing about bridges, KV or caches.
 """
 
@@ -26,21 +34,23 @@ __all__ = [
     "SUPPORTED_LAYER_TYPES",
     "layer_windows",
     "layer_window",
+    "layer_sinks",
+    "layer_chunks",
+    "layer_chunk",
+    "query_temperature",
     "check_supported",
     "rope_layers",
     "rotary_module",
 ]
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _SUPPORTED = (
-    "per-head keys and values on every layer (full or sliding-window attention), RoPE over the "
+    "per-head keys and values on every layer (full, sliding-window or chunked attention), RoPE over the "
     "whole head in the half-split layout (any rope type and scaling) or none"
 )
 # Families whose layers without a window carry no RoPE, a rule of their modeling code and no config
 # field (Cohere 2, EXAONE 4: "if self.sliding_window is None or self.is_sliding: apply RoPE").
 _ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
-# Families whose attention adds a learned sink logit per head (not a config field).
-_SINKS = {"gpt_oss"}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -85,7 +95,6 @@ def layer_windows(config) -> tuple[int | None, ...]:
 
 
 _KIND_WHY = {
-    "chunked_attention": "attention within fixed chunks, as Llama 4's",
     "linear_attention": "a recurrent state instead of per-token keys and values (a hybrid model)",
     "conv": "a convolution state instead of per-token keys and values (a hybrid model)",
     "mamba": "a recurrent state instead of per-token keys and values (a hybrid model)",
@@ -109,6 +118,32 @@ def _signature(config) -> tuple:
 def layer_window(module) -> int | None:
     """The window of an attention module's layer (its `config` and `layer_idx`)."""
     return layer_windows(module.config)[module.layer_idx]
+
+
+def layer_chunks(config) -> tuple[int | None, ...]:
+    """Per decoder layer, the chunk its queries attend within (Llama 4's "chunked_attention" layers:
+    `attention_chunk_size` columns, counted from each row's first real token, as transformers'
+    chunked mask), or None. Its cache is a window of the same size (`layer_windows`)."""
+    config = config.get_text_config()
+    types = getattr(config, "layer_types", None) or ()
+    chunk = getattr(config, "attention_chunk_size", None)
+    return tuple(chunk if kind == "chunked_attention" else None for kind in types) or (None,) * (
+        config.num_hidden_layers
+    )
+
+
+def layer_chunk(module) -> int | None:
+    """The chunk of an attention module's layer (its `config` and `layer_idx`), or None."""
+    return layer_chunks(module.config)[module.layer_idx]
+
+
+def query_temperature(module, positions: torch.Tensor) -> torch.Tensor | None:
+    """float32, `positions`' shape: the scale a Llama 4 NoPE layer gives its queries at `positions`
+    (log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, transformers' `attn_temperature_tuning`,
+    where p counts columns from the sequence's start); None for every other attention module."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
 
 def rope_layers(config) -> tuple[bool, ...]:
@@ -150,23 +185,19 @@ def check_supported(model_or_config) -> None:
         )
     if getattr(config, "rope_interleave", False) or _rotate_half_interleaves(model, kind):
         raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
-    if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
-        raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
-    if kind in _SINKS or (model is not None and _has_sinks(model)):
-        raise UnsupportedArchitectureError(kind, None, "attention sinks", "a learned logit per head")
+    llama4 = (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4")
+    if llama4 and any(rope_layers(config)):  # its NoPE layers rotate nothing: those alone are exact
+        layer = rope_layers(config).index(True)
+        raise UnsupportedArchitectureError(
+            kind, layer, "interleaved rotary embeddings", "complex tables (freqs_cis), pairs (2j, 2j + 1)"
+        )
 
 
-# model -> whether an attention module holds sinks: model_spec runs on every handoff, and a walk
-# over a large model's modules costs about a millisecond.
-_SINK_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _has_sinks(model: torch.nn.Module) -> bool:
-    known = _SINK_MODELS.get(model)
-    if known is None:
-        known = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-        _SINK_MODELS[model] = known
-    return known
+def layer_sinks(module) -> torch.Tensor | None:
+    """An attention module's sink logits [q_heads] float32 (GPT-OSS's `sinks`: one more logit per
+    head in the softmax, with no value), or None where it has none."""
+    sinks = getattr(module, "sinks", None)
+    return sinks.detach().float() if isinstance(sinks, torch.Tensor) else None
 
 
 def rotary_module(model) -> torch.nn.Module | None:

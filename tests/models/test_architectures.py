@@ -29,6 +29,7 @@ from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.handoff import handoff
+from bridgecache.runtime.selection.reading import attention_scores
 
 REFUSED = {
     "phi4-mini (partial rotary)": "partial rotary",
@@ -38,9 +39,8 @@ REFUSED = {
     "gpt2 (learned positions)": "no rotary position embeddings",
     "cohere": "interleaved rotary",
     "cohere2": "interleaved rotary",
-    "gpt_oss (sinks)": "attention sinks",
     "deepseek_v3 (MLA)": "latent attention",
-    "llama4_text (chunked)": "chunked_attention",
+    "llama4_text (chunked)": "interleaved rotary",
     "qwen3_next (hybrid)": "linear_attention",
 }
 EXACT = [name for name in ARCHITECTURES if name not in REFUSED]
@@ -100,6 +100,20 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     assert cache.report().tokens_refreshed == 28  # all but the native sink and the held-back token
     assert torch.equal(seq, native_seq)
     assert (logits - native_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["gpt_oss (sinks)", "gemma2 (soft-capping)", "llama4_text (chunked, NoPE)"])
+def test_the_sources_reading_is_the_models_own_attention(name):
+    # the reading scores context tokens by the model's own probabilities: GPT-OSS's sinks take
+    # their share, windows hold (a 20-token context, windows of 8), as transformers' eager attention
+    model = tiny_architecture(name)
+    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
+    kv = capture_kv(model, context)
+    first = torch.zeros(1, dtype=torch.long)
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    expected = sum(a[0, :, 20:, :20].sum((0, 1)) for a in out.attentions)
+    scores = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 20, reduce="sum")
+    assert torch.allclose(scores[0], expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["mistral (sliding window)", "phi3 (sliding window)", "starcoder2"])
