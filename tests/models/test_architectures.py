@@ -116,6 +116,23 @@ def test_the_sources_reading_is_the_models_own_attention(name):
     assert torch.allclose(scores[0], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["gpt_oss (sinks)", "llama4_text (chunked, NoPE)", "gemma3"])
+def test_a_prompt_read_in_the_pass_after_an_identity_context_is_the_targets_own(name):
+    # the prompt's queries sit at columns past the context, not at 0..n-1: windows, chunks, sinks
+    # and Llama 4's query temperature (floor_scale 4: it changes every 4 columns) must follow them
+    model, tok = tiny_architecture(name), byte_tokenizer()
+    result = handoff(
+        Bridge.identity(model), model, model, CONTEXT, " Where?", source_tokenizer=tok, target_tokenizer=tok,
+        max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True,
+        config=HandoffConfig(route="handoff"),
+    )  # fmt: skip
+    ids = tok(CONTEXT + " Where?", return_tensors="pt").input_ids
+    native_seq, native_logits = _generate(model, ids)
+    assert torch.equal(result.output_ids, native_seq[:, ids.shape[1] : ids.shape[1] + 4])
+    logits = torch.stack(result.generation.logits)
+    assert (logits - native_logits[:4]).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("name", ["mistral (sliding window)", "phi3 (sliding window)", "starcoder2"])
 def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
     # these families hand their window to the attention function as a keyword only
