@@ -95,6 +95,8 @@ def layer_windows(config) -> tuple[int | None, ...]:
 
 
 _KIND_WHY = {
+    # hybrids: their state after a context needs the prefill through the last recurrent layer, so a
+    # translated cache saves nothing (docs/latent-and-hybrid.md, measured)
     "linear_attention": "a recurrent state instead of per-token keys and values (a hybrid model)",
     "conv": "a convolution state instead of per-token keys and values (a hybrid model)",
     "mamba": "a recurrent state instead of per-token keys and values (a hybrid model)",
@@ -165,10 +167,12 @@ def check_supported(model_or_config) -> None:
     model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
     config = getattr(model_or_config, "config", model_or_config).get_text_config()
     kind = config.model_type
-    if getattr(config, "kv_lora_rank", None) is not None:
+    if getattr(config, "kv_lora_rank", None) is not None:  # docs/latent-and-hybrid.md: why, measured
         raise UnsupportedArchitectureError(
-            kind, None, "multi-head latent attention (MLA)", f"one latent of {config.kv_lora_rank} per token"
-        )
+            kind, None, "multi-head latent attention (MLA)",
+            f"its cache holds one latent of {config.kv_lora_rank} as keys and the shared rotary key of "
+            f"{config.qk_rope_head_dim} as values, not per-head keys and values",
+        )  # fmt: skip
     windows = {w for w in layer_windows(config) if w is not None}  # raises for other layer kinds
     if len(windows) > 1:
         raise UnsupportedArchitectureError(
