@@ -211,17 +211,28 @@ An unsupported architecture is refused where it enters (`model_spec`, which `cap
 
 {table}
 
+Attention that is not in the cache: GPT-OSS adds a learned sink logit per head to every softmax
+(a column with no value, transformers' eager attention, the only one it supports), and Llama 4's
+chunked layers attend within chunks of `attention_chunk_size` counted from each row's first real
+token (transformers caches them as a window of the chunk size). Their keys and values are
+ordinary, so bridgecache's own attention does what the model's does: the native-work pass's
+column attention (the Triton kernel and its reference take the sink logits and the chunk), the
+source's reading and the fit's attention weights. Llama 4's NoPE layers scale their queries by a
+temperature of the position; our forwards give it at the queries' true columns. The Llama 4 row
+above has NoPE on every layer (the chunked ones included); its RoPE layers are refused for their
+complex tables (interleaved pairs) until the rotary layout lands.
+
 Why the refusals: a bridge maps keys in un-rotated space, and the runtime's fused kernels rotate
 over the whole head in `rotate_half`'s (j, j + D/2) layout. Partial rotary (Phi-4-mini, GPT-NeoX,
-StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, DeepSeek's
-`rope_interleave`; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
+StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, Llama 4's
+complex tables; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
 un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
 silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
 rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
-(DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
-recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
-a learned sink logit per head: none of them is per-head keys and values a bridge can translate
-and a target can attend over unchanged.
+(DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys and the shared rotary
+key as values, of different widths; hybrids (Qwen3-Next, Jamba) keep a recurrent state whose
+native computation needs nearly the whole prefill. Both decisions, with their measurements:
+docs/latent-and-hybrid.md (`python benchmarks/latent_hybrid.py`).
 
 At the sizes users run: one model of each supported family at its published config (Llama-3.1-8B,
 Mistral-7B, Qwen3-8B, Gemma-2-9B, Gemma-3-4B, Phi-3-mini-4k, OLMo-2-7B, Granite-3.1-8B, SmolLM3-3B,
