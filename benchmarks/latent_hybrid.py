@@ -21,7 +21,7 @@ a recurrent layer's state after the context depends on its inputs at every conte
 are the outputs of every earlier layer; so the native work a translated cache still needs is the
 target's prefill through its last recurrent layer. Printed: that share of the layers at the
 published layer pattern, and the time of a forward through it beside the whole prefill (tiny
-widths, the published depth and pattern, 256 tokens, CPU, best of two runs each).
+widths, the published depth and pattern, 128 tokens, CPU, best of two runs each).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # tiny_models: the same models the tests run
 
 N_FIT, N_HELD, LENGTH, CONTEXT = 8, 8, 48, 40
-TOKENS = 256  # the hybrids' timed prefill
+TOKENS = 128  # the hybrids' timed prefill
 
 
 def _deepseek_rotation(model):
@@ -210,7 +210,7 @@ def hybrid_rows() -> list[str]:
     lines = [
         "| hybrid (published pattern, tiny widths) | recurrent layers | last recurrent layer | share of "
         "layers a translated cache still runs | forward through it / whole prefill "
-        "(256 tokens, CPU, best of 2) |",
+        "(128 tokens, CPU, best of 2) |",
         "|---|---|---|---|---|",
     ]
     ids = torch.randint(3, 300, (1, TOKENS), generator=torch.Generator().manual_seed(6))
