@@ -71,7 +71,7 @@ def measure(name: str) -> dict:
     from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
     from bridgecache.bridge.maps import Bridge
     from bridgecache.kv.capture import capture_kv
-    from bridgecache.models.layout import UnsupportedArchitectureError
+    from bridgecache.models.layout import UnsupportedArchitectureError, layer_chunks
     from bridgecache.models.spec import model_spec
     from bridgecache.runtime.cache import BridgedCache
     from bridgecache.runtime.handoff import handoff
@@ -83,8 +83,12 @@ def measure(name: str) -> dict:
     except UnsupportedArchitectureError as error:
         where = "every layer" if error.layer is None else f"layer {error.layer}"
         return row | {"refused": f"{error.feature}, {where}", "detail": error.detail}
-    sliding = [i for i, t in enumerate(spec.layer_types) if t == "sliding_attention"]
-    row["layout"] = f"window {spec.sliding_window} on layers {sliding}" if sliding else "full attention"
+    chunks = layer_chunks(model.config)  # Llama 4: cached as a window, attended within chunks
+    sliding = [i for i, t in enumerate(spec.layer_types) if t == "sliding_attention" and not chunks[i]]
+    chunked = [i for i, c in enumerate(chunks) if c]
+    parts = [f"window {spec.sliding_window} on layers {sliding}"] if sliding else []
+    parts += [f"chunks of {chunks[chunked[0]]} on layers {chunked}"] if chunked else []
+    row["layout"] = ", ".join(parts) or "full attention"
     ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     native_seq, native = _generate(model, ids)
 
