@@ -167,12 +167,20 @@ def mla_rows() -> list[str]:
     k_rot = unrotate(again.values, torch.arange(12))[0, 0]
     moved = float((k_rot[:6] - k_rot[6:]).abs().max() / k_rot.abs().max())
     c = deepseek.config
+    v3 = __import__("transformers").DeepseekV3Config()  # the published DeepSeek V3 sizes
+    cached = v3.kv_lora_rank + v3.qk_rope_head_dim
+    expanded = v3.num_attention_heads * (v3.qk_nope_head_dim + v3.qk_rope_head_dim + v3.v_head_dim)
     lines = [
         f"DeepSeek V3 (tiny: {c.num_attention_heads} heads, kv_lora_rank {c.kv_lora_rank}, qk_nope "
         f"{c.qk_nope_head_dim}, qk_rope {c.qk_rope_head_dim}, v {c.v_head_dim}): transformers' cache "
         f"layer 0 keys {tuple(layer.keys.shape)} (the latent), values {tuple(layer.values.shape)} (k_rot, "
         f"rotated, written de-interleaved: un-rotated in rotate_half's layout it is position-free, "
         f"moving {moved:.1e} of its largest entry when read 6 positions later)",
+        "",
+        f"Published DeepSeek V3 (DeepseekV3Config defaults): the cache keeps {v3.kv_lora_rank} + "
+        f"{v3.qk_rope_head_dim} = {cached} numbers per token and layer; the per-head keys and values "
+        f"its attention expands them to are {v3.num_attention_heads} x ({v3.qk_nope_head_dim} + "
+        f"{v3.qk_rope_head_dim} + {v3.v_head_dim}) = {expanded} ({expanded / cached:.0f}x).",
         "",
         "| source -> target | held-out R^2 per target part (mean over layers) | next-token KL, native "
         "vs mapped cache | top-1 agreement |",
@@ -287,10 +295,14 @@ wide, position-free) and the shared rotary key (the values slot, `qk_rope_head_d
 in rotate_half's layout although the projection's channels are interleaved pairs), and expands
 them to per-head keys and values inside every attention call. A closed-form map into the latent
 (least squares from the source's position-free keys and values to the target's latent and
-un-rotated rotary key) runs both ways; on random weights it fits the latent no worse than the
-same map fits one per-head model from another (the baseline rows): the method is not what stands
-in the way. The runtime is: every bridge map, kernel and buffer assumes keys and values of one
-head width (DeepSeek V3: 512 and 64), the rotated part sits in the values slot, and the
+un-rotated rotary key) runs both ways. On random weights no map generalises (held-out R^2 below
+0 in every row, the baselines' too), so the rows compare only with each other: the latent and the
+rotary key fit no worse than one per-head model's keys and values fit from another's, and the
+target reading a mapped latent strays from its own next tokens no more than a per-head target
+does. The method is not what stands in the way; translating into the expanded per-head keys and
+values instead would store many times the cache (above) and is not what the model reads back.
+The runtime is: every bridge map, kernel and buffer assumes keys and values of one head width
+(DeepSeek V3: 512 and 64), the rotated part sits in the values slot, and the
 native-work pass writes the keys and values its attention receives, which for MLA are the
 expanded per-head tensors, not the cached latent. Supporting MLA means a latent layout in
 `ModelSpec` (separate key and value widths, a rotated value slot) and a pass that writes the
@@ -303,9 +315,10 @@ latent: a follow-up, not a refusal of the method.
 A recurrent layer's state after the context is a function of its inputs at every context token,
 and those are the outputs of every layer before it; so with translated attention layers the
 target still runs its prefill through its last recurrent layer, which at the published patterns
-is all but at most one layer (the share above), and the timed forward through it costs what the
-whole prefill does. Translating the attention layers could save only the attention layers after
-the last recurrent one, before paying for the translation: no saving, so hybrids are refused.
+is all but at most one layer (the share above), and the timed forward through it costs nearly
+what the whole prefill does (the ratio above). Translating the attention layers could save only
+the attention layers after the last recurrent one, before paying for the translation: no saving,
+so hybrids are refused.
 """
 
 
