@@ -193,9 +193,10 @@ def tiny_architecture_config(name: str):
     return getattr(transformers, class_name)(**(_TINY | overrides))
 
 
-def tiny_architecture(name: str, seed: int = 0):
+def tiny_architecture(name: str, seed: int = 0, config=None):
+    """The tiny model of ARCHITECTURES[name] (`config`: that config, changed by the caller)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()
+    model = AutoModelForCausalLM.from_config(config or tiny_architecture_config(name)).eval()
     with torch.no_grad():  # GPT-OSS's sinks start near 0 (std 0.02): logits of a few units, as trained ones
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.Tensor):

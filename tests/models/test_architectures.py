@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, byte_tokenizer, tiny_architecture, tiny_architecture_config, tiny_model
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
 from bridgecache.bridge.maps import Bridge
@@ -133,13 +133,21 @@ def test_a_prompt_read_in_the_pass_after_an_identity_context_is_the_targets_own(
     assert (logits - native_logits[:4]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["mistral (sliding window)", "phi3 (sliding window)", "starcoder2"])
-def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
-    # these families hand their window to the attention function as a keyword only
+@pytest.mark.parametrize(
+    "name, attention",
+    [
+        ("mistral (sliding window)", "sdpa"),
+        ("phi3 (sliding window)", "sdpa"),
+        ("starcoder2", "sdpa"),
+        ("gpt_oss (sinks)", "eager"),  # transformers runs its sinks in eager attention only
+        ("llama4_text (chunked, NoPE)", "sdpa"),  # chunks count from each row's first real token
+    ],
+)
+def test_a_left_padded_batch_keeps_windows_chunks_and_sinks(name, attention):
+    # Mistral, Phi-3 and StarCoder2 hand their window to the attention function as a keyword only
     config = tiny_architecture_config(name)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    config._attn_implementation = attention
+    model = tiny_architecture(name, config=config)
     ids = torch.randint(3, 300, (2, 26), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :7], ids[0, :7] = 0, 0  # row 0: 19 real tokens, both rows longer than the window
