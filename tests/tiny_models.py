@@ -123,6 +123,8 @@ ARCHITECTURES = {
         dict(sliding_window=8, layer_types=_ALTERNATING, initializer_range=0.5),
     ),  # fmt: skip
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "glm (interleaved, partial 0.5)": ("GlmConfig", dict(pad_token_id=0)),
+    "glm4 (interleaved, partial 0.5)": ("Glm4Config", dict(pad_token_id=0)),
     # refused by name
     "phi4-mini (partial rotary)": (
         "Phi3Config",
@@ -131,7 +133,7 @@ ARCHITECTURES = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
         ),
     ),  # fmt: skip
-    "gpt_neox": ("GPTNeoXConfig", dict()),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=4)),  # no GQA: every head its own KV
     "stablelm": ("StableLmConfig", dict()),
     "helium": ("HeliumConfig", dict()),
     "gpt2 (learned positions)": ("GPT2Config", dict(n_embd=64, n_layer=4, n_head=4)),

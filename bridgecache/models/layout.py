@@ -3,44 +3,78 @@
     layer_windows(config)        per layer, the sliding window its cache keeps (None: every token)
     layer_window(module)         the same for one attention module (its config and `layer_idx`)
     check_supported(model)       raise UnsupportedArchitectureError for what a bridge cannot do exactly
+    rotary_layout(model)         the RotaryLayout of its keys: which channels RoPE pairs, over how many
 
 The window comes from transformers' own `get_layer_types_and_kwargs`, the reading
 `DynamicCache(config=...)` builds its layers from, so the spec, the native pass, the reading and
 the fit's attention weights attend over exactly what the target's cache keeps (Mistral, Phi-3 and
 StarCoder2 pass their window as a keyword and keep no attribute for it).
 
-Supported: per-head K/V on every layer ("full_attention" or "sliding_attention"), RoPE over the
-whole head in the half-split layout of `rotate_half` (any rope type and scaling), or no RoPE on a
-layer. Everything else is refused by name before any model runs: a bridge would be silently wrong.
+Supported: per-head K/V on every layer ("full_attention" or "sliding_attention"), RoPE in any
+`RotaryLayout` (half-split or interleaved pairs, over the whole head or its first `rotary_dim`
+channels; any rope type and scaling), or no RoPE on a layer. Everything else is refused by name
+before any model runs: a bridge would be silently wrong.
 Knows transformers configs; nothing about bridges, KV or caches.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 
+from bridgecache.kernels.rotary import ROTARY_KINDS
+
 __all__ = [
+    "ROTARY_KINDS",
+    "RotaryLayout",
     "UnsupportedArchitectureError",
     "SUPPORTED_LAYER_TYPES",
     "layer_windows",
     "layer_window",
     "check_supported",
     "rope_layers",
+    "rotary_layout",
     "rotary_module",
 ]
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _SUPPORTED = (
-    "per-head keys and values on every layer (full or sliding-window attention), RoPE over the "
-    "whole head in the half-split layout (any rope type and scaling) or none"
+    "per-head keys and values on every layer (full or sliding-window attention), RoPE with "
+    "half-split or interleaved pairs over the whole head or a part of it (any rope type and "
+    "scaling) or none"
 )
 # Families whose layers without a window carry no RoPE, a rule of their modeling code and no config
 # field (Cohere 2, EXAONE 4: "if self.sliding_window is None or self.is_sliding: apply RoPE").
 _ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
 # Families whose attention adds a learned sink logit per head (not a config field).
 _SINKS = {"gpt_oss"}
+# Families whose decoder layer calls its attention without the forward's extra keywords
+# (transformers 5.25's StableLmDecoderLayer): bridgecache's own attention, which the native-work
+# pass hands down as one, would never be reached.
+_DROPS_ATTENTION_KEYWORDS = {"stablelm"}
+
+
+class RotaryLayout(NamedTuple):
+    """Which key channels RoPE rotates together: a value, read from the model's own rotary code.
+
+    kind: "half" pairs channels (j, j + rotary_dim / 2), as Llama's `rotate_half`; "interleaved"
+        pairs (2j, 2j + 1), as Cohere's, Helium's and GLM's `rotate_half`.
+    rotary_dim: how many leading channels of the head are rotated (partial rotary: Phi-4-mini
+        0.75, GPT-NeoX and StableLM 0.25 of the head); the rest pass through unrotated.
+
+    A plain (str, int) tuple, so the kernels take it without importing bridgecache.
+    """
+
+    kind: str
+    rotary_dim: int
+
+    @classmethod
+    def whole(cls, head_dim: int) -> RotaryLayout:
+        """The half-split over the whole head: what files written before the field mean."""
+        return cls("half", head_dim)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -139,19 +173,22 @@ def check_supported(model_or_config) -> None:
         raise UnsupportedArchitectureError(
             kind, None, "sliding windows of several sizes", str(sorted(windows))
         )
-    factor = _partial_rotary(config)
-    if factor != 1.0:
-        raise UnsupportedArchitectureError(kind, None, "partial rotary embeddings", f"factor {factor}")
     rope = getattr(config, "rope_parameters", None)
     no_module = model is not None and rotary_module(model) is None
     if rope is None or no_module or getattr(config, "alibi", False):
         raise UnsupportedArchitectureError(
             kind, None, "no rotary position embeddings", "learned absolute or ALiBi positions"
         )
-    if getattr(config, "rope_interleave", False) or _rotate_half_interleaves(model, kind):
-        raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
+    if getattr(config, "rope_interleave", False):  # DeepSeek's: pairs permuted before rotate_half
+        raise UnsupportedArchitectureError(kind, None, "rope_interleave", "channels permuted before RoPE")
+    rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
     if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
         raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
+    if kind in _DROPS_ATTENTION_KEYWORDS:
+        raise UnsupportedArchitectureError(
+            kind, None, "a decoder layer that drops attention keywords",
+            "its layers call self_attn without **kwargs, so bridgecache's attention cannot reach it",
+        )  # fmt: skip
     if kind in _SINKS or (model is not None and _has_sinks(model)):
         raise UnsupportedArchitectureError(kind, None, "attention sinks", "a learned logit per head")
 
@@ -182,13 +219,19 @@ def rotary_module(model) -> torch.nn.Module | None:
 
 def _rotate_half_interleaves(model, model_type: str) -> bool:
     """Whether the model's own `rotate_half` pairs channels (2j, 2j + 1) (Cohere, Helium, GLM)
-    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3]."""
-    import importlib
-
+    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3] (memoised
+    per module: model_spec runs on every handoff)."""
     name = type(model).__module__ if model is not None else None
     if name is None or not name.startswith("transformers.models."):
         package = {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type)
         name = f"transformers.models.{package}.modeling_{package}"
+    return _module_interleaves(name)
+
+
+@functools.cache
+def _module_interleaves(name: str) -> bool:
+    import importlib
+
     try:
         rotate_half = getattr(importlib.import_module(name), "rotate_half", None)
     except ImportError:
@@ -196,6 +239,25 @@ def _rotate_half_interleaves(model, model_type: str) -> bool:
     if rotate_half is None:
         return False
     return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
+
+
+def rotary_layout(model_or_config) -> RotaryLayout:
+    """The RotaryLayout of a model's keys: the pairing its own `rotate_half` applies (read from its
+    modeling module on [0, 1, 2, 3]) over the leading int(head_dim * partial_rotary_factor)
+    channels, as its rotary module sizes its tables (`rotary_pct` on older configs)."""
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = getattr(model_or_config, "config", model_or_config).get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    factor = _partial_rotary(config)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+        raise UnsupportedArchitectureError(
+            config.model_type, None, "a rotary width the head cannot hold",
+            f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} channels",
+        )  # fmt: skip
+    kind = "interleaved" if _rotate_half_interleaves(model, config.model_type) else "half"
+    return RotaryLayout(kind, rotary_dim)
 
 
 def _partial_rotary(config) -> float:

@@ -31,13 +31,8 @@ from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.handoff import handoff
 
 REFUSED = {
-    "phi4-mini (partial rotary)": "partial rotary",
-    "gpt_neox": "partial rotary",
-    "stablelm": "partial rotary",
-    "helium": "interleaved rotary",
+    "stablelm": "drops attention keywords",
     "gpt2 (learned positions)": "no rotary position embeddings",
-    "cohere": "interleaved rotary",
-    "cohere2": "interleaved rotary",
     "gpt_oss (sinks)": "attention sinks",
     "deepseek_v3 (MLA)": "latent attention",
     "llama4_text (chunked)": "chunked_attention",
