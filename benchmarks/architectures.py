@@ -6,7 +6,8 @@ written as a markdown table.
 
 Per architecture, in float32 on the CPU, over a 30-token context (longer than the window of 8
 where the family has one), 5 greedy new tokens:
-- the layout `model_spec` reads (sliding layers and window) or the refusal it raises;
+- the layout `model_spec` reads (sliding layers and window, the rotary layout where it is not
+  Llama's half-split over the whole head) or the refusal it raises;
 - identity: max |logit difference| between the target's own `generate()` and `generate()` over a
   BridgedCache of the identity bridge, and whether the tokens are equal;
 - full refresh: the same for a deliberately wrong bridge (the identity plus N(0, 0.25) noise on
@@ -85,6 +86,9 @@ def measure(name: str) -> dict:
         return row | {"refused": f"{error.feature}, {where}", "detail": error.detail}
     sliding = [i for i, t in enumerate(spec.layer_types) if t == "sliding_attention"]
     row["layout"] = f"window {spec.sliding_window} on layers {sliding}" if sliding else "full attention"
+    kind, rotary_dim = spec.rotary
+    if (kind, rotary_dim) != ("half", spec.head_dim):
+        row["layout"] += f"; rotary {kind}, {rotary_dim} of {spec.head_dim} channels"
     ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     native_seq, native = _generate(model, ids)
 
@@ -211,12 +215,16 @@ An unsupported architecture is refused where it enters (`model_spec`, which `cap
 
 {table}
 
-Why the refusals: a bridge maps keys in un-rotated space, and the runtime's fused kernels rotate
-over the whole head in `rotate_half`'s (j, j + D/2) layout. Partial rotary (Phi-4-mini, GPT-NeoX,
-StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, DeepSeek's
-`rope_interleave`; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
-un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
-silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
+Rotary layouts: a bridge maps keys in un-rotated space, so it must know which channels the model's
+RoPE rotates together. `model_spec` reads a `RotaryLayout` from the model's own code (its
+`rotate_half` applied to [0, 1, 2, 3]: half-split (j, j + R/2) or interleaved (2j, 2j + 1) pairs;
+R = head_dim x `partial_rotary_factor` leading channels, the rest pass through), records it in the
+bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75,
+GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both, 0.5) are exact
+above. StableLM (partial 0.25) is refused for another reason: transformers' StableLmDecoderLayer
+calls its attention without the forward's extra keywords, so bridgecache's own attention (the
+native-work pass's) would never be reached. DeepSeek's `rope_interleave` permutes channels before
+a half-split rotation; only MLA models use it (refused above). Models without
 rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
 (DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
 recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds

@@ -8,15 +8,12 @@ For every target layer l, target head h and target position t (one batch row b):
     out[l, b, h, t] = rotate(z, tgt_cos[l, b, t], tgt_sin[l, b, t])       (keys), cast to out's dtype
     out[l, b, h, t] = 0 where rows[b, t] == -1
 
-RoPE rotates the pairs of a rotary layout (`src_rotary`, `tgt_rotary`: (kind, rotary_dim), see
-`bridgecache.kernels.rotary`; None is transformers' `rotate_half` over the two halves of the
-whole head). cos/sin tables are [..., D] indexed by pair: only their first half is read (for the
-half-split over the whole head that is transformers' cat(freqs, freqs); pass-through pairs hold
-cos 1, sin 0), so for pair p with channels (a, b), x1 = x[a], x2 = x[b], (c, s) = tables[p]:
+RoPE rotates the channel pairs (a, b) of each side's rotary layout (`src_rotary`, `tgt_rotary`:
+Triton compile-time constants; kernels.rotary): x1 = x[a], x2 = x[b], (c, s) = cos/sin[..., p] for
+pair p (tables [..., D] by pair, first half read: for Llama's layout, transformers' own tables):
     unrotate: u1 = (x1 c + x2 s) / (c^2 + s^2),  u2 = (x2 c - x1 s) / (c^2 + s^2)
     rotate:   y1 = z1 c - z2 s,                  y2 = z2 c + z1 s
-Dividing by c^2 + s^2 inverts rope types that scale both tables (attention factor) exactly. The
-layouts are compile-time constants of the Triton kernels.
+Dividing by c^2 + s^2 inverts rope types that scale both tables (attention factor) exactly.
 
 `affine_reference` (PyTorch, float32 arithmetic) and the Triton kernel compute the same function;
 `gathered_affine` checks the arguments, dispatches, and is registered as the torch operator
@@ -108,9 +105,8 @@ def _affine_kernel(
     row = tl.where(valid, row, 0).to(tl.int64)
     ld_mask = t_mask & valid
 
-    # Accumulator column c = (hb * 2 + side) * BH + e holds channel a (side 0) or b (side 1) of
-    # target pair cb * BH + e of head hg * HB + hb (kernels.rotary: with the half-split over the
-    # whole head, channel side * HALF_T + cb * BH + e): each program owns whole rope pairs.
+    # Accumulator column c = (hb * 2 + side) * BH + e holds channel a (side 0) or b (side 1) of target
+    # pair cb * BH + e of head hg * HB + hb (kernels.rotary): each program owns whole rope pairs.
     offs_n = tl.arange(0, HB * 2 * BH)
     ta, tb = _pair_channels(cb * BH + offs_n % BH, T_INTERLEAVED, T_ROT_HALF, HALF_T)
     col_n = tl.where((offs_n // BH) % 2 == 0, ta, tb)
@@ -262,9 +258,8 @@ def launch_affine(
     if kernel == "persistent" and not persistent:
         raise ValueError(f"the persistent kernel takes one input slot and source dims 32..256, got {n}, {ds}")
     if kernel != "tiled" and persistent:
-        launch_persistent(
-            view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, src_rotary, tgt_rotary
-        )
+        tables = (src_cos, src_sin, tgt_cos, tgt_sin)
+        launch_persistent(view, rows, heads, weight, bias, *tables, out, src_rotary, tgt_rotary)
         return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
@@ -344,22 +339,11 @@ _SCHEMA = (
 
 @torch.library.custom_op("bridgecache::gathered_affine", mutates_args=("out",), schema=_SCHEMA)
 def _gathered_affine_op(
-    src: list[torch.Tensor],
-    rows: torch.Tensor,
-    heads: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    src_cos: torch.Tensor | None,
-    src_sin: torch.Tensor | None,
-    tgt_cos: torch.Tensor | None,
-    tgt_sin: torch.Tensor | None,
-    backend: str,
-    src_kind: str,
-    src_rotary_dim: int,
-    tgt_kind: str,
-    tgt_rotary_dim: int,
-    out: torch.Tensor,
-) -> None:
+    src: list[torch.Tensor], rows: torch.Tensor, heads: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor, src_cos: torch.Tensor | None, src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None, tgt_sin: torch.Tensor | None, backend: str, src_kind: str,
+    src_rotary_dim: int, tgt_kind: str, tgt_rotary_dim: int, out: torch.Tensor,
+) -> None:  # fmt: skip
     _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend,
                 src_kind, src_rotary_dim, tgt_kind, tgt_rotary_dim, out)  # fmt: skip
 
@@ -367,18 +351,14 @@ def _gathered_affine_op(
 def _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend,
                 src_kind, src_rotary_dim, tgt_kind, tgt_rotary_dim, out) -> None:  # fmt: skip
     """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
-    src_rotary, tgt_rotary = (src_kind, src_rotary_dim), (tgt_kind, tgt_rotary_dim)
+    layouts = dict(src_rotary=(src_kind, src_rotary_dim), tgt_rotary=(tgt_kind, tgt_rotary_dim))
     if backend == "torch":
-        affine_reference(
-            src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, src_rotary, tgt_rotary
-        )
+        affine_reference(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, **layouts)
         return
     if len({t.stride() for t in src}) > 1:  # the kernel addresses every layer with one set of strides
         src = [t.contiguous() for t in src]
-    launch_affine(
-        source_view(src), rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out,
-        src_rotary=src_rotary, tgt_rotary=tgt_rotary,
-    )  # fmt: skip
+    view = source_view(src)
+    launch_affine(view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, **layouts)
 
 
 @_gathered_affine_op.register_fake
@@ -415,9 +395,8 @@ def gathered_affine(
     tgt_cos, tgt_sin: [Lt, B, T, Dt] float32 (stride 0 where shared) or both None.
     out: [Lt, B, Ht, T, Dt] float32/bfloat16/float16, last axis contiguous.
     backend: "triton" | "torch" | None (see bridgecache.kernels._dispatch.resolve_backend).
-    src_rotary, tgt_rotary: the rotary layouts (kind "half" | "interleaved", rotary_dim) of the
-        source and target keys (bridgecache.kernels.rotary); None: the half-split over the whole
-        head. Read only where the side has tables.
+    src_rotary, tgt_rotary: (kind "half" | "interleaved", rotary_dim) of each side's keys
+        (kernels.rotary); None: the half-split over the whole head. Read where a side has tables.
     """
     src = [last_contiguous(t) for t in src]
     bsz, hs, s, ds = src[0].shape

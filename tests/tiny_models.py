@@ -125,7 +125,9 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     "glm (interleaved, partial 0.5)": ("GlmConfig", dict(pad_token_id=0)),
     "glm4 (interleaved, partial 0.5)": ("Glm4Config", dict(pad_token_id=0)),
-    # refused by name
+    "phi (partial 0.5)": ("PhiConfig", dict()),
+    "persimmon (partial 0.5, qk-norm)": ("PersimmonConfig", dict(num_key_value_heads=4)),  # no GQA
+    # partial or interleaved rotary, and the families refused by name (test_architectures.REFUSED)
     "phi4-mini (partial rotary)": (
         "Phi3Config",
         dict(
@@ -135,6 +137,7 @@ ARCHITECTURES = {
     ),  # fmt: skip
     "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=4)),  # no GQA: every head its own KV
     "stablelm": ("StableLmConfig", dict()),
+    "nemotron": ("NemotronConfig", dict()),
     "helium": ("HeliumConfig", dict()),
     "gpt2 (learned positions)": ("GPT2Config", dict(n_embd=64, n_layer=4, n_head=4)),
     "cohere": ("CohereConfig", dict()),

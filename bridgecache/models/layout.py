@@ -51,10 +51,6 @@ _SUPPORTED = (
 _ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
 # Families whose attention adds a learned sink logit per head (not a config field).
 _SINKS = {"gpt_oss"}
-# Families whose decoder layer calls its attention without the forward's extra keywords
-# (transformers 5.25's StableLmDecoderLayer): bridgecache's own attention, which the native-work
-# pass hands down as one, would never be reached.
-_DROPS_ATTENTION_KEYWORDS = {"stablelm"}
 
 
 class RotaryLayout(NamedTuple):
@@ -184,7 +180,7 @@ def check_supported(model_or_config) -> None:
     rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
     if (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4"):
         raise UnsupportedArchitectureError(kind, None, "complex rotary tables (freqs_cis)")
-    if kind in _DROPS_ATTENTION_KEYWORDS:
+    if _drops_attention_keywords(_modeling_module(model, kind)):
         raise UnsupportedArchitectureError(
             kind, None, "a decoder layer that drops attention keywords",
             "its layers call self_attn without **kwargs, so bridgecache's attention cannot reach it",
@@ -221,11 +217,50 @@ def _rotate_half_interleaves(model, model_type: str) -> bool:
     """Whether the model's own `rotate_half` pairs channels (2j, 2j + 1) (Cohere, Helium, GLM)
     rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3] (memoised
     per module: model_spec runs on every handoff)."""
+    return _module_interleaves(_modeling_module(model, model_type))
+
+
+def _modeling_module(model, model_type: str) -> str:
+    """The name of the transformers modeling module of a model (or of its model type)."""
     name = type(model).__module__ if model is not None else None
     if name is None or not name.startswith("transformers.models."):
         package = {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type)
         name = f"transformers.models.{package}.modeling_{package}"
-    return _module_interleaves(name)
+    return name
+
+
+@functools.cache
+def _drops_attention_keywords(name: str) -> bool:
+    """Whether a decoder layer of modeling module `name` calls `self.self_attn(...)` without handing
+    on the forward's extra keywords (StableLM's, Nemotron's in transformers 5.25): bridgecache's
+    own attention, which the native-work pass hands down as one, would never be reached and the
+    layer would attend without a mask. Read from the layer's source."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return False
+    for cls in vars(module).values():
+        if not (isinstance(cls, type) and cls.__name__.endswith("DecoderLayer") and cls.__module__ == name):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        start = source.find("self.self_attn(")
+        if start < 0:
+            continue
+        depth, end = 0, len(source)
+        for i in range(start + len("self.self_attn"), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            if depth == 0:
+                end = i
+                break
+        if "**kwargs" not in source[start:end]:
+            return True
+    return False
 
 
 @functools.cache

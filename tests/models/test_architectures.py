@@ -32,6 +32,7 @@ from bridgecache.runtime.handoff import handoff
 
 REFUSED = {
     "stablelm": "drops attention keywords",
+    "nemotron": "drops attention keywords",
     "gpt2 (learned positions)": "no rotary position embeddings",
     "gpt_oss (sinks)": "attention sinks",
     "deepseek_v3 (MLA)": "latent attention",
