@@ -219,12 +219,13 @@ Rotary layouts: a bridge maps keys in un-rotated space, so it must know which ch
 RoPE rotates together. `model_spec` reads a `RotaryLayout` from the model's own code (its
 `rotate_half` applied to [0, 1, 2, 3]: half-split (j, j + R/2) or interleaved (2j, 2j + 1) pairs;
 R = head_dim x `partial_rotary_factor` leading channels, the rest pass through), records it in the
-bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75,
-GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both, 0.5) are exact
-above. StableLM (partial 0.25) is refused for another reason: transformers' StableLmDecoderLayer
-calls its attention without the forward's extra keywords, so bridgecache's own attention (the
-native-work pass's) would never be reached. DeepSeek's `rope_interleave` permutes channels before
-a half-split rotation; only MLA models use it (refused above). Models without
+bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75, Phi
+and Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both,
+0.5) are exact above. StableLM (partial 0.25) and Nemotron (0.5) are refused for another reason,
+read from their code: their decoder layers call `self_attn` without the forward's extra keywords
+(transformers 5.25), so bridgecache's own attention (the native-work pass's) would never be
+reached and those layers would attend without a mask. DeepSeek's `rope_interleave` permutes
+channels before a half-split rotation; only MLA models use it (refused above). Models without
 rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
 (DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
 recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
