@@ -6,7 +6,8 @@ written as a markdown table.
 
 Per architecture, in float32 on the CPU, over a 30-token context (longer than the window of 8
 where the family has one), 5 greedy new tokens:
-- the layout `model_spec` reads (sliding layers and window) or the refusal it raises;
+- the layout `model_spec` reads (sliding layers and window, the rotary layout where it is not
+  Llama's half-split over the whole head) or the refusal it raises;
 - identity: max |logit difference| between the target's own `generate()` and `generate()` over a
   BridgedCache of the identity bridge, and whether the tokens are equal;
 - full refresh: the same for a deliberately wrong bridge (the identity plus N(0, 0.25) noise on
@@ -89,6 +90,9 @@ def measure(name: str) -> dict:
     parts = [f"window {spec.sliding_window} on layers {sliding}"] if sliding else []
     parts += [f"chunks of {chunks[chunked[0]]} on layers {chunked}"] if chunked else []
     row["layout"] = ", ".join(parts) or "full attention"
+    kind, rotary_dim = spec.rotary
+    if (kind, rotary_dim) != ("half", spec.head_dim):
+        row["layout"] += f"; rotary {kind}, {rotary_dim} of {spec.head_dim} channels"
     ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     native_seq, native = _generate(model, ids)
 
@@ -224,14 +228,20 @@ column attention (the Triton kernel and its reference take the sink logits and t
 source's reading and the fit's attention weights. Llama 4's NoPE layers scale their queries by a
 temperature of the position; our forwards give it at the queries' true columns. The Llama 4 row
 above has NoPE on every layer (the chunked ones included); its RoPE layers are refused for their
-complex tables (interleaved pairs) until the rotary layout lands.
+complex tables (freqs_cis).
 
-Why the refusals: a bridge maps keys in un-rotated space, and the runtime's fused kernels rotate
-over the whole head in `rotate_half`'s (j, j + D/2) layout. Partial rotary (Phi-4-mini, GPT-NeoX,
-StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, Llama 4's
-complex tables; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
-un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
-silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
+Rotary layouts: a bridge maps keys in un-rotated space, so it must know which channels the model's
+RoPE rotates together. `model_spec` reads a `RotaryLayout` from the model's own code (its
+`rotate_half` applied to [0, 1, 2, 3]: half-split (j, j + R/2) or interleaved (2j, 2j + 1) pairs;
+R = head_dim x `partial_rotary_factor` leading channels, the rest pass through), records it in the
+bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75, Phi
+and Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both,
+0.5) are exact above; GPT-OSS's rotary module returns each frequency once (half-width tables),
+which the tables read as such. StableLM (partial 0.25) and Nemotron (0.5) are refused for another
+reason, read from their code: their decoder layers call `self_attn` without the forward's extra
+keywords (transformers 5.25), so bridgecache's own attention (the native-work pass's) would never
+be reached and those layers would attend without a mask. DeepSeek's `rope_interleave` permutes
+channels before a half-split rotation; only MLA models use it (refused above). Models without
 rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
 (DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys and the shared rotary
 key as values, of different widths; hybrids (Qwen3-Next, Jamba) keep a recurrent state whose

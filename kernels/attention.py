@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend
+from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend, sm_count
 from .attention_launch import SEARCH_K, configs, merge_shares, prune, search_steps, split_config, split_count
 from .checks import FLOATS, expect, last_contiguous
 from .reference import attention_reference
@@ -264,7 +264,7 @@ def launch_attention(
     block_d = max(16, next_pow2(dim))
     fp32 = query.dtype == torch.float32
     if splits is None:
-        sms = 0 if interp else torch.cuda.get_device_properties(query.device).multi_processor_count
+        sms = 0 if interp else sm_count(query.device)
         splits = 1 if interp else split_count(bsz * hq, n_q, n_k, sms)
     part = stats = out  # partial sums and (max, sum) per share: only a split launch writes them
     if splits > 1:

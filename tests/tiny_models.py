@@ -127,7 +127,11 @@ ARCHITECTURES = {
         dict(sliding_window=8, layer_types=_ALTERNATING, initializer_range=0.5),
     ),  # fmt: skip
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-    # refused by name
+    "glm (interleaved, partial 0.5)": ("GlmConfig", dict(pad_token_id=0)),
+    "glm4 (interleaved, partial 0.5)": ("Glm4Config", dict(pad_token_id=0)),
+    "phi (partial 0.5)": ("PhiConfig", dict()),
+    "persimmon (partial 0.5, qk-norm)": ("PersimmonConfig", dict(num_key_value_heads=4)),  # no GQA
+    # partial or interleaved rotary, and the families refused by name (test_architectures.REFUSED)
     "phi4-mini (partial rotary)": (
         "Phi3Config",
         dict(
@@ -135,8 +139,9 @@ ARCHITECTURES = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
         ),
     ),  # fmt: skip
-    "gpt_neox": ("GPTNeoXConfig", dict()),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=4)),  # no GQA: every head its own KV
     "stablelm": ("StableLmConfig", dict()),
+    "nemotron": ("NemotronConfig", dict()),
     "helium": ("HeliumConfig", dict()),
     "gpt2 (learned positions)": ("GPT2Config", dict(n_embd=64, n_layer=4, n_head=4)),
     "cohere": ("CohereConfig", dict()),

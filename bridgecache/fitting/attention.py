@@ -10,15 +10,17 @@ summed over the query heads that share KV head h. ||d o_u / d k_i||_F^2 = a_ui^2
 never the [tokens, tokens] attention matrix.
 
 Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
-rows from the module's own q_proj (or Phi-3's fused qkv_proj), q_norm (where present, per head or
-over the whole projection) and the rotary tables the model passes in (`position_embeddings`; none
-on a layer without RoPE); keys and values are the captured cache. Causal masking and logit
+rows from the module's own q_proj (or Phi-3's fused qkv_proj, GPT-NeoX's query_key_value), q_norm
+(where present, per head or over the whole projection) and the rotary tables the model passes in
+(`position_embeddings`, rotated in the model's RotaryLayout; none on a layer without RoPE); keys
+and values are the captured cache. Causal masking and logit
 soft-capping follow the module's attributes; the sliding window is the cache layout's
 (`bridgecache.models.layout.layer_window`); GPT-OSS's sink logits take their share of each
 softmax (`softmax_with_sinks`).
 
-Knows the attention layout of transformers' Llama-style modules (q_proj or qkv_proj, optional
-q_norm, position_embeddings, scaling, num_key_value_groups); nothing about bridges or tokenizers.
+Knows the attention layout of transformers' Llama-style modules (q_proj, qkv_proj or
+query_key_value, optional q_norm, position_embeddings, scaling, num_key_value_groups); nothing
+about bridges or tokenizers.
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ import math
 
 import torch
 
-from bridgecache.kv.rope import both_halves, rotate
-from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature, rope_layers
+from bridgecache.kv.rope import RopeTables, cos_sin_of, rotate
+from bridgecache.models.layout import (
+    layer_chunk,
+    layer_sinks,
+    layer_window,
+    query_temperature,
+    rope_layers,
+    rotary_module,
+)
 
 __all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules", "softmax_with_sinks"]
 
@@ -61,15 +70,24 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def _projects_queries(module) -> bool:
-    return hasattr(module, "q_proj") or hasattr(module, "qkv_proj")
+    return any(hasattr(module, name) for name in ("q_proj", "qkv_proj", "query_key_value"))
+
+
+def head_dim(module) -> int:
+    """The head dim of an attention module (GPT-NeoX names it `head_size`)."""
+    return getattr(module, "head_dim", None) or module.head_size
 
 
 def _project_queries(module, hidden: torch.Tensor) -> torch.Tensor:
     """[batch, rows, q_heads * head_dim]: the queries of `hidden` (Phi-3 fuses q, k, v in `qkv_proj`,
-    queries first)."""
+    queries first; GPT-NeoX in `query_key_value`, per head [q | k | v])."""
     if hasattr(module, "q_proj"):
         return module.q_proj(hidden)
-    return module.qkv_proj(hidden)[..., : module.config.num_attention_heads * module.head_dim]
+    d, heads = head_dim(module), module.config.num_attention_heads
+    if hasattr(module, "query_key_value"):
+        qkv = module.query_key_value(hidden).view(*hidden.shape[:-1], heads, 3 * d)
+        return qkv[..., :d].reshape(*hidden.shape[:-1], heads * d)
+    return module.qkv_proj(hidden)[..., : heads * d]
 
 
 class QueryRecorder:
@@ -80,6 +98,7 @@ class QueryRecorder:
 
     def __init__(self, model, rows: torch.Tensor):
         self.modules = attention_modules(model)
+        self.tables = RopeTables.from_model(model) if rotary_module(model) is not None else None
         self.rows = rows
         self.queries: dict[int, torch.Tensor] = {}
         self._handles = []
@@ -106,16 +125,23 @@ class QueryRecorder:
         tables = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
-        q, norm = _project_queries(module, h), getattr(module, "q_norm", None)
-        whole = norm is not None and norm.weight.shape[-1] != module.head_dim  # OLMo 2: all heads at once
+        d = head_dim(module)
+        q = _project_queries(module, h)
+        norm = getattr(module, "q_norm", None) or getattr(module, "q_layernorm", None)  # StableLM's name
+        weight = None if norm is None else getattr(norm, "weight", None)
+        whole = weight is not None and weight.shape[-1] != d  # OLMo 2: all heads at once
         if whole:
             q = norm(q)
-        q = q.view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
-        if norm is not None and not whole:
+        q = q.view(h.shape[0], h.shape[1], -1, d)
+        if weight is not None and weight.dim() == 2:  # Cohere's: one norm over [heads, head_dim]
+            q = norm(q)
+        q = q.transpose(1, 2)
+        if norm is not None and not whole and (weight is None or weight.dim() == 1):
             q = norm(q)
         if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
-            cos, sin = (both_halves(t, module.head_dim) for t in tables)
-            q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+            cos, sin = cos_sin_of(tables)
+            cos, sin = self.tables.canonical(cos[:, rows].float(), sin[:, rows].float())
+            q = rotate(q.float(), cos, sin, self.tables.layout)
         else:
             q = q.float()
             temperature = query_temperature(module, rows)  # Llama 4's NoPE layers: [rows]

@@ -7,6 +7,7 @@
     layer_chunk(module)          the same for one attention module
     query_temperature(module, p) the scale Llama 4's NoPE layers give queries at positions p, or None
     check_supported(model)       raise UnsupportedArchitectureError for what a bridge cannot do exactly
+    rotary_layout(model)         the RotaryLayout of its keys: which channels RoPE pairs, over how many
 
 The window comes from transformers' own `get_layer_types_and_kwargs`, the reading
 `DynamicCache(config=...)` builds its layers from, so the spec, the native pass, the reading and
@@ -15,21 +16,27 @@ StarCoder2 pass their window as a keyword and keep no attribute for it).
 
 Supported: per-head K/V on every layer ("full_attention", "sliding_attention", or Llama 4's
 "chunked_attention": its cache keeps a window of the chunk size, as transformers' does, and
-bridgecache's own attention masks to the chunk), RoPE over the
-whole head in the half-split layout of `rotate_half` (any rope type and scaling), or no RoPE on a
-layer; a learned sink logit per head (GPT-OSS: a softmax column with no value, not part of the
-cache, which bridgecache's own attention adds where the model's does). Everything else is refused
-by name before any model runs: a bridge would be silently wrong.
+bridgecache's own attention masks to the chunk), RoPE in any `RotaryLayout` (half-split or
+interleaved pairs, over the whole head or its first `rotary_dim` channels; any rope type and
+scaling), or no RoPE on a layer; a learned sink logit per head (GPT-OSS: a softmax column with no
+value, not part of the cache, which bridgecache's own attention adds where the model's does).
+Everything else is refused by name before any model runs: a bridge would be silently wrong.
 Knows transformers configs; nothing about bridges, KV or caches.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 
+from bridgecache.kernels.rotary import ROTARY_KINDS
+
 __all__ = [
+    "ROTARY_KINDS",
+    "RotaryLayout",
     "UnsupportedArchitectureError",
     "SUPPORTED_LAYER_TYPES",
     "layer_windows",
@@ -40,17 +47,39 @@ __all__ = [
     "query_temperature",
     "check_supported",
     "rope_layers",
+    "rotary_layout",
     "rotary_module",
 ]
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _SUPPORTED = (
-    "per-head keys and values on every layer (full, sliding-window or chunked attention), RoPE over the "
-    "whole head in the half-split layout (any rope type and scaling) or none"
+    "per-head keys and values on every layer (full, sliding-window or chunked attention), RoPE with "
+    "half-split or interleaved pairs over the whole head or a part of it (any rope type and "
+    "scaling) or none"
 )
 # Families whose layers without a window carry no RoPE, a rule of their modeling code and no config
 # field (Cohere 2, EXAONE 4: "if self.sliding_window is None or self.is_sliding: apply RoPE").
 _ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
+
+
+class RotaryLayout(NamedTuple):
+    """Which key channels RoPE rotates together: a value, read from the model's own rotary code.
+
+    kind: "half" pairs channels (j, j + rotary_dim / 2), as Llama's `rotate_half`; "interleaved"
+        pairs (2j, 2j + 1), as Cohere's, Helium's and GLM's `rotate_half`.
+    rotary_dim: how many leading channels of the head are rotated (partial rotary: Phi-4-mini
+        0.75, GPT-NeoX and StableLM 0.25 of the head); the rest pass through unrotated.
+
+    A plain (str, int) tuple, so the kernels take it without importing bridgecache.
+    """
+
+    kind: str
+    rotary_dim: int
+
+    @classmethod
+    def whole(cls, head_dim: int) -> RotaryLayout:
+        """The half-split over the whole head: what files written before the field mean."""
+        return cls("half", head_dim)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -178,23 +207,26 @@ def check_supported(model_or_config) -> None:
         raise UnsupportedArchitectureError(
             kind, None, "sliding windows of several sizes", str(sorted(windows))
         )
-    factor = _partial_rotary(config)
-    if factor != 1.0:
-        raise UnsupportedArchitectureError(kind, None, "partial rotary embeddings", f"factor {factor}")
     rope = getattr(config, "rope_parameters", None)
     no_module = model is not None and rotary_module(model) is None
     if rope is None or no_module or getattr(config, "alibi", False):
         raise UnsupportedArchitectureError(
             kind, None, "no rotary position embeddings", "learned absolute or ALiBi positions"
         )
-    if getattr(config, "rope_interleave", False) or _rotate_half_interleaves(model, kind):
-        raise UnsupportedArchitectureError(kind, None, "interleaved rotary embeddings", "pairs (2j, 2j + 1)")
+    if getattr(config, "rope_interleave", False):  # DeepSeek's: pairs permuted before rotate_half
+        raise UnsupportedArchitectureError(kind, None, "rope_interleave", "channels permuted before RoPE")
+    rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
     llama4 = (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4")
     if llama4 and any(rope_layers(config)):  # its NoPE layers rotate nothing: those alone are exact
         layer = rope_layers(config).index(True)
         raise UnsupportedArchitectureError(
-            kind, layer, "interleaved rotary embeddings", "complex tables (freqs_cis), pairs (2j, 2j + 1)"
+            kind, layer, "complex rotary tables (freqs_cis)", "pairs (2j, 2j + 1)"
         )
+    if _drops_attention_keywords(_modeling_module(model, kind)):
+        raise UnsupportedArchitectureError(
+            kind, None, "a decoder layer that drops attention keywords",
+            "its layers call self_attn without **kwargs, so bridgecache's attention cannot reach it",
+        )  # fmt: skip
 
 
 def layer_sinks(module) -> torch.Tensor | None:
@@ -217,13 +249,59 @@ def rotary_module(model) -> torch.nn.Module | None:
 
 def _rotate_half_interleaves(model, model_type: str) -> bool:
     """Whether the model's own `rotate_half` pairs channels (2j, 2j + 1) (Cohere, Helium, GLM)
-    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3]."""
-    import importlib
+    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3] (memoised
+    per module: model_spec runs on every handoff)."""
+    return _module_interleaves(_modeling_module(model, model_type))
 
+
+def _modeling_module(model, model_type: str) -> str:
+    """The name of the transformers modeling module of a model (or of its model type)."""
     name = type(model).__module__ if model is not None else None
     if name is None or not name.startswith("transformers.models."):
-        package = {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type)
+        known = {"gemma3_text": "gemma3", "gemma2_text": "gemma2", "llama4_text": "llama4"}
+        package = known.get(model_type, model_type)
         name = f"transformers.models.{package}.modeling_{package}"
+    return name
+
+
+@functools.cache
+def _drops_attention_keywords(name: str) -> bool:
+    """Whether a decoder layer of modeling module `name` calls `self.self_attn(...)` without handing
+    on the forward's extra keywords (StableLM's, Nemotron's in transformers 5.25): bridgecache's
+    own attention, which the native-work pass hands down as one, would never be reached and the
+    layer would attend without a mask. Read from the layer's source."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return False
+    for cls in vars(module).values():
+        if not (isinstance(cls, type) and cls.__name__.endswith("DecoderLayer") and cls.__module__ == name):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        start = source.find("self.self_attn(")
+        if start < 0:
+            continue
+        depth, end = 0, len(source)
+        for i in range(start + len("self.self_attn"), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            if depth == 0:
+                end = i
+                break
+        if "**kwargs" not in source[start:end]:
+            return True
+    return False
+
+
+@functools.cache
+def _module_interleaves(name: str) -> bool:
+    import importlib
+
     try:
         rotate_half = getattr(importlib.import_module(name), "rotate_half", None)
     except ImportError:
@@ -231,6 +309,25 @@ def _rotate_half_interleaves(model, model_type: str) -> bool:
     if rotate_half is None:
         return False
     return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
+
+
+def rotary_layout(model_or_config) -> RotaryLayout:
+    """The RotaryLayout of a model's keys: the pairing its own `rotate_half` applies (read from its
+    modeling module on [0, 1, 2, 3]) over the leading int(head_dim * partial_rotary_factor)
+    channels, as its rotary module sizes its tables (`rotary_pct` on older configs)."""
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = getattr(model_or_config, "config", model_or_config).get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    factor = _partial_rotary(config)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+        raise UnsupportedArchitectureError(
+            config.model_type, None, "a rotary width the head cannot hold",
+            f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} channels",
+        )  # fmt: skip
+    kind = "interleaved" if _rotate_half_interleaves(model, config.model_type) else "half"
+    return RotaryLayout(kind, rotary_dim)
 
 
 def _partial_rotary(config) -> float:

@@ -32,15 +32,11 @@ from bridgecache.runtime.handoff import handoff
 from bridgecache.runtime.selection.reading import attention_scores
 
 REFUSED = {
-    "phi4-mini (partial rotary)": "partial rotary",
-    "gpt_neox": "partial rotary",
-    "stablelm": "partial rotary",
-    "helium": "interleaved rotary",
+    "stablelm": "drops attention keywords",
+    "nemotron": "drops attention keywords",
     "gpt2 (learned positions)": "no rotary position embeddings",
-    "cohere": "interleaved rotary",
-    "cohere2": "interleaved rotary",
     "deepseek_v3 (MLA)": "latent attention",
-    "llama4_text (chunked)": "interleaved rotary",
+    "llama4_text (chunked)": "complex rotary tables",
     "qwen3_next (hybrid)": "linear_attention",
 }
 EXACT = [name for name in ARCHITECTURES if name not in REFUSED]
