@@ -226,27 +226,29 @@ token (transformers caches them as a window of the chunk size). Their keys and v
 ordinary, so bridgecache's own attention does what the model's does: the native-work pass's
 column attention (the Triton kernel and its reference take the sink logits and the chunk), the
 source's reading and the fit's attention weights. Llama 4's NoPE layers scale their queries by a
-temperature of the position; our forwards give it at the queries' true columns. The Llama 4 row
-above has NoPE on every layer (the chunked ones included); its RoPE layers are refused for their
-complex tables (freqs_cis).
+temperature of the position; our forwards give it at the queries' true columns. The first Llama 4
+row has NoPE on every layer (the chunked ones included); the second is its published pattern:
+RoPE from one complex table (freqs_cis, interleaved pairs (2j, 2j + 1), read as such by applying
+its own `apply_rotary_emb` to [0, 1, 2, 3]) with a weightless qk-norm after the rotation on the
+chunked layers, NoPE on every fourth.
 
 Rotary layouts: a bridge maps keys in un-rotated space, so it must know which channels the model's
 RoPE rotates together. `model_spec` reads a `RotaryLayout` from the model's own code (its
 `rotate_half` applied to [0, 1, 2, 3]: half-split (j, j + R/2) or interleaved (2j, 2j + 1) pairs;
 R = head_dim x `partial_rotary_factor` leading channels, the rest pass through), records it in the
-bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75, Phi
-and Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both,
-0.5) are exact above; GPT-OSS's rotary module returns each frequency once (half-width tables),
-which the tables read as such. StableLM (partial 0.25) and Nemotron (0.5) are refused for another
-reason, read from their code: their decoder layers call `self_attn` without the forward's extra
-keywords (transformers 5.25), so bridgecache's own attention (the native-work pass's) would never
-be reached and those layers would attend without a mask. DeepSeek's `rope_interleave` permutes
-channels before a half-split rotation; only MLA models use it (refused above). Models without
-rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
-(DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys and the shared rotary
-key as values, of different widths; hybrids (Qwen3-Next, Jamba) keep a recurrent state whose
-native computation needs nearly the whole prefill. Both decisions, with their measurements:
-docs/latent-and-hybrid.md (`python benchmarks/latent_hybrid.py`).
+bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75, Phi and
+Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both, 0.5)
+are exact above; GPT-OSS's rotary module returns each frequency once (half-width tables) and Llama
+4's a complex table, which the tables read as such. StableLM (partial 0.25) and Nemotron (0.5) are
+refused for another reason, read from their code: their decoder layers call `self_attn` without
+the forward's extra keywords (transformers 5.25), so bridgecache's own attention (the native-work
+pass's) would never be reached and those layers would attend without a mask. DeepSeek's
+`rope_interleave` permutes channels before a half-split rotation; only MLA models use it (refused
+above). Models without rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no
+un-rotated space. MLA (DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys
+and the shared rotary key as values, of different widths; hybrids (Qwen3-Next, Jamba) keep a
+recurrent state whose native computation needs nearly the whole prefill. Both decisions, with
+their measurements: docs/latent-and-hybrid.md (`python benchmarks/latent_hybrid.py`).
 
 At the sizes users run: one model of each supported family at its published config (Llama-3.1-8B,
 Mistral-7B, Qwen3-8B, Gemma-2-9B, Gemma-3-4B, Phi-3-mini-4k, OLMo-2-7B, Granite-3.1-8B, SmolLM3-3B,

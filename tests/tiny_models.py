@@ -173,7 +173,8 @@ ARCHITECTURES = {
         ),
     ),  # fmt: skip
     # Llama 4's chunked layers and NoPE layers (each with its query temperature: floor_scale small
-    # enough that it bites within 30 tokens); its RoPE layers (complex tables) are refused by name
+    # enough that it bites within 30 tokens); then its published pattern: RoPE (complex tables,
+    # interleaved pairs) and qk-norm after it on the chunked layers, NoPE on every fourth
     "llama4_text (chunked, NoPE)": (
         "Llama4TextConfig",
         dict(
@@ -185,7 +186,10 @@ ARCHITECTURES = {
             layer_types=["chunked_attention"] * 3 + ["full_attention"],
         ),
     ),  # fmt: skip
-    "llama4_text (chunked)": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2)),
+    "llama4_text (chunked, RoPE, qk-norm)": (
+        "Llama4TextConfig",
+        dict(attention_chunk_size=8, num_local_experts=2, floor_scale=4, attn_scale=0.5),
+    ),
     "qwen3_next (hybrid)": ("Qwen3NextConfig", dict(num_experts=4, num_experts_per_tok=2)),
 }
 

@@ -12,7 +12,8 @@ never the [tokens, tokens] attention matrix.
 Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
 rows from the module's own q_proj (or Phi-3's fused qkv_proj, GPT-NeoX's query_key_value), q_norm
 (where present, per head or over the whole projection) and the rotary tables the model passes in
-(`position_embeddings`, rotated in the model's RotaryLayout; none on a layer without RoPE); keys
+(`position_embeddings`, rotated in the model's RotaryLayout; none on a layer without RoPE), then
+Llama 4's qk_norm (which its RoPE layers apply after the rotation); keys
 and values are the captured cache. Causal masking and logit
 soft-capping follow the module's attributes; the sliding window is the cache layout's
 (`bridgecache.models.layout.layer_window`); GPT-OSS's sink logits take their share of each
@@ -142,6 +143,9 @@ class QueryRecorder:
             cos, sin = cos_sin_of(tables)
             cos, sin = self.tables.canonical(cos[:, rows].float(), sin[:, rows].float())
             q = rotate(q.float(), cos, sin, self.tables.layout)
+            after = getattr(module, "qk_norm", None)  # Llama 4's: after RoPE, on its RoPE layers
+            if after is not None:
+                q = after(q)
         else:
             q = q.float()
             temperature = query_temperature(module, rows)  # Llama 4's NoPE layers: [rows]

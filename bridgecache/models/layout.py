@@ -216,12 +216,6 @@ def check_supported(model_or_config) -> None:
     if getattr(config, "rope_interleave", False):  # DeepSeek's: pairs permuted before rotate_half
         raise UnsupportedArchitectureError(kind, None, "rope_interleave", "channels permuted before RoPE")
     rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
-    llama4 = (isinstance(rope, dict) and rope.get("rope_type") == "llama4") or kind.startswith("llama4")
-    if llama4 and any(rope_layers(config)):  # its NoPE layers rotate nothing: those alone are exact
-        layer = rope_layers(config).index(True)
-        raise UnsupportedArchitectureError(
-            kind, layer, "complex rotary tables (freqs_cis)", "pairs (2j, 2j + 1)"
-        )
     if _drops_attention_keywords(_modeling_module(model, kind)):
         raise UnsupportedArchitectureError(
             kind, None, "a decoder layer that drops attention keywords",
@@ -248,9 +242,9 @@ def rotary_module(model) -> torch.nn.Module | None:
 
 
 def _rotate_half_interleaves(model, model_type: str) -> bool:
-    """Whether the model's own `rotate_half` pairs channels (2j, 2j + 1) (Cohere, Helium, GLM)
-    rather than (j, j + D/2): read from its modeling module, applied to [0, 1, 2, 3] (memoised
-    per module: model_spec runs on every handoff)."""
+    """Whether the model's own rotation pairs channels (2j, 2j + 1) (Cohere, Helium, GLM; Llama 4's
+    complex `apply_rotary_emb`) rather than (j, j + D/2): read from its modeling module, applied
+    to [0, 1, 2, 3] (memoised per module: model_spec runs on every handoff)."""
     return _module_interleaves(_modeling_module(model, model_type))
 
 
@@ -303,12 +297,22 @@ def _module_interleaves(name: str) -> bool:
     import importlib
 
     try:
-        rotate_half = getattr(importlib.import_module(name), "rotate_half", None)
+        module = importlib.import_module(name)
     except ImportError:
         return False
-    if rotate_half is None:
+    rotate_half = getattr(module, "rotate_half", None)
+    complex_rotation = getattr(module, "apply_rotary_emb", None)
+    if rotate_half is not None:
+        return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
+    if complex_rotation is None:
         return False
-    return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
+    # Llama 4: x [batch, tokens, heads, dim] times freqs_cis [batch, tokens, dim / 2], a quarter turn
+    x, quarter = torch.arange(4.0).view(1, 1, 1, 4), torch.full((1, 1, 2), 1j)
+    try:
+        turned, _ = complex_rotation(x, x, quarter)
+    except (TypeError, RuntimeError, ValueError):  # some other function of that name
+        return False
+    return turned.flatten().tolist() == [-1.0, 0.0, -3.0, 2.0]
 
 
 def rotary_layout(model_or_config) -> RotaryLayout:

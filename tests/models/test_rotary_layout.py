@@ -26,6 +26,8 @@ LAYOUTS = {
     "phi (partial 0.5)": RotaryLayout("half", 8),
     "persimmon (partial 0.5, qk-norm)": RotaryLayout("half", 8),
     "qwen2": RotaryLayout("half", 16),
+    "gpt_oss (sinks)": RotaryLayout("half", 16),  # its tables hold each frequency once
+    "llama4_text (chunked, RoPE, qk-norm)": RotaryLayout("interleaved", 16),  # one complex table
 }
 
 
@@ -42,14 +44,17 @@ def test_rotation_reproduces_the_models_own_apply_rotary_pos_emb(name):
     modeling = importlib.import_module(type(model).__module__)
     positions = torch.arange(3, 12)[None]
     probe = torch.zeros(1)
-    own_cos, own_sin = rotary_module(model)(probe, positions)  # what the model hands its attention
+    own = rotary_module(model)(probe, positions)  # what the model hands its attention
     q = torch.randn(1, 2, 9, 16, generator=torch.Generator().manual_seed(0))
-    try:
-        want, _ = modeling.apply_rotary_pos_emb(q, q, own_cos, own_sin)
-    except RuntimeError:  # Phi's, Persimmon's: their attention splits off the rotated channels
-        r = own_cos.shape[-1]
-        rotated, _ = modeling.apply_rotary_pos_emb(q[..., :r], q[..., :r], own_cos, own_sin)
-        want = torch.cat((rotated, q[..., r:]), -1)
+    if isinstance(own, torch.Tensor):  # Llama 4's freqs_cis, applied to [batch, tokens, heads, dim]
+        want = modeling.apply_rotary_emb(q.transpose(1, 2), q.transpose(1, 2), own)[0].transpose(1, 2)
+    else:
+        try:
+            want, _ = modeling.apply_rotary_pos_emb(q, q, *own)
+        except RuntimeError:  # Phi's, Persimmon's: their attention splits off the rotated channels
+            r = own[0].shape[-1]
+            rotated, _ = modeling.apply_rotary_pos_emb(q[..., :r], q[..., :r], *own)
+            want = torch.cat((rotated, q[..., r:]), -1)
     tables = RopeTables.from_model(model)
     cos, sin = tables.cos_sin(0, positions)
     assert cos.shape == (1, 9, 16)
