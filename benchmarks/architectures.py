@@ -240,9 +240,9 @@ bridge file, and the kernels take it as compile-time constants: partial (Phi-4-m
 Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both, 0.5)
 are exact above; GPT-OSS's rotary module returns each frequency once (half-width tables) and Llama
 4's a complex table, which the tables read as such. StableLM (partial 0.25) and Nemotron (0.5) are
-refused for another reason, read from their code: their decoder layers call `self_attn` without
-the forward's extra keywords (transformers 5.25), so bridgecache's own attention (the native-work
-pass's) would never be reached and those layers would attend without a mask. DeepSeek's
+exact too, although their decoder layers call `self_attn` without the forward's extra keywords
+(transformers 5.25): bridgecache's own attention reads its mask from a context variable set for
+the duration of its forward (`interop.attention.attending`), not from a keyword. DeepSeek's
 `rope_interleave` permutes channels before a half-split rotation; only MLA models use it (refused
 above). Models without rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no
 un-rotated space. MLA (DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys

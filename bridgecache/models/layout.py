@@ -216,11 +216,6 @@ def check_supported(model_or_config) -> None:
     if getattr(config, "rope_interleave", False):  # DeepSeek's: pairs permuted before rotate_half
         raise UnsupportedArchitectureError(kind, None, "rope_interleave", "channels permuted before RoPE")
     rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
-    if _drops_attention_keywords(_modeling_module(model, kind)):
-        raise UnsupportedArchitectureError(
-            kind, None, "a decoder layer that drops attention keywords",
-            "its layers call self_attn without **kwargs, so bridgecache's attention cannot reach it",
-        )  # fmt: skip
 
 
 def layer_sinks(module) -> torch.Tensor | None:
@@ -256,40 +251,6 @@ def _modeling_module(model, model_type: str) -> str:
         package = known.get(model_type, model_type)
         name = f"transformers.models.{package}.modeling_{package}"
     return name
-
-
-@functools.cache
-def _drops_attention_keywords(name: str) -> bool:
-    """Whether a decoder layer of modeling module `name` calls `self.self_attn(...)` without handing
-    on the forward's extra keywords (StableLM's, Nemotron's in transformers 5.25): bridgecache's
-    own attention, which the native-work pass hands down as one, would never be reached and the
-    layer would attend without a mask. Read from the layer's source."""
-    import importlib
-    import inspect
-
-    try:
-        module = importlib.import_module(name)
-    except ImportError:
-        return False
-    for cls in vars(module).values():
-        if not (isinstance(cls, type) and cls.__name__.endswith("DecoderLayer") and cls.__module__ == name):
-            continue
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            continue
-        start = source.find("self.self_attn(")
-        if start < 0:
-            continue
-        depth, end = 0, len(source)
-        for i in range(start + len("self.self_attn"), len(source)):
-            depth += {"(": 1, ")": -1}.get(source[i], 0)
-            if depth == 0:
-                end = i
-                break
-        if "**kwargs" not in source[start:end]:
-            return True
-    return False
 
 
 @functools.cache

@@ -34,8 +34,6 @@ from bridgecache.runtime.handoff import handoff
 from bridgecache.runtime.selection.reading import attention_scores
 
 REFUSED = {
-    "stablelm": "drops attention keywords",
-    "nemotron": "drops attention keywords",
     "gpt2 (learned positions)": "no rotary position embeddings",
     "deepseek_v3 (MLA)": "latent attention",
     "qwen3_next (hybrid)": "linear_attention",

@@ -13,11 +13,14 @@ Two of bridgecache's forwards attend in ways transformers' masks cannot say chea
                  attention probabilities each context token receives are reduced on the fly into
                  a score (the largest any layer, head and prompt token gives it, or their sum).
 
-A forward passes one of these as the keyword `bridgecache_attention=` (transformers hands a
-forward's extra keywords down to every attention call) through a `ModelView` of the model
+A forward runs inside `attending(mask)` through a `ModelView` of the model
 (bridgecache.runtime.interop.views), whose config copies name `dispatch`'s implementation; transformers
 then builds no mask at all (it builds none for an attention implementation without a mask
-function). The user's own model and config are never switched over.
+function). The mask travels in a context variable, not as a forward keyword: some decoder layers
+(StableLM's, Nemotron's) call their attention without handing the forward's keywords on. It is
+set for the block only and only in the thread (or task) that runs it, and read only by
+`dispatch`, which only our config copies name: the user's own model and config are never
+switched over, and their forwards elsewhere never see it.
 
 Knows transformers' attention-module conventions (scaling, softcapping, GPT-OSS's sink logits:
 `layer_sinks`, one more softmax column per head with no value; Llama 4's chunks, `layer_chunk`, and
@@ -28,6 +31,8 @@ attribute for it). Nothing about bridges or tokenizers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +42,22 @@ from bridgecache.kernels import column_attention
 from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature
 from bridgecache.runtime.interop.views import FALLBACK
 
-__all__ = ["ColumnMask", "ReadingMask", "layers_read", "read_without_logits", "KEYWORD", "NAME"]
+__all__ = ["ColumnMask", "ReadingMask", "attending", "layers_read", "read_without_logits", "NAME"]
 
 NAME = "bridgecache"  # the attention implementation's name
-KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
+# The ColumnMask / ReadingMask of the forward running in this context (None: none of ours).
+_MASK: contextvars.ContextVar = contextvars.ContextVar("bridgecache_attention", default=None)
+
+
+@contextlib.contextmanager
+def attending(mask):
+    """Forwards through a `ModelView` inside this block attend with `mask` (a ColumnMask or a
+    ReadingMask); in this thread or task only, and never after the block."""
+    token = _MASK.set(mask)
+    try:
+        yield mask
+    finally:
+        _MASK.reset(token)
 
 
 @dataclass(eq=False)
@@ -237,7 +254,7 @@ def retemper(module, columns: torch.Tensor, slots: int) -> torch.Tensor | None:
 def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as `NAME`: ours for our masks, else the implementation the
     user's config names (kept on our config copy: bridgecache.runtime.interop.views)."""
-    ours = kwargs.pop(KEYWORD, None)
+    ours = _MASK.get()
     if ours is not None:
         scaling = module.scaling if scaling is None else scaling
         return ours.attend(module, query, key, value, scaling), None
@@ -248,7 +265,7 @@ def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.
 
 # Registered once, at import: the one change bridgecache makes to transformers' process state, and
 # one that changes nothing for anyone else (only our config copies name it). No mask function is
-# registered for NAME: transformers then builds no mask for our forwards (theirs travel as KEYWORD).
+# registered for NAME: transformers then builds no mask for our forwards (theirs: `attending`).
 AttentionInterface.register(NAME, dispatch)
 
 
