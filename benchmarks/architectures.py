@@ -6,7 +6,8 @@ written as a markdown table.
 
 Per architecture, in float32 on the CPU, over a 30-token context (longer than the window of 8
 where the family has one), 5 greedy new tokens:
-- the layout `model_spec` reads (sliding layers and window) or the refusal it raises;
+- the layout `model_spec` reads (sliding layers and window, the rotary layout where it is not
+  Llama's half-split over the whole head) or the refusal it raises;
 - identity: max |logit difference| between the target's own `generate()` and `generate()` over a
   BridgedCache of the identity bridge, and whether the tokens are equal;
 - full refresh: the same for a deliberately wrong bridge (the identity plus N(0, 0.25) noise on
@@ -71,7 +72,7 @@ def measure(name: str) -> dict:
     from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
     from bridgecache.bridge.maps import Bridge
     from bridgecache.kv.capture import capture_kv
-    from bridgecache.models.layout import UnsupportedArchitectureError
+    from bridgecache.models.layout import UnsupportedArchitectureError, layer_chunks
     from bridgecache.models.spec import model_spec
     from bridgecache.runtime.cache import BridgedCache
     from bridgecache.runtime.handoff import handoff
@@ -83,8 +84,15 @@ def measure(name: str) -> dict:
     except UnsupportedArchitectureError as error:
         where = "every layer" if error.layer is None else f"layer {error.layer}"
         return row | {"refused": f"{error.feature}, {where}", "detail": error.detail}
-    sliding = [i for i, t in enumerate(spec.layer_types) if t == "sliding_attention"]
-    row["layout"] = f"window {spec.sliding_window} on layers {sliding}" if sliding else "full attention"
+    chunks = layer_chunks(model.config)  # Llama 4: cached as a window, attended within chunks
+    sliding = [i for i, t in enumerate(spec.layer_types) if t == "sliding_attention" and not chunks[i]]
+    chunked = [i for i, c in enumerate(chunks) if c]
+    parts = [f"window {spec.sliding_window} on layers {sliding}"] if sliding else []
+    parts += [f"chunks of {chunks[chunked[0]]} on layers {chunked}"] if chunked else []
+    row["layout"] = ", ".join(parts) or "full attention"
+    kind, rotary_dim = spec.rotary
+    if (kind, rotary_dim) != ("half", spec.head_dim):
+        row["layout"] += f"; rotary {kind}, {rotary_dim} of {spec.head_dim} channels"
     ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     native_seq, native = _generate(model, ids)
 
@@ -211,17 +219,36 @@ An unsupported architecture is refused where it enters (`model_spec`, which `cap
 
 {table}
 
-Why the refusals: a bridge maps keys in un-rotated space, and the runtime's fused kernels rotate
-over the whole head in `rotate_half`'s (j, j + D/2) layout. Partial rotary (Phi-4-mini, GPT-NeoX,
-StableLM, Qwen3-Next's full layers) and interleaved pairs (Cohere, Cohere 2, Helium, DeepSeek's
-`rope_interleave`; read by applying the model's own `rotate_half` to [0, 1, 2, 3]) would be
-un-rotated with the wrong inverse (identity bridges still compose exactly, fitted ones are
-silently wrong); supporting them needs a rotary layout argument in the kernels. Models without
-rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no un-rotated space. MLA
-(DeepSeek V2/V3, Kimi K2) caches one latent per token, hybrids (Qwen3-Next, Jamba) keep a
-recurrent state on their linear-attention layers, Llama 4 attends within chunks and GPT-OSS adds
-a learned sink logit per head: none of them is per-head keys and values a bridge can translate
-and a target can attend over unchanged.
+Attention that is not in the cache: GPT-OSS adds a learned sink logit per head to every softmax
+(a column with no value, transformers' eager attention, the only one it supports), and Llama 4's
+chunked layers attend within chunks of `attention_chunk_size` counted from each row's first real
+token (transformers caches them as a window of the chunk size). Their keys and values are
+ordinary, so bridgecache's own attention does what the model's does: the native-work pass's
+column attention (the Triton kernel and its reference take the sink logits and the chunk), the
+source's reading and the fit's attention weights. Llama 4's NoPE layers scale their queries by a
+temperature of the position; our forwards give it at the queries' true columns. The first Llama 4
+row has NoPE on every layer (the chunked ones included); the second is its published pattern:
+RoPE from one complex table (freqs_cis, interleaved pairs (2j, 2j + 1), read as such by applying
+its own `apply_rotary_emb` to [0, 1, 2, 3]) with a weightless qk-norm after the rotation on the
+chunked layers, NoPE on every fourth.
+
+Rotary layouts: a bridge maps keys in un-rotated space, so it must know which channels the model's
+RoPE rotates together. `model_spec` reads a `RotaryLayout` from the model's own code (its
+`rotate_half` applied to [0, 1, 2, 3]: half-split (j, j + R/2) or interleaved (2j, 2j + 1) pairs;
+R = head_dim x `partial_rotary_factor` leading channels, the rest pass through), records it in the
+bridge file, and the kernels take it as compile-time constants: partial (Phi-4-mini 0.75, Phi and
+Persimmon 0.5, GPT-NeoX 0.25) and interleaved (Cohere, Cohere 2, Helium; GLM and GLM-4 both, 0.5)
+are exact above; GPT-OSS's rotary module returns each frequency once (half-width tables) and Llama
+4's a complex table, which the tables read as such. StableLM (partial 0.25) and Nemotron (0.5) are
+exact too, although their decoder layers call `self_attn` without the forward's extra keywords
+(transformers 5.25): bridgecache's own attention reads its mask from a context variable set for
+the duration of its forward (`interop.attention.attending`), not from a keyword. DeepSeek's
+`rope_interleave` permutes channels before a half-split rotation; only MLA models use it (refused
+above). Models without rotary embeddings (GPT-2's learned positions, Bloom's ALiBi) have no
+un-rotated space. MLA (DeepSeek V2/V3, Kimi K2): transformers caches one latent per token as keys
+and the shared rotary key as values, of different widths; hybrids (Qwen3-Next, Jamba) keep a
+recurrent state whose native computation needs nearly the whole prefill. Both decisions, with
+their measurements: docs/latent-and-hybrid.md (`python benchmarks/latent_hybrid.py`).
 
 At the sizes users run: one model of each supported family at its published config (Llama-3.1-8B,
 Mistral-7B, Qwen3-8B, Gemma-2-9B, Gemma-3-4B, Phi-3-mini-4k, OLMo-2-7B, Granite-3.1-8B, SmolLM3-3B,

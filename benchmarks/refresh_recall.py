@@ -45,7 +45,7 @@ from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
 from bridgecache.runtime.handoff import align_context  # noqa: E402
-from bridgecache.runtime.interop.attention import KEYWORD, ReadingMask, read_without_logits  # noqa: E402
+from bridgecache.runtime.interop.attention import ReadingMask, attending, read_without_logits  # noqa: E402
 from bridgecache.runtime.interop.graphs import as_view  # noqa: E402
 from bridgecache.runtime.selection.reading import attention_scores  # noqa: E402
 
@@ -101,9 +101,10 @@ def first_layers_rules(source, kv, question: torch.Tensor, counts: list[int]) ->
         scores=torch.zeros(1, n),
     )  # fmt: skip
     mask.per_layer = torch.zeros(len(kv.keys), 1, n)
-    read_without_logits(  # through a view of the source: our attention, the model untouched
-        as_view(source), input_ids=question, position_ids=query_positions, **{KEYWORD: mask}, use_cache=False
-    )
+    with attending(mask):  # through a view of the source: our attention, the model untouched
+        read_without_logits(
+            as_view(source), input_ids=question, position_ids=query_positions, use_cache=False
+        )
     return {f"max+after4, first {c} layers": after(mask.per_layer[:c].amax(0), 4) for c in counts}
 
 

@@ -8,6 +8,10 @@
   of queries at scattered context columns to the keys up to each one's column (block-skipping).
 - `use_backend("torch")`: a block whose kernel calls (this thread only) take that backend.
 
+Keys are un-rotated and re-rotated in each side's rotary layout (`src_rotary=`, `tgt_rotary=`: a
+plain (kind, rotary_dim) pair, half-split or interleaved pairs over the head's leading channels;
+`kernels.rotary`), a compile-time constant of the Triton kernels.
+
 Ships as `bridgecache.kernels` (the folder `kernels/` at the repository top). Knows nothing about
 models, tokenizers, caches or bridges, and imports nothing else from bridgecache.
 

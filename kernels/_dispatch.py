@@ -32,6 +32,7 @@ __all__ = [
     "interpreting",
     "next_pow2",
     "resolve_backend",
+    "sm_count",
     "source_view",
     "triton_available",
     "use_backend",
@@ -94,14 +95,25 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# helper function -> its triton.jit: one JITFunction per helper, whichever kernels call it
+_JITTED: dict = {}
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent and statistics grids)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class LazyKernel:
     """`triton.jit(fn)` built on first use; `autotune` wraps it on CUDA (never in the interpreter).
 
     kernel[grid](...) launches the plain kernel; `autotuned` is it wrapped in triton.autotune, for
     CUDA launches (configs: a function returning triton.Config objects; key: argument names;
     prune: autotune's early_config_prune); never used in the interpreter. helpers: plain
-    functions the kernel calls, jitted on first use too and rebound under their names in their
-    module, where the kernel finds them; the module's `tl` is bound to triton.language then.
+    functions the kernel calls, jitted on first use too (once each) and rebound under their names
+    in their module and in the kernel's (which imported them), where calls find them; the module's
+    `tl` is bound to triton.language then.
     do_not_specialize: integer arguments Triton should not specialise on (divisibility by 16):
     ones that follow the token count, so a new context length does not compile a new variant.
     """
@@ -122,7 +134,12 @@ class LazyKernel:
 
         self.fn.__globals__["tl"] = tl
         for helper in self._helpers:
-            helper.__globals__[helper.__name__] = triton.jit(helper)
+            jitted = _JITTED.get(helper)
+            if jitted is None:
+                jitted = _JITTED[helper] = triton.jit(helper)
+            helper.__globals__["tl"] = tl
+            helper.__globals__[helper.__name__] = jitted  # where other helpers of its module call it
+            self.fn.__globals__[helper.__name__] = jitted  # and where the kernel does (an import)
         if self._do_not_specialize:
             return triton.jit(self.fn, do_not_specialize=self._do_not_specialize)
         return triton.jit(self.fn)

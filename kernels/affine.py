@@ -8,12 +8,12 @@ For every target layer l, target head h and target position t (one batch row b):
     out[l, b, h, t] = rotate(z, tgt_cos[l, b, t], tgt_sin[l, b, t])       (keys), cast to out's dtype
     out[l, b, h, t] = 0 where rows[b, t] == -1
 
-RoPE follows transformers (`rotate_half` over the two halves of the last axis). cos/sin tables are
-[..., D] as transformers builds them, cat(freqs, freqs): only their first half is read, so
+RoPE rotates the channel pairs (a, b) of each side's rotary layout (`src_rotary`, `tgt_rotary`:
+Triton compile-time constants; kernels.rotary): x1 = x[a], x2 = x[b], (c, s) = cos/sin[..., p] for
+pair p (tables [..., D] by pair, first half read: for Llama's layout, transformers' own tables):
     unrotate: u1 = (x1 c + x2 s) / (c^2 + s^2),  u2 = (x2 c - x1 s) / (c^2 + s^2)
     rotate:   y1 = z1 c - z2 s,                  y2 = z2 c + z1 s
-with (x1, x2) the halves of x and (c, s) = (cos, sin)[..., :D/2]. Dividing by c^2 + s^2 inverts
-rope types that scale both tables (attention factor) exactly.
+Dividing by c^2 + s^2 inverts rope types that scale both tables (attention factor) exactly.
 
 `affine_reference` (PyTorch, float32 arithmetic) and the Triton kernel compute the same function;
 `gathered_affine` checks the arguments, dispatches, and is registered as the torch operator
@@ -53,7 +53,8 @@ from ._dispatch import (
 )
 from .checks import FLOATS, expect, last_contiguous
 from .persistent import launch_persistent, supports_persistent
-from .reference import affine_reference, rope_halves, source_tables, target_tables, unrope_halves
+from .reference import affine_reference, rope_pairs, source_tables, target_tables, unrope_pairs
+from .rotary import HELPERS, _gather_unrotated, _pair_channels, _scaled_table, check_layout, layout_meta
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
@@ -62,10 +63,10 @@ __all__ = [
     "affine_reference",
     "gathered_affine",
     "launch_affine",
-    "rope_halves",
+    "rope_pairs",
     "source_tables",
     "target_tables",
-    "unrope_halves",
+    "unrope_pairs",
 ]
 
 
@@ -86,6 +87,8 @@ def _affine_kernel(
     HALF_S: tl.constexpr, HALF_T: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr,
     SRC_ROPE: tl.constexpr, SHARED_TABLE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr,
     PRECISION: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    S_INTERLEAVED: tl.constexpr, S_ROT_HALF: tl.constexpr,
+    T_INTERLEAVED: tl.constexpr, T_ROT_HALF: tl.constexpr,
 ):  # fmt: skip
     # axis 0: (target layer, head group, column block), fastest, so the programs of one token
     # block run together and share source rows and rope tables in L2; axis 1: (batch, token block).
@@ -102,11 +105,13 @@ def _affine_kernel(
     row = tl.where(valid, row, 0).to(tl.int64)
     ld_mask = t_mask & valid
 
-    # Accumulator column c = (hb * 2 + half) * BH + e holds output dim half * HALF_T + cb * BH + e
-    # of head hg * HB + hb: each program owns matching column blocks of both halves (rope pairs).
+    # Accumulator column c = (hb * 2 + side) * BH + e holds channel a (side 0) or b (side 1) of target
+    # pair cb * BH + e of head hg * HB + hb (kernels.rotary): each program owns whole rope pairs.
     offs_n = tl.arange(0, HB * 2 * BH)
-    col_n = ((offs_n // BH) % 2) * HALF_T + cb * BH + offs_n % BH
-    col_n = tl.max_contiguous(tl.multiple_of(col_n, BH), BH)
+    ta, tb = _pair_channels(cb * BH + offs_n % BH, T_INTERLEAVED, T_ROT_HALF, HALF_T)
+    col_n = tl.where((offs_n // BH) % 2 == 0, ta, tb)
+    if not T_INTERLEAVED and T_ROT_HALF == HALF_T:
+        col_n = tl.max_contiguous(tl.multiple_of(col_n, BH), BH)
     head_n = (hg * HB + offs_n // (2 * BH)).to(tl.int64)
     n_mask = head_n < Ht
     w_base = w_ptr + layer * w_l + head_n[None, :] * w_h + col_n[None, :] * w_n
@@ -120,13 +125,12 @@ def _affine_kernel(
     # the bytes of the bfloat16 rows they rotate; benchmarks/reports/gpu-kernels.md)
     for c0 in tl.static_range(0, HALF_S, BLOCK_S):
         d = c0 + offs_c
+        sa, sb = _pair_channels(d, S_INTERLEAVED, S_ROT_HALF, HALF_S)
         if SRC_ROPE and SHARED_TABLE:
-            t_off = b * sc_b + row[:, None] * sc_s + d[None, :]
-            cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
-            sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-            inv = 1.0 / (cs * cs + sn * sn)
-            cs = cs * inv
-            sn = sn * inv
+            cs, sn = _scaled_table(sc_ptr, ss_ptr, b * sc_b + row[:, None] * sc_s + d[None, :], m)
+        elif not SRC_ROPE:
+            cs = 0.0
+            sn = 0.0
         for j in range(n):
             # the heads of a group read the same slot list (HB > 1 only when shared)
             v = tl.load(heads_ptr + layer * hd_l + (hg * HB).to(tl.int64) * hd_h + j * hd_j)
@@ -135,25 +139,14 @@ def _affine_kernel(
             src_off = tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
             if ALIGNED:
                 src_off = tl.multiple_of(src_off, 16)
-            x_row = src_ptr + src_off
-            x1 = tl.load(x_row[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row[:, None] + HALF_S + d[None, :], mask=m, other=0.0).to(tl.float32)
-            if SRC_ROPE:
-                if not SHARED_TABLE:
-                    t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
-                    cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
-                    sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-                    inv = 1.0 / (cs * cs + sn * sn)
-                    cs = cs * inv
-                    sn = sn * inv
-                u1 = x1 * cs + x2 * sn
-                u2 = x2 * cs - x1 * sn
-            else:
-                u1 = x1
-                u2 = x2
-            k1 = (j * 2 * HALF_S + d)[:, None] * w_k
-            w1 = tl.load(w_base + k1, mask=n_mask[None, :], other=0.0)
-            w2 = tl.load(w_base + k1 + HALF_S * w_k, mask=n_mask[None, :], other=0.0)
+            if SRC_ROPE and not SHARED_TABLE:
+                t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + d[None, :]
+                cs, sn = _scaled_table(sc_ptr, ss_ptr, t_off, m)
+            u1, u2 = _gather_unrotated(
+                src_ptr + src_off, d, m, cs, sn, SRC_ROPE, S_INTERLEAVED, S_ROT_HALF, HALF_S
+            )
+            w1 = tl.load(w_base + (j * 2 * HALF_S + sa)[:, None] * w_k, mask=n_mask[None, :], other=0.0)
+            w2 = tl.load(w_base + (j * 2 * HALF_S + sb)[:, None] * w_k, mask=n_mask[None, :], other=0.0)
             acc = tl.dot(u1, w1, acc, input_precision=PRECISION)
             acc = tl.dot(u2, w2, acc, input_precision=PRECISION)
 
@@ -182,10 +175,11 @@ def _affine_kernel(
         b2 = y2.to(tl.uint32, bitcast=True)
         y1 = ((b1 + 0x7FFF + ((b1 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         y2 = ((b2 + 0x7FFF + ((b2 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    o_ptr = out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t + dh[None, :]
+    oa, ob = _pair_channels(dh, T_INTERLEAVED, T_ROT_HALF, HALF_T)
+    o_ptr = out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t
     om = t_mask[:, None] & (head_h < Ht)[None, :]
-    tl.store(o_ptr, y1.to(out_ptr.dtype.element_ty), mask=om)
-    tl.store(o_ptr + HALF_T, y2.to(out_ptr.dtype.element_ty), mask=om)
+    tl.store(o_ptr + oa[None, :], y1.to(out_ptr.dtype.element_ty), mask=om)
+    tl.store(o_ptr + ob[None, :], y2.to(out_ptr.dtype.element_ty), mask=om)
 
 
 def _configs():
@@ -214,6 +208,7 @@ def _prune(configs, named_args, **kwargs):
 
 _KERNEL = LazyKernel(
     _affine_kernel, _configs, key=["T_KEY", "HALF_S", "HALF_T", "HB", "SRC_ROPE", "Ht", "n"], prune=_prune,
+    helpers=HELPERS,
     # token counts (and the rows' batch stride, = T) vary per context: one compiled variant for all
     do_not_specialize=["T", "r_b"],
 )  # fmt: skip
@@ -244,6 +239,8 @@ def launch_affine(
     tgt_sin: torch.Tensor | None,
     out: torch.Tensor,
     kernel: str = "auto",
+    src_rotary=None,
+    tgt_rotary=None,
 ) -> None:
     """Run a Triton kernel, writing every element of `out`; arguments as in `gathered_affine`,
     with the source layers as a SourceView. kernel (APPLY_KERNELS): "auto" (the module
@@ -261,7 +258,8 @@ def launch_affine(
     if kernel == "persistent" and not persistent:
         raise ValueError(f"the persistent kernel takes one input slot and source dims 32..256, got {n}, {ds}")
     if kernel != "tiled" and persistent:
-        launch_persistent(view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
+        tables = (src_cos, src_sin, tgt_cos, tgt_sin)
+        launch_persistent(view, rows, heads, weight, bias, *tables, out, src_rotary, tgt_rotary)
         return
     heads_per_program = 1
     if heads.stride(1) == 0:  # shared inputs: put several heads in one tile
@@ -288,6 +286,7 @@ def launch_affine(
         ALIGNED=view.aligned and all(st % 16 == 0 for st in src.stride()[:3]),
         PRECISION="tf32" if out.dtype == torch.bfloat16 else "tf32x3", OUT_BF16=out.dtype == torch.bfloat16,
     )  # fmt: skip
+    meta.update(layout_meta(src_rotary if src_rope else None, tgt_rotary if tgt_rope else None, ds, dt))
     programs_per_layer = -(-n_heads // heads_per_program) * (dt // 2 // half_cols)
 
     def grid(cfg):
@@ -333,39 +332,38 @@ def _launch_options(config) -> dict:
 
 _SCHEMA = (
     "(Tensor[] src, Tensor rows, Tensor heads, Tensor weight, Tensor bias, Tensor? src_cos, Tensor? src_sin, "
-    "Tensor? tgt_cos, Tensor? tgt_sin, str backend, Tensor(a!) out) -> ()"
+    "Tensor? tgt_cos, Tensor? tgt_sin, str backend, str src_kind, int src_rotary_dim, str tgt_kind, "
+    "int tgt_rotary_dim, Tensor(a!) out) -> ()"
 )
 
 
 @torch.library.custom_op("bridgecache::gathered_affine", mutates_args=("out",), schema=_SCHEMA)
 def _gathered_affine_op(
-    src: list[torch.Tensor],
-    rows: torch.Tensor,
-    heads: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    src_cos: torch.Tensor | None,
-    src_sin: torch.Tensor | None,
-    tgt_cos: torch.Tensor | None,
-    tgt_sin: torch.Tensor | None,
-    backend: str,
-    out: torch.Tensor,
-) -> None:
-    _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out)
+    src: list[torch.Tensor], rows: torch.Tensor, heads: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor, src_cos: torch.Tensor | None, src_sin: torch.Tensor | None,
+    tgt_cos: torch.Tensor | None, tgt_sin: torch.Tensor | None, backend: str, src_kind: str,
+    src_rotary_dim: int, tgt_kind: str, tgt_rotary_dim: int, out: torch.Tensor,
+) -> None:  # fmt: skip
+    _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend,
+                src_kind, src_rotary_dim, tgt_kind, tgt_rotary_dim, out)  # fmt: skip
 
 
-def _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out) -> None:
+def _run_affine(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend,
+                src_kind, src_rotary_dim, tgt_kind, tgt_rotary_dim, out) -> None:  # fmt: skip
     """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
+    layouts = dict(src_rotary=(src_kind, src_rotary_dim), tgt_rotary=(tgt_kind, tgt_rotary_dim))
     if backend == "torch":
-        affine_reference(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
+        affine_reference(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, **layouts)
         return
     if len({t.stride() for t in src}) > 1:  # the kernel addresses every layer with one set of strides
         src = [t.contiguous() for t in src]
-    launch_affine(source_view(src), rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out)
+    view = source_view(src)
+    launch_affine(view, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, out, **layouts)
 
 
 @_gathered_affine_op.register_fake
-def _(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend, out):
+def _(src, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin, backend,
+      src_kind, src_rotary_dim, tgt_kind, tgt_rotary_dim, out):  # fmt: skip
     return None
 
 
@@ -381,6 +379,8 @@ def gathered_affine(
     tgt_sin: torch.Tensor | None,
     out: torch.Tensor,
     backend: str | None = None,
+    src_rotary: tuple[str, int] | None = None,
+    tgt_rotary: tuple[str, int] | None = None,
 ) -> torch.Tensor:
     """Checked core of map_heads / map_layers / map_fullhead; writes and returns `out`.
 
@@ -395,6 +395,8 @@ def gathered_affine(
     tgt_cos, tgt_sin: [Lt, B, T, Dt] float32 (stride 0 where shared) or both None.
     out: [Lt, B, Ht, T, Dt] float32/bfloat16/float16, last axis contiguous.
     backend: "triton" | "torch" | None (see bridgecache.kernels._dispatch.resolve_backend).
+    src_rotary, tgt_rotary: (kind "half" | "interleaved", rotary_dim) of each side's keys
+        (kernels.rotary); None: the half-split over the whole head. Read where a side has tables.
     """
     src = [last_contiguous(t) for t in src]
     bsz, hs, s, ds = src[0].shape
@@ -408,6 +410,8 @@ def gathered_affine(
     expect(out, (n_layers, bsz, n_heads, t, dt), FLOATS, "out")
     if ds % 2 or dt % 2:
         raise ValueError(f"head dims must be even (rotate_half), got {ds} and {dt}")
+    src_rotary = check_layout(src_rotary, ds, "src_rotary")
+    tgt_rotary = check_layout(tgt_rotary, dt, "tgt_rotary")
     if (src_cos is None) != (src_sin is None) or (tgt_cos is None) != (tgt_sin is None):
         raise ValueError("pass cos and sin together")
     if src_cos is not None:
@@ -441,5 +445,6 @@ def gathered_affine(
     # The custom op is what torch.compile / export (and fake tensors) trace; eager calls skip its dispatch.
     traced = torch.compiler.is_compiling() or is_fake(out)
     run = _gathered_affine_op if traced else _run_affine
-    run(src, rows, heads, weight, last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice, out)
+    run(src, rows, heads, weight, last_contiguous(bias), src_cos, src_sin, tgt_cos, tgt_sin, choice,
+        *src_rotary, *tgt_rotary, out)  # fmt: skip
     return out

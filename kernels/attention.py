@@ -10,9 +10,13 @@ after it, in one pass); every query attends to the cached keys up to its own col
 
     visible(b, i, j) = first_column[b] <= key_columns[j] <= query_columns[b, i]
                        and (window is None or query_columns[b, i] - key_columns[j] < window)
+                       and (chunk is None or the two columns share a chunk: (column -
+                            first_column[b]) // chunk equal, Llama 4's chunked attention)
     logits = scale * q.k, then softcap * tanh(logits / softcap) if softcap is given
     out [B, Nq, Hq, D] (transformers' attention-output layout), query's dtype: the softmax over
-    the visible keys of the values; a query that sees no key gets zeros (never NaN).
+    the visible keys of the values, beside one more logit sinks[h] per q head if sinks are given
+    (GPT-OSS's attention sinks: a logit with no value, it only takes its share of the softmax);
+    a query that sees no key gets zeros (never NaN).
 
 Triton (CUDA): FlashAttention-2 online softmax, float32 accumulation (float32 operands as
 3xTF32). A program takes a block of consecutive queries of one (batch row, q head); their columns
@@ -41,8 +45,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend
-from .attention_launch import configs, merge_shares, prune, split_config, split_count
+from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, resolve_backend, sm_count
+from .attention_launch import SEARCH_K, configs, merge_shares, prune, search_steps, split_config, split_count
 from .checks import FLOATS, expect, last_contiguous
 from .reference import attention_reference
 
@@ -72,15 +76,26 @@ def _lower_bounds(cols_ptr, n, targets, iters, K: tl.constexpr):
     return lo
 
 
+def _first_visible(c, first, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """The first key column a query at column(s) `c` sees: its row's first column, raised by the
+    window and by the start of its chunk (chunks counted from the row's first column)."""
+    low = tl.zeros_like(c) + first
+    if HAS_WINDOW:
+        low = tl.maximum(low, c - window + 1)
+    if HAS_CHUNK:
+        low = tl.maximum(low, first + tl.maximum(c - first, 0) // chunk * chunk)
+    return low
+
+
 def _attend_block(
-    acc, m_i, l_i, q, qc, first, window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
+    acc, m_i, l_i, q, qc, q_low, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
     offs_d, d_mask, qk_mul, cap_mul,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start_n, start_n + BLOCK_N). MASK: the block is at the
-    edge of the query block's key range, so visibility is checked per element; otherwise every
-    query of the block sees every key of it (and the keys exist)."""
+    edge of the query block's key range, so visibility (q_low <= key column <= qc) is checked per
+    element; otherwise every query of the block sees every key of it (and the keys exist)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_ptrs = k_base + offs_n[:, None] * k_n + offs_d[None, :]
     v_ptrs = v_base + offs_n[:, None] * v_n + offs_d[None, :]
@@ -103,9 +118,7 @@ def _attend_block(
         s = cap_mul * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
     if MASK:
         kc = tl.load(kc_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
-        seen = n_mask[None, :] & (kc[None, :] <= qc[:, None]) & (kc >= first)[None, :]
-        if HAS_WINDOW:
-            seen = seen & (qc[:, None] - kc[None, :] < window)
+        seen = n_mask[None, :] & (kc[None, :] <= qc[:, None]) & (kc[None, :] >= q_low[:, None])
         s = tl.where(seen, s, float("-inf"))
     # s is in log2 units: softmax by exp2
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -123,12 +136,13 @@ def _attention_kernel(
     k_ptr, k_b, k_h, k_n,
     v_ptr, v_b, v_h, v_n,
     qc_ptr, qc_b, qc_m,
-    kc_ptr, first_ptr,
+    kc_ptr, first_ptr, sink_ptr,
     o_ptr, o_b, o_m, o_h,
     part_ptr, stat_ptr, n_split,
-    n_q, n_k, heads, group, search_iters, qk_mul, cap_mul, window, N_Q_KEY, N_K_KEY,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FP32: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, SEARCH_K: tl.constexpr,
+    n_q, n_k, heads, group, search_iters, qk_mul, cap_mul, window, chunk, N_Q_KEY, N_K_KEY,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP32: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr, SEARCH_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # axis 0 (fastest): (batch row, q head), so the heads sharing a kv head run side by side;
@@ -156,7 +170,7 @@ def _attention_kernel(
     # sees, [full_lo, full_hi) the keys all of them see.
     r = tl.arange(0, 4)
     c = tl.where(r % 2 == 0, c_min, c_max)
-    low = tl.maximum(c - window + 1, first) if HAS_WINDOW else tl.zeros_like(c) + first
+    low = _first_visible(c, first, window, chunk, HAS_WINDOW, HAS_CHUNK)  # ascends with c
     bounds = _lower_bounds(kc_ptr, n_k, tl.where(r < 2, low, c + 1), search_iters, SEARCH_K)
     bounds = bounds.to(tl.int32)
     lo = tl.sum(tl.where(r == 0, bounds, 0), axis=0)
@@ -185,22 +199,23 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_low = _first_visible(qc, first.to(tl.int32), window, chunk, HAS_WINDOW, HAS_CHUNK)
     for start_n in range(start, tl.minimum(u0, end), BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
-            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
+            acc, m_i, l_i, q, qc, q_low, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
+            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
     for start_n in range(tl.maximum(u0, start), tl.minimum(u1, end), BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
-            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32,
+            acc, m_i, l_i, q, qc, q_low, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
+            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, False, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
     for start_n in range(tl.maximum(u1, start), end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, qc, first.to(tl.int32), window, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
-            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
+            acc, m_i, l_i, q, qc, q_low, k_base, v_base, k_n, v_n, kc_ptr, n_k, start_n,
+            offs_d, d_mask, qk_mul, cap_mul, D, BLOCK_D, BLOCK_N, True, HAS_SOFTCAP, FP32,
             INTERPRET,
         )  # fmt: skip
 
@@ -210,6 +225,9 @@ def _attention_kernel(
         tl.store(stat_ptr + row * 2, m_i, mask=m_mask)
         tl.store(stat_ptr + row * 2 + 1, l_i, mask=m_mask)
     else:
+        if HAS_SINKS:  # the sink's share of the softmax (log2 units, as s): only the denominator grows
+            sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i))
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc = 0
         if OUT_BF16 and INTERPRET:
             # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
@@ -221,33 +239,22 @@ def _attention_kernel(
 
 _KERNEL = LazyKernel(
     _attention_kernel, configs,
-    key=["N_Q_KEY", "N_K_KEY", "BLOCK_D", "HAS_WINDOW", "HAS_SOFTCAP", "FP32", "OUT_BF16"], prune=prune,
-    helpers=(_lower_bounds, _attend_block),
+    key=["N_Q_KEY", "N_K_KEY", "BLOCK_D", "HAS_WINDOW", "HAS_CHUNK", "HAS_SOFTCAP", "HAS_SINKS", "FP32",
+         "OUT_BF16"],
+    prune=prune, helpers=(_lower_bounds, _first_visible, _attend_block),
     # query and key counts change per call: one compiled variant for all of them
-    do_not_specialize=["n_q", "n_k", "search_iters", "window"],
+    do_not_specialize=["n_q", "n_k", "search_iters", "window", "chunk"],
 )  # fmt: skip
 
 # Interpreter: small blocks, so tests cross block edges on both axes and reach unmasked blocks.
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
-_SEARCH_K = 32  # probes per search step
 _LOG2E = 1.4426950408889634
 
 
-def triton_supports(head_dim: int) -> bool:
-    return 16 <= head_dim <= 256
-
-
-def _search_steps(n: int) -> int:
-    """Steps of _lower_bounds that pin an answer in [0, n]: (K + 1) ** steps > n."""
-    steps = 0
-    while (_SEARCH_K + 1) ** steps <= n:
-        steps += 1
-    return steps
-
-
 def launch_attention(
-    query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits=None
-):
+    query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out, splits=None,
+    chunk=None, sinks=None,
+):  # fmt: skip
     """Run the Triton kernel into `out` [B, Nq, Hq, D] (every element written); arguments as in
     `column_attention`, all last axes contiguous. splits: key shares per query block (None:
     `split_count` on CUDA, 1 in the interpreter; > 1: partial softmaxes merged by `merge_shares`)."""
@@ -257,7 +264,7 @@ def launch_attention(
     block_d = max(16, next_pow2(dim))
     fp32 = query.dtype == torch.float32
     if splits is None:
-        sms = 0 if interp else torch.cuda.get_device_properties(query.device).multi_processor_count
+        sms = 0 if interp else sm_count(query.device)
         splits = 1 if interp else split_count(bsz * hq, n_q, n_k, sms)
     part = stats = out  # partial sums and (max, sum) per share: only a split launch writes them
     if splits > 1:
@@ -272,15 +279,16 @@ def launch_attention(
         key, *key.stride()[:3],
         value, *value.stride()[:3],
         query_columns, *query_columns.stride(),
-        key_columns, first_column,
+        key_columns, first_column, first_column if sinks is None else sinks,
         out, *out.stride()[:3],
         part, stats, splits,
-        n_q, n_k, hq, hq // key.shape[1], _search_steps(n_k), qk_mul, cap_mul, window or 0,
+        n_q, n_k, hq, hq // key.shape[1], search_steps(n_k), qk_mul, cap_mul, window or 0, chunk or 1,
         next_pow2(n_q), next_pow2(n_k),
     )  # fmt: skip
     meta = dict(
-        D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        FP32=fp32, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=_SEARCH_K,
+        D=dim, BLOCK_D=block_d, HAS_WINDOW=window is not None, HAS_CHUNK=chunk is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, FP32=fp32,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interp, SEARCH_K=SEARCH_K,
         SPLIT=splits > 1,
     )  # fmt: skip
 
@@ -291,7 +299,7 @@ def launch_attention(
         if splits > 1:  # a fixed launch: one kind of work (attention_launch.split_config)
             config = dict(_INTERPRET_CONFIG) if interp else split_config(n_q, block_d, fp32)
             _KERNEL[grid(config)](*args, **meta, **config)
-            merge_shares(part, stats, out)
+            merge_shares(part, stats, out, sinks)
         elif interp:
             _KERNEL[grid(_INTERPRET_CONFIG)](*args, **meta, **_INTERPRET_CONFIG)
         else:
@@ -315,37 +323,32 @@ _RESOLVED: dict[tuple, dict] = {}
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor query_columns, Tensor key_columns, "
-    "Tensor first_column, float scale, int? window, float? softcap, str backend, Tensor(a!) out) -> ()"
+    "Tensor first_column, float scale, int? window, float? softcap, int? chunk, Tensor? sinks, str backend, "
+    "Tensor(a!) out) -> ()"
 )
 
 
 @torch.library.custom_op("bridgecache::column_attention", mutates_args=("out",), schema=_SCHEMA)
 def _column_attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_columns: torch.Tensor,
-    key_columns: torch.Tensor,
-    first_column: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    backend: str,
-    out: torch.Tensor,
-) -> None:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_columns: torch.Tensor,
+    key_columns: torch.Tensor, first_column: torch.Tensor, scale: float, window: int | None,
+    softcap: float | None, chunk: int | None, sinks: torch.Tensor | None, backend: str, out: torch.Tensor,
+) -> None:  # fmt: skip
     _run_attention(query, key, value, query_columns, key_columns, first_column, scale, window, softcap,
-                   backend, out)  # fmt: skip
+                   chunk, sinks, backend, out)  # fmt: skip
 
 
 def _run_attention(query, key, value, query_columns, key_columns, first_column, scale, window, softcap,
-                   backend, out) -> None:  # fmt: skip
+                   chunk, sinks, backend, out) -> None:  # fmt: skip
     """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
     run = attention_reference if backend == "torch" else launch_attention
-    run(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out)
+    run(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, out,
+        chunk=chunk, sinks=sinks)  # fmt: skip
 
 
 @_column_attention_op.register_fake
-def _(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, backend, out):
+def _(query, key, value, query_columns, key_columns, first_column, scale, window, softcap, chunk, sinks,
+      backend, out):  # fmt: skip
     return None
 
 
@@ -360,6 +363,8 @@ def column_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -376,11 +381,16 @@ def column_attention(
         window: a key is visible only if query column - key column < window (transformers'
             sliding window); None: no window.
         softcap: logits become softcap * tanh(logits / softcap); None: uncapped.
+        chunk: a key is visible only in its query's chunk of `chunk` columns, counted from the
+            row's first column (transformers' chunked attention, Llama 4); None: no chunks.
+        sinks: [Hq] float32, one more logit per q head in the softmax, with no value (GPT-OSS's
+            attention sinks); None: none.
         backend: "triton" | "torch" | None (see bridgecache.kernels._dispatch.resolve_backend).
         out: optional [B, Nq, Hq, D] tensor of query's dtype (last axis contiguous) to write.
     Returns:
         [B, Nq, Hq, D] in query's dtype: per query and head, the softmax over its visible keys of
-        the values (float32 accumulation); zeros for a query that sees no key.
+        the values (float32 accumulation, the sink's share left out); zeros for a query that
+        sees no key.
     The orderings of the columns are the caller's promise; they are not checked (a check would
     synchronise with the device).
     """
@@ -400,12 +410,16 @@ def column_attention(
         raise ValueError(f"window must be >= 1 or None, got {window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1 or None, got {chunk}")
+    if sinks is not None:
+        expect(sinks, (hq,), (torch.float32,), "sinks")
     if out is None:
         out = torch.empty(bsz, n_q, hq, dim, dtype=query.dtype, device=query.device)
     expect(out, (bsz, n_q, hq, dim), (query.dtype,), "out")
     if out.stride(-1) != 1:
         raise ValueError("out's last axis must be contiguous")
-    for x in (key, value, query_columns, key_columns, first_column, out):
+    for x in (key, value, query_columns, key_columns, first_column, out, *([] if sinks is None else [sinks])):
         if x.device != query.device:
             raise ValueError(f"all tensors must be on one device; got {x.device} and {query.device}")
     if out.numel() == 0:
@@ -413,7 +427,7 @@ def column_attention(
     if n_k == 0:
         return out.zero_()
     choice = resolve_backend(backend, query.device)
-    if choice == "triton" and not triton_supports(dim):
+    if choice == "triton" and not 16 <= dim <= 256:
         if backend == "triton":
             raise ValueError(f"the Triton kernel takes head dims 16..256, got {dim}")
         choice = "torch"
@@ -424,18 +438,9 @@ def column_attention(
     run = _column_attention_op if traced else _run_attention
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
+    chunk = None if chunk is None else int(chunk)
     first_column = first_column.contiguous()
-    run(
-        query,
-        key,
-        value,
-        query_columns,
-        key_columns,
-        first_column,
-        float(scale),
-        window,
-        softcap,
-        choice,
-        out,
-    )
+    sinks = None if sinks is None else sinks.contiguous()
+    run(query, key, value, query_columns, key_columns, first_column, float(scale), window, softcap, chunk,
+        sinks, choice, out)  # fmt: skip
     return out

@@ -3,8 +3,9 @@ and the split launch for few queries over many keys.
 
     configs(), prune(...)       the autotuner's lists per (padded head dim, float32 operands)
     split_count(programs, ...)  key shares per query block (1: no split)
+    search_steps(n)             steps of the kernel's key search over n columns (SEARCH_K probes each)
     split_config(n_q, ...)      the split launch's fixed blocks
-    merge_shares(part, stats, out)   the exact softmax over every share from each share's partial one
+    merge_shares(part, stats, out, sinks)   the exact softmax over every share from each share's partial one
 
 A prompt's few queries over a long context make fewer programs than the GPU has multiprocessors,
 each walking every key (a 32K-token pass of 17 queries used 14 programs: 0.55 ms a layer on an
@@ -22,7 +23,7 @@ import torch
 
 from ._dispatch import next_pow2
 
-__all__ = ["configs", "prune", "split_count", "split_config", "merge_shares"]
+__all__ = ["SEARCH_K", "configs", "prune", "search_steps", "split_count", "split_config", "merge_shares"]
 
 # (BLOCK_M, BLOCK_N, warps, stages) the autotuner tries, per (padded head dim, float32 operands).
 # Chosen from offline sm_90 builds (Triton 3.9, ptxas): 16-bit lists hold no register spills except
@@ -67,7 +68,19 @@ def prune(configs, named_args, **kwargs):
 # The split launch: at most this many queries (one block of at most 64), keys in blocks of 64 where
 # the tuned lists allow it (16-bit operands, head dims up to 128: measured on an H100).
 _SPLIT_MAX_QUERIES = 64
+_LOG2E = 1.4426950408889634
 _SPLIT_BLOCK_N = 64
+
+
+SEARCH_K = 32  # probes per step of the kernel's search over key columns
+
+
+def search_steps(n: int) -> int:
+    """Steps of the kernel's `_lower_bounds` that pin an answer in [0, n]: (K + 1) ** steps > n."""
+    steps = 0
+    while (SEARCH_K + 1) ** steps <= n:
+        steps += 1
+    return steps
 
 
 def split_count(programs: int, n_q: int, n_k: int, sms: int) -> int:
@@ -91,17 +104,22 @@ def split_config(n_q: int, block_d: int, fp32: bool) -> dict:
     return dict(BLOCK_M=min(bm, rows), BLOCK_N=bn, num_warps=nw, num_stages=ns)
 
 
-def merge_shares(part: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> None:
+def merge_shares(
+    part: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
+) -> None:
     """The softmax over every share from each share's partial one.
 
     part: [S, B * Hq, Nq, BLOCK_D] float32 unnormalised sums of p v per share; stats: [S, B * Hq,
     Nq, 2] float32, the share's running max (log2 units, -inf where it saw no key) and sum of
-    exp2; out: [B, Nq, Hq, D], written (zeros for a query that saw no key in any share)."""
+    exp2; sinks: [Hq] float32 logits (natural units) that take a share of the softmax with no value,
+    or None; out: [B, Nq, Hq, D], written (zeros for a query that saw no key in any share)."""
     bsz, n_q, hq, dim = out.shape
     top, total = stats[..., 0], stats[..., 1]
     best = top.amax(0)
     best = torch.where(best == float("-inf"), 0.0, best)
     weight = torch.exp2(top - best)  # 0 for a share that saw nothing
     norm = (weight * total).sum(0)
+    if sinks is not None:  # [B * Hq, 1]: row b * Hq + h holds head h
+        norm = norm + torch.exp2(sinks.float().repeat(bsz)[:, None] * _LOG2E - best)
     merged = (weight[..., None] * part).sum(0) / torch.where(norm > 0, norm, 1.0)[..., None]
     out.copy_(merged[..., :dim].view(bsz, hq, n_q, dim).transpose(1, 2))

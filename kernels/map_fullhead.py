@@ -35,6 +35,8 @@ def map_fullhead(
     *,
     backend: str | None = None,
     out: torch.Tensor | None = None,
+    src_rotary: tuple[str, int] | None = None,
+    tgt_rotary: tuple[str, int] | None = None,
 ) -> torch.Tensor:
     """Map all source heads into every head of one target layer.
 
@@ -53,6 +55,8 @@ def map_fullhead(
         out_dtype: dtype of the result (float32/bfloat16/float16); default src's dtype.
         backend: "triton" | "torch" | None (auto: Triton on CUDA).
         out: optional [B, Ht, T, Dt] tensor (last axis contiguous) to write into and return.
+        src_rotary, tgt_rotary: rotary layouts (kind "half" | "interleaved", rotary_dim) of the
+            source and target keys (kernels.rotary); None: the half-split over the whole head.
     Returns:
         [B, Ht, T, Dt] in out_dtype (keys post-RoPE), accumulated in float32.
     """
@@ -68,6 +72,6 @@ def map_fullhead(
         layers, rows, heads, weight[None], bias[None],
         *source_tables(src_cos, src_sin, bsz, len(layers), hs, s, ds),
         *target_tables(tgt_cos, tgt_sin, 1, bsz, t, dt),
-        out[None], backend=backend,
+        out[None], backend=backend, src_rotary=src_rotary, tgt_rotary=tgt_rotary,
     )  # fmt: skip
     return out

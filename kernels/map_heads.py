@@ -6,7 +6,8 @@ source layers, n = k; identity: n = 1), gathers the source rows the alignment na
 keys at their source positions, applies its own affine map W_h [n*Ds, Dt] + b_h, re-rotates at
 the target positions and casts to the target dtype: one read of the used source rows, one write
 of the target. The arithmetic and its rope convention are those of `bridgecache.kernels.affine`
-(cos/sin tables as transformers builds them; only their first half is read).
+(RoPE on the pairs of each side's rotary layout; cos/sin tables indexed by pair, only their first
+half is read).
 
 Several source layers are given as a list and addressed as one stack of heads without a copy:
 virtual source head v = layer * Hs + head, i.e. the heads of `torch.cat(src, dim=1)`.
@@ -43,6 +44,8 @@ def map_heads(
     *,
     backend: str | None = None,
     out: torch.Tensor | None = None,
+    src_rotary: tuple[str, int] | None = None,
+    tgt_rotary: tuple[str, int] | None = None,
 ) -> torch.Tensor:
     """Map source keys or values into one target layer, head by head.
 
@@ -62,6 +65,8 @@ def map_heads(
         out_dtype: dtype of the result (float32/bfloat16/float16); default src's dtype.
         backend: "triton" | "torch" | None (auto: Triton on CUDA).
         out: optional [B, Ht, T, Dt] tensor (last axis contiguous) to write into and return.
+        src_rotary, tgt_rotary: rotary layouts (kind "half" | "interleaved", rotary_dim) of the
+            source and target keys (kernels.rotary); None: the half-split over the whole head.
     Returns:
         [B, Ht, T, Dt] in out_dtype (keys post-RoPE), accumulated in float32.
     """
@@ -76,7 +81,7 @@ def map_heads(
         layers, rows, heads[None], weight[None], bias[None],
         *source_tables(src_cos, src_sin, bsz, len(layers), hs, s, ds),
         *target_tables(tgt_cos, tgt_sin, 1, bsz, t, dt),
-        out[None], backend=backend,
+        out[None], backend=backend, src_rotary=src_rotary, tgt_rotary=tgt_rotary,
     )  # fmt: skip
     return out
 
@@ -95,6 +100,8 @@ def map_layers(
     *,
     backend: str | None = None,
     out: torch.Tensor | None = None,
+    src_rotary: tuple[str, int] | None = None,
+    tgt_rotary: tuple[str, int] | None = None,
 ) -> torch.Tensor:
     """Map source keys or values into every target layer at once (one Triton launch).
 
@@ -115,6 +122,8 @@ def map_layers(
         out_dtype: dtype of the result (float32/bfloat16/float16); default src's dtype.
         backend: "triton" | "torch" | None (auto: Triton on CUDA).
         out: optional [Lt, B, Ht, T, Dt] tensor (last axis contiguous) to write into and return.
+        src_rotary, tgt_rotary: rotary layouts (kind "half" | "interleaved", rotary_dim) of the
+            source and target keys (kernels.rotary); None: the half-split over the whole head.
     Returns:
         [Lt, B, Ht, T, Dt] in out_dtype; out[l] is target layer l's keys (post-RoPE) or values.
     """
@@ -129,6 +138,6 @@ def map_layers(
         layers, rows, heads, weight, bias,
         *source_tables(src_cos, src_sin, bsz, len(layers), hs, s, ds),
         *target_tables(tgt_cos, tgt_sin, n_layers, bsz, t, dt),
-        out, backend=backend,
+        out, backend=backend, src_rotary=src_rotary, tgt_rotary=tgt_rotary,
     )  # fmt: skip
     return out

@@ -29,12 +29,12 @@ Knows nothing about models, bridges or which source heads feed which target head
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from ._dispatch import LazyKernel, SourceView, device_of, interpreting, next_pow2
+from ._dispatch import LazyKernel, SourceView, device_of, interpreting, next_pow2, sm_count
+from .rotary import HELPERS, _gather_unrotated, _pair_channels, _scaled_table, layout_meta
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
@@ -64,7 +64,8 @@ def _persistent_kernel(
     HALF_S: tl.constexpr, HALF_T: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr,
     SRC_ROPE: tl.constexpr, TGT_ROPE: tl.constexpr, ALIGNED: tl.constexpr, PRECISION: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, NUM_STAGES: tl.constexpr, PER_SM: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, S_INTERLEAVED: tl.constexpr, S_ROT_HALF: tl.constexpr,
+    T_INTERLEAVED: tl.constexpr, T_ROT_HALF: tl.constexpr,
 ):  # fmt: skip
     # This program's share of the items [start, stop); item = unit * n_blocks + token block.
     pid = tl.program_id(0).to(tl.int64)
@@ -75,9 +76,10 @@ def _persistent_kernel(
     n_hg = tl.cdiv(Ht, HB)
     n_tb = tl.cdiv(T, BLOCK_T)
     offs_c = tl.arange(0, HALF_S)
-    # Column e of a half-accumulator [BLOCK_T, HB * BH] is output dim cb * BH + e % BH (first
-    # half) or HALF_T + that (second half) of head hg * HB + e // BH: each unit owns matching
-    # column blocks of both rope halves, as two accumulators (no register shuffles between them).
+    sa, sb = _pair_channels(offs_c, S_INTERLEAVED, S_ROT_HALF, HALF_S)  # the source pairs' channels
+    # Column e of a half-accumulator [BLOCK_T, HB * BH] is channel a (first accumulator) or b
+    # (second) of target pair cb * BH + e % BH of head hg * HB + e // BH (kernels.rotary): each
+    # unit owns whole rope pairs, as two accumulators (no register shuffles between them).
     offs_h = tl.arange(0, HB * BH)
     item = start
     while item < stop:
@@ -90,18 +92,19 @@ def _persistent_kernel(
         dh = tl.max_contiguous(tl.multiple_of(dh, BH), BH)
         head_h = hg * HB + offs_h // BH
         h_mask = head_h < Ht
-        # the unit's weights [Ds rows as two halves] x [both column halves], kept on chip for all
+        ta, tb = _pair_channels(dh, T_INTERLEAVED, T_ROT_HALF, HALF_T)  # the target pairs' channels
+        # the unit's weights [source channels a, b] x [target channels a, b], kept on chip for all
         # of its token blocks in this program
-        w_base = w_ptr + layer * w_l + head_h[None, :] * w_h + dh[None, :] * w_n
-        w_lo = w_base + offs_c[:, None] * w_k
-        w_hi = w_base + (HALF_S + offs_c)[:, None] * w_k
-        w11 = tl.load(w_lo, mask=h_mask[None, :], other=0.0)
-        w21 = tl.load(w_hi, mask=h_mask[None, :], other=0.0)
-        w12 = tl.load(w_lo + HALF_T * w_n, mask=h_mask[None, :], other=0.0)
-        w22 = tl.load(w_hi + HALF_T * w_n, mask=h_mask[None, :], other=0.0)
-        b_ptr = bias_ptr + layer * bi_l + head_h * bi_h + dh
-        bias1 = tl.load(b_ptr, mask=h_mask, other=0.0)
-        bias2 = tl.load(b_ptr + HALF_T, mask=h_mask, other=0.0)
+        w_base = w_ptr + layer * w_l + head_h[None, :] * w_h
+        w_lo = w_base + sa[:, None] * w_k
+        w_hi = w_base + sb[:, None] * w_k
+        w11 = tl.load(w_lo + ta[None, :] * w_n, mask=h_mask[None, :], other=0.0)
+        w21 = tl.load(w_hi + ta[None, :] * w_n, mask=h_mask[None, :], other=0.0)
+        w12 = tl.load(w_lo + tb[None, :] * w_n, mask=h_mask[None, :], other=0.0)
+        w22 = tl.load(w_hi + tb[None, :] * w_n, mask=h_mask[None, :], other=0.0)
+        b_ptr = bias_ptr + layer * bi_l + head_h * bi_h
+        bias1 = tl.load(b_ptr + ta, mask=h_mask, other=0.0)
+        bias2 = tl.load(b_ptr + tb, mask=h_mask, other=0.0)
         # the heads of a group read the same source head (HB > 1 only when shared)
         v = tl.load(heads_ptr + layer * hd_l + hg * HB * hd_h)
         lay = v // HS
@@ -118,19 +121,15 @@ def _persistent_kernel(
             src_off = src_head + b * s_b + row * s_s
             if ALIGNED:
                 src_off = tl.multiple_of(src_off, 16)
-            x_row = src_ptr + src_off
-            x1 = tl.load(x_row[:, None] + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row[:, None] + HALF_S + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
             if SRC_ROPE:
                 t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + offs_c[None, :]
-                cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
-                sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-                inv = 1.0 / (cs * cs + sn * sn)
-                u1 = (x1 * cs + x2 * sn) * inv
-                u2 = (x2 * cs - x1 * sn) * inv
+                cs, sn = _scaled_table(sc_ptr, ss_ptr, t_off, m)
             else:
-                u1 = x1
-                u2 = x2
+                cs = 0.0
+                sn = 0.0
+            u1, u2 = _gather_unrotated(
+                src_ptr + src_off, offs_c, m, cs, sn, SRC_ROPE, S_INTERLEAVED, S_ROT_HALF, HALF_S
+            )
             z1 = tl.dot(u1, w11, input_precision=PRECISION)
             z1 = tl.dot(u2, w21, z1, input_precision=PRECISION) + bias1[None, :]
             z2 = tl.dot(u1, w12, input_precision=PRECISION)
@@ -153,12 +152,10 @@ def _persistent_kernel(
                 b2 = y2.to(tl.uint32, bitcast=True)
                 y1 = ((b1 + 0x7FFF + ((b1 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
                 y2 = ((b2 + 0x7FFF + ((b2 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            o_ptr = (
-                out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t + dh[None, :]
-            )
+            o_ptr = out_ptr + layer * o_l + b * o_b + head_h[None, :] * o_h + offs_t[:, None] * o_t
             om = t_mask[:, None] & h_mask[None, :]
-            tl.store(o_ptr, y1.to(out_ptr.dtype.element_ty), mask=om)
-            tl.store(o_ptr + HALF_T, y2.to(out_ptr.dtype.element_ty), mask=om)
+            tl.store(o_ptr + ta[None, :], y1.to(out_ptr.dtype.element_ty), mask=om)
+            tl.store(o_ptr + tb[None, :], y2.to(out_ptr.dtype.element_ty), mask=om)
         item = seg_stop
 
 
@@ -188,22 +185,20 @@ def _configs():
 
 
 # token counts (and the strides and counts that follow them) vary per context: one variant for all
-_KERNEL = LazyKernel(_persistent_kernel, do_not_specialize=["T", "r_b", "n_blocks", "n_items"])
+_KERNEL = LazyKernel(
+    _persistent_kernel, helpers=HELPERS, do_not_specialize=["T", "r_b", "n_blocks", "n_items"]
+)
 
 # Interpreter: small blocks and three programs, so shares cross unit boundaries.
 _INTERPRET_CONFIG = {"BLOCK_T": 16, "NUM_STAGES": 1, "PER_SM": 1}
 _INTERPRET_PROGRAMS = 3
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_sin, tgt_cos, tgt_sin,
-                      out) -> None:  # fmt: skip
+                      out, src_rotary=None, tgt_rotary=None) -> None:  # fmt: skip
     """Run the persistent kernel, writing every element of `out`; arguments as in
-    affine.gathered_affine (source layers as a SourceView, heads [Lt, Ht, 1]). The first CUDA
+    affine.gathered_affine (source layers as a SourceView, heads [Lt, Ht, 1], rotary layouts as
+    (kind, rotary_dim) or None). The first CUDA
     launch of a shape bucket times the configurations (`_tune`); later ones reuse its choice."""
     src = view.base
     bsz, hs, _, ds = src.shape
@@ -226,6 +221,7 @@ def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_
         PRECISION="tf32" if out.dtype == torch.bfloat16 else "tf32x3", OUT_BF16=out.dtype == torch.bfloat16,
         INTERPRET=interp,
     )  # fmt: skip
+    meta.update(layout_meta(src_rotary if src_rope else None, tgt_rotary if tgt_rope else None, ds, dt))
 
     def args(block_t):
         n_blocks = bsz * -(-t // block_t)
@@ -243,7 +239,7 @@ def launch_persistent(view: SourceView, rows, heads, weight, bias, src_cos, src_
 
     def grid(cfg):
         items = units * bsz * -(-t // cfg["BLOCK_T"])
-        cap = _INTERPRET_PROGRAMS if interp else _sm_count(src.device) * cfg["PER_SM"]
+        cap = _INTERPRET_PROGRAMS if interp else sm_count(src.device) * cfg["PER_SM"]
         return (min(items, cap),)
 
     with device_of(src):

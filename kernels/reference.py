@@ -1,11 +1,12 @@
-"""PyTorch references of the kernels (`gathered_affine`, `launch_stats`, `column_attention`): RoPE on halves
-of the head dimension and the rotary-table layouts the kernels accept.
+"""PyTorch references of the kernels (`gathered_affine`, `launch_stats`, `column_attention`): RoPE
+on the pairs of a rotary layout (`bridgecache.kernels.rotary`) and the rotary-table layouts the
+kernels accept.
 
     affine_reference     the function of bridgecache.kernels.affine, in float32 arithmetic
     attention_reference  the function of bridgecache.kernels.attention: sdpa per block of
                          queries over only the keys the block can see
     stats_reference      the moments of bridgecache.kernels.stats, X materialised (float32)
-    unrope_halves / rope_halves   undo / apply RoPE from the first half of cos/sin tables
+    unrope_pairs / rope_pairs     undo / apply RoPE on a layout's pairs from the first half of the tables
     source_tables / target_tables   the public table layouts as the views the kernels read
 
 Knows tensors only.
@@ -17,30 +18,37 @@ from collections.abc import Sequence
 
 import torch
 
+from .rotary import pair_channels
+
 __all__ = [
     "affine_reference",
     "attention_reference",
-    "rope_halves",
+    "rope_pairs",
     "source_tables",
     "stats_reference",
     "target_tables",
-    "unrope_halves",
+    "unrope_pairs",
 ]
 
 
-def unrope_halves(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Undo RoPE. x: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
+def unrope_pairs(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rotary=None) -> torch.Tensor:
+    """Undo RoPE. x: [..., D]; c, s: [..., D/2] (per pair: the first half of the tables),
+    broadcastable; rotary: (kind, rotary_dim) or None (half-split, whole head)."""
+    a, b = pair_channels(rotary, x.shape[-1], x.device)
+    x1, x2 = x[..., a], x[..., b]
     r = c * c + s * s
-    return torch.cat(((x1 * c + x2 * s) / r, (x2 * c - x1 * s) / r), dim=-1)
+    out = torch.empty_like(x)
+    out[..., a], out[..., b] = (x1 * c + x2 * s) / r, (x2 * c - x1 * s) / r
+    return out
 
 
-def rope_halves(z: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE. z: [..., D]; c, s: [..., D/2] (the first half of the tables), broadcastable."""
-    h = z.shape[-1] // 2
-    z1, z2 = z[..., :h], z[..., h:]
-    return torch.cat((z1 * c - z2 * s, z2 * c + z1 * s), dim=-1)
+def rope_pairs(z: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rotary=None) -> torch.Tensor:
+    """Apply RoPE. z: [..., D]; c, s: [..., D/2] (per pair), broadcastable; rotary as in unrope_pairs."""
+    a, b = pair_channels(rotary, z.shape[-1], z.device)
+    z1, z2 = z[..., a], z[..., b]
+    out = torch.empty_like(z)
+    out[..., a], out[..., b] = z1 * c - z2 * s, z2 * c + z1 * s
+    return out
 
 
 def _gather_table(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -67,8 +75,10 @@ def affine_reference(
     tgt_cos: torch.Tensor | None,
     tgt_sin: torch.Tensor | None,
     out: torch.Tensor,
+    src_rotary=None,
+    tgt_rotary=None,
 ) -> None:
-    """Write the function of the module docstring into `out`; shapes as in `gathered_affine`."""
+    """Write the function of the module docstring into `out`; arguments as in `gathered_affine`."""
     b, t = rows.shape
     n_layers, n_heads, n = heads.shape
     ds = src[0].shape[-1]
@@ -77,7 +87,7 @@ def affine_reference(
     index = idx[:, None, :, None].expand(b, src[0].shape[1], t, ds)
     x = torch.cat([layer.gather(2, index) for layer in src], dim=1).float()  # [B, Hv, T, Ds]
     if src_cos is not None:
-        x = unrope_halves(x, _gather_table(src_cos, idx), _gather_table(src_sin, idx))
+        x = unrope_pairs(x, _gather_table(src_cos, idx), _gather_table(src_sin, idx), src_rotary)
     shared = heads.stride(1) == 0  # every target head reads the same inputs: one GEMM
     for layer in range(n_layers):
         w = weight[layer].float()  # [Ht, n * Ds, Dt]
@@ -90,9 +100,8 @@ def affine_reference(
         z = z + bias[layer].float()[None, :, None, :]
         if tgt_cos is not None:
             half = z.shape[-1] // 2
-            z = rope_halves(
-                z, tgt_cos[layer, ..., :half].float()[:, None], tgt_sin[layer, ..., :half].float()[:, None]
-            )
+            cs, sn = tgt_cos[layer, ..., :half].float()[:, None], tgt_sin[layer, ..., :half].float()[:, None]
+            z = rope_pairs(z, cs, sn, tgt_rotary)
         out[layer].copy_(z.masked_fill(~valid[:, None, :, None], 0.0))
 
 
@@ -138,6 +147,8 @@ def attention_reference(
     window: int | None,
     softcap: float | None,
     out: torch.Tensor,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Write the function of the module docstring into `out` [B, Nq, Hq, D]; shapes as in
     `column_attention`. Reads the block bounds on the host (one transfer per call on CUDA)."""
@@ -145,38 +156,47 @@ def attention_reference(
     group = hq // key.shape[1]
     first = first_column[:, None].expand(bsz, n_q)
     low = first if window is None else torch.maximum(first, query_columns - window + 1)
+    if chunk is not None:  # the start of each query's chunk, counted from its row's first column
+        low = torch.maximum(low, first + (query_columns - first).clamp_min(0) // chunk * chunk)
     lo = torch.searchsorted(key_columns, low.contiguous()).tolist()  # first visible key per query
     hi = torch.searchsorted(key_columns, query_columns.contiguous(), right=True).tolist()
-    chunk = _REF_CHUNK if softcap is None else _REF_CHUNK // 4  # float32 scores per head
+    explicit = softcap is not None or sinks is not None
+    block = _REF_CHUNK // 4 if explicit else _REF_CHUNK  # float32 scores per head
     for b in range(bsz):
-        for s in range(0, n_q, chunk):
-            e = min(s + chunk, n_q)
+        for s in range(0, n_q, block):
+            e = min(s + block, n_q)
             k0, k1 = lo[b][s], max(hi[b][e - 1], lo[b][s])  # columns ascend: the block's key range
             if k1 == k0:
                 out[b, s:e].zero_()
                 continue
             cols = query_columns[b, s:e, None]
             keys = key_columns[k0:k1]
-            seen = (keys <= cols) & (keys >= first_column[b])
-            if window is not None:
-                seen &= cols - keys < window
+            seen = (keys <= cols) & (keys >= low[b, s:e, None])
             q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, k0:k1], value[b : b + 1, :, k0:k1]
-            if softcap is None:
+            if explicit:
+                o = _explicit(q, k, v, seen, scale, softcap, sinks, group)
+            else:
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=seen, scale=scale, enable_gqa=group > 1
                 )
-            else:
-                o = _softcapped(q, k, v, seen, scale, softcap, group)
             o = o[0].transpose(0, 1)  # [block, Hq, D]
             out[b, s:e] = torch.where(seen.any(-1)[:, None, None], o, 0.0)
 
 
-def _softcapped(q, k, v, seen, scale, softcap, group) -> torch.Tensor:
-    """Masked attention with capped logits, float32 arithmetic: q [1, Hq, M, D], k / v [1, Hkv, N, D]."""
+def _explicit(q, k, v, seen, scale, softcap, sinks, group) -> torch.Tensor:
+    """Masked attention with capped logits and / or a sink logit per head (a softmax column with no
+    value), float32 arithmetic: q [1, Hq, M, D], k / v [1, Hkv, N, D], sinks [Hq] or None."""
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
-    logits = softcap * torch.tanh((q.float() @ k.transpose(-1, -2)) * (scale / softcap))
-    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    logits = (q.float() @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = logits.softmax(-1).nan_to_num(0.0)
     return (probs @ v).to(q.dtype)
 
 
@@ -194,9 +214,11 @@ def stats_reference(
     sum_y: torch.Tensor,
     sum_yy: torch.Tensor,
     sum_w: torch.Tensor,
+    src_rotary=None,
 ) -> None:
     """Materialise X [Ht, B*T, p] in float32 and add its moments; arguments as the operator's
-    (src: list of layers; src_cos/src_sin: [B, Ls, Hs, S, Ds] or None)."""
+    (src: list of layers; src_cos/src_sin: [B, Ls, Hs, S, Ds] or None; src_rotary: (kind,
+    rotary_dim) or None)."""
     b, t = rows.shape
     n_heads, n = heads.shape
     ds = src[0].shape[-1]
@@ -205,7 +227,7 @@ def stats_reference(
     index = idx[:, None, :, None].expand(b, src[0].shape[1], t, ds)
     x = torch.cat([layer.gather(2, index) for layer in src], dim=1).float()  # [B, Hv, T, Ds]
     if src_cos is not None:
-        x = unrope_halves(x, _table_rows(src_cos, idx), _table_rows(src_sin, idx))
+        x = unrope_pairs(x, _table_rows(src_cos, idx), _table_rows(src_sin, idx), src_rotary)
     x = (
         x[:, heads.reshape(-1)]
         .view(b, n_heads, n, t, ds)

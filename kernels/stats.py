@@ -1,7 +1,8 @@
 """Weighted sufficient statistics of per-head ridge fits, accumulated without materialising X.
 
 For target head h the regression rows are (x, y, w) over the target positions t of a chunk:
-x = concat_j unrotate(src[v_j][b, rows[b, t]]) [p = n*Ds] (v_j = heads[h, j], as in map_heads),
+x = concat_j unrotate(src[v_j][b, rows[b, t]]) [p = n*Ds] (v_j = heads[h, j], as in map_heads; RoPE
+on the pairs of the source's rotary layout, kernels.rotary),
 y = y[b, h, t] [Dt] (targets, already un-rotated), w = weights[b, h, t] (1 when None), and
 positions with rows == -1 are skipped. `accumulate_stats` adds, in place,
 
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import resolve_backend
 from .reference import source_tables, stats_reference
+from .rotary import check_layout
 from .stats_triton import launch_stats
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
@@ -96,11 +98,13 @@ class SufficientStats:
         *,
         backend: str | None = None,
         precision: str = "tf32x3",
+        src_rotary: tuple[str, int] | None = None,
     ) -> SufficientStats:
         """Add one chunk of rows (see `accumulate_stats`); returns self."""
         accumulate_stats(
-            self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend, precision=precision
-        )
+            self, src, rows, heads, y, weights, src_cos, src_sin, backend=backend, precision=precision,
+            src_rotary=src_rotary,
+        )  # fmt: skip
         return self
 
 
@@ -116,6 +120,7 @@ def accumulate_stats(
     *,
     backend: str | None = None,
     precision: str = "tf32x3",
+    src_rotary: tuple[str, int] | None = None,
 ) -> None:
     """Add the regression rows of one chunk to `stats`, in place.
 
@@ -134,6 +139,8 @@ def accumulate_stats(
         precision: the Triton kernel's products (PRECISIONS): "tf32x3" (default, about float32),
             "tf32" or "bf16" (faster, coarser: benchmarks/reports/gpu-kernels.md has the accuracy
             table). The PyTorch reference always forms float32 products.
+        src_rotary: the source keys' rotary layout (kind "half" | "interleaved", rotary_dim),
+            kernels.rotary; None: the half-split over the whole head.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -166,6 +173,7 @@ def accumulate_stats(
         raise ValueError(f"weights: expected {(bsz, n_heads, t)}, got {tuple(weights.shape)}")
     if ds % 2:
         raise ValueError(f"source head dim must be even (rotate_half), got {ds}")
+    src_kind, src_rotary_dim = check_layout(src_rotary, ds, "src_rotary")
     layers = [x if x.stride(-1) == 1 else x.contiguous() for x in layers]
     y = y if y.stride(-1) == 1 else y.contiguous()
     src_cos, src_sin = source_tables(src_cos, src_sin, bsz, len(layers), hs, s, ds)
@@ -178,7 +186,7 @@ def accumulate_stats(
     traced = torch.compiler.is_compiling() or is_fake(stats.xtx)
     run = _stats_op if traced else _run_stats
     run(
-        layers, rows, heads, y, weights, src_cos, src_sin, choice, precision,
+        layers, rows, heads, y, weights, src_cos, src_sin, choice, precision, src_kind, src_rotary_dim,
         *(getattr(stats, f.name) for f in fields(stats)),
     )  # fmt: skip
 
@@ -188,8 +196,8 @@ def accumulate_stats(
 
 _SCHEMA = (
     "(Tensor[] src, Tensor rows, Tensor heads, Tensor y, Tensor? weights, Tensor? src_cos, Tensor? src_sin, "
-    "str backend, str precision, Tensor(a!) xtx, Tensor(b!) xty, Tensor(c!) sum_x, Tensor(d!) sum_y, "
-    "Tensor(e!) sum_yy, Tensor(f!) sum_w) -> ()"
+    "str backend, str precision, str src_kind, int src_rotary_dim, Tensor(a!) xtx, Tensor(b!) xty, "
+    "Tensor(c!) sum_x, Tensor(d!) sum_y, Tensor(e!) sum_yy, Tensor(f!) sum_w) -> ()"
 )
 
 
@@ -208,6 +216,8 @@ def _stats_op(
     src_sin: torch.Tensor | None,
     backend: str,
     precision: str,
+    src_kind: str,
+    src_rotary_dim: int,
     xtx: torch.Tensor,
     xty: torch.Tensor,
     sum_x: torch.Tensor,
@@ -215,22 +225,23 @@ def _stats_op(
     sum_yy: torch.Tensor,
     sum_w: torch.Tensor,
 ) -> None:
-    _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision,
+    _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision, src_kind, src_rotary_dim,
                xtx, xty, sum_x, sum_y, sum_yy, sum_w)  # fmt: skip
 
 
-def _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision, *bufs) -> None:
+def _run_stats(src, rows, heads, y, weights, src_cos, src_sin, backend, precision, src_kind, src_rotary_dim,
+               *bufs) -> None:  # fmt: skip
     """The operator's body; eager callers run it directly (no dispatcher on the hot path)."""
+    rotary = (src_kind, src_rotary_dim)
     if backend == "torch":
-        stats_reference(src, rows, heads, y, weights, src_cos, src_sin, *bufs)
+        stats_reference(src, rows, heads, y, weights, src_cos, src_sin, *bufs, src_rotary=rotary)
         return
     if len({t.stride() for t in src}) > 1:
         src = [t.contiguous() for t in src]
-    launch_stats(src, rows, heads, y, weights, src_cos, src_sin, bufs, precision=precision)
+    launch_stats(src, rows, heads, y, weights, src_cos, src_sin, bufs, precision=precision, src_rotary=rotary)
 
 
 @_stats_op.register_fake
-def _(
-    src, rows, heads, y, weights, src_cos, src_sin, backend, precision, xtx, xty, sum_x, sum_y, sum_yy, sum_w
-):
+def _(src, rows, heads, y, weights, src_cos, src_sin, backend, precision, src_kind, src_rotary_dim,
+      xtx, xty, sum_x, sum_y, sum_yy, sum_w):  # fmt: skip
     return None

@@ -1,32 +1,35 @@
 """The Triton kernel of bridgecache.kernels.stats: weighted Gram tiles of [X | Y] per head.
 
 Tiles the Gram matrix of [X | Y] per head (upper triangle of X^T X, and X^T Y), gathering and
-un-rotating each X chunk on the fly; token blocks are split across programs, which add their
-partial sums with float64 atomics. `launch_stats` is what `accumulate_stats` calls on CUDA (and in
-the interpreter); the function computed is stats.py's.
+un-rotating each X chunk on the fly (kernels.rotary's helper, the apply kernels' too); token
+blocks are split across programs, which add their partial sums with float64 atomics.
+`launch_stats` is what `accumulate_stats` calls on CUDA (and in the interpreter); the function
+computed is stats.py's.
 
 Knows nothing about models, layers, bridges or how the statistics are solved.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, source_view
+from ._dispatch import LazyKernel, device_of, interpreting, next_pow2, sm_count, source_view
+from .rotary import HELPERS, _gather_unrotated, _pair_channels, _scaled_table, layout_constants
 
 tl = None  # triton.language, bound when the kernel is first compiled (see _dispatch.LazyKernel)
 
 __all__ = ["launch_stats"]
 
 
-def _chunk(k, HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr):
+def _chunk(k, HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, INTERLEAVED: tl.constexpr,
+           ROT_HALF: tl.constexpr):  # fmt: skip
     """X chunk k = (input slot, block c of its 2 * HALF_S dims): (slot, dims within the slot's
-    head [C], their columns in [0, p), valid dims)."""
+    head [C], their columns in [0, p), valid dims). Dims are in pair order (d < HALF_S: channel a
+    of pair d, else channel b of pair d - HALF_S; kernels.rotary), columns in channel order."""
     slot = k // NC
     d = (k % NC) * C + tl.arange(0, C)
-    return slot, d, slot * 2 * HALF_S + d, d < 2 * HALF_S
+    a, b = _pair_channels(d % HALF_S, INTERLEAVED, ROT_HALF, HALF_S)
+    return slot, d, slot * 2 * HALF_S + tl.where(d < HALF_S, a, b), d < 2 * HALF_S
 
 
 def _x_chunk(
@@ -34,26 +37,25 @@ def _x_chunk(
     sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s,
     h, k, b, row, ok, HS,
     HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ROT_HALF: tl.constexpr,
 ):  # fmt: skip
     """Un-rotated X chunk k of head h at source rows `row` [BLOCK_T]: float32 [BLOCK_T, C], 0
-    where not ok. A chunk may span both rope halves: each dim d reads its partner d +- HALF_S."""
-    slot, d, _, dm = _chunk(k, HALF_S, C, NC)
+    where not ok. A chunk may span both channels of a pair: each dim reads the whole pair."""
+    slot, d, _, dm = _chunk(k, HALF_S, C, NC, INTERLEAVED, ROT_HALF)
     v = tl.load(heads_ptr + h * hd_h + slot * hd_j)
     lay = v // HS
     hd = v % HS
     x_row = src_ptr + tl.load(lay_off_ptr + lay) + b * s_b + hd * s_h + row * s_s
     m = ok[:, None] & dm[None, :]
-    own = tl.load(x_row[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    pair = d % HALF_S
     if SRC_ROPE:
-        second = d >= HALF_S
-        partner_d = tl.where(second, d - HALF_S, d + HALF_S)
-        partner = tl.load(x_row[:, None] + partner_d[None, :], mask=m, other=0.0).to(tl.float32)
-        t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + (d % HALF_S)[None, :]
-        cs = tl.load(sc_ptr + t_off, mask=m, other=1.0)
-        sn = tl.load(ss_ptr + t_off, mask=m, other=0.0)
-        sign = tl.where(second, -1.0, 1.0)  # u1 = (x1 c + x2 s) / r,  u2 = (x2 c - x1 s) / r
-        own = (own * cs + sign[None, :] * partner * sn) / (cs * cs + sn * sn)
-    return own
+        t_off = b * sc_b + lay * sc_l + hd * sc_h + row[:, None] * sc_s + pair[None, :]
+        cs, sn = _scaled_table(sc_ptr, ss_ptr, t_off, m)
+    else:
+        cs = 0.0
+        sn = 0.0
+    u1, u2 = _gather_unrotated(x_row, pair, m, cs, sn, SRC_ROPE, INTERLEAVED, ROT_HALF, HALF_S)
+    return tl.where((d < HALF_S)[None, :], u1, u2)
 
 
 def _stats_kernel(
@@ -68,6 +70,7 @@ def _stats_kernel(
     T, HS, P, DT, NXC, n_blocks, blocks_per_split,
     HALF_S: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, SRC_ROPE: tl.constexpr, HAS_W: tl.constexpr,
     ATOMIC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ROT_HALF: tl.constexpr,
 ):  # fmt: skip
     # tile = (i, j, h): X chunk i against X chunk j >= i, or against Y chunk j - NXC, of head h
     tile = tl.program_id(0)
@@ -98,7 +101,7 @@ def _stats_kernel(
             w = ok.to(tl.float32)
         xi = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
                       sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, i, b, row, ok, HS,
-                      HALF_S, C, NC, SRC_ROPE)  # fmt: skip
+                      HALF_S, C, NC, SRC_ROPE, INTERLEAVED, ROT_HALF)  # fmt: skip
         if is_y:
             m = ok[:, None] & (dy < DT)[None, :]
             xj = tl.load(y_ptr + b * y_b + h * y_h + offs_t[:, None] * y_t + dy[None, :], mask=m, other=0.0)
@@ -108,7 +111,7 @@ def _stats_kernel(
         else:
             xj = _x_chunk(src_ptr, lay_off_ptr, s_b, s_h, s_s, heads_ptr, hd_h, hd_j,
                           sc_ptr, ss_ptr, sc_b, sc_l, sc_h, sc_s, h, jx, b, row, ok, HS,
-                          HALF_S, C, NC, SRC_ROPE)  # fmt: skip
+                          HALF_S, C, NC, SRC_ROPE, INTERLEAVED, ROT_HALF)  # fmt: skip
         xw = xi * w[:, None]
         if PRECISION == "bf16" and INTERPRET:  # the interpreter's bf16 dot is wrong: round, then dot
             a = tl.trans(xw.to(tl.bfloat16).to(tl.float32))
@@ -124,7 +127,7 @@ def _stats_kernel(
         sum_w += w
 
     buf = xtx_ptr.dtype.element_ty
-    _, _, cols_i, mi = _chunk(i, HALF_S, C, NC)
+    _, _, cols_i, mi = _chunk(i, HALF_S, C, NC, INTERLEAVED, ROT_HALF)
     if is_y:
         my = dy < DT
         _add(
@@ -137,7 +140,7 @@ def _stats_kernel(
             _add(sy_ptr + h * DT + dy, sum_yj.to(buf), my, ATOMIC)
             _add(syy_ptr + h * DT + dy, sum_yyj.to(buf), my, ATOMIC)
     else:
-        _, _, cols_j, mj = _chunk(jx, HALF_S, C, NC)
+        _, _, cols_j, mj = _chunk(jx, HALF_S, C, NC, INTERLEAVED, ROT_HALF)
         m2 = mi[:, None] & mj[None, :]
         _add(xtx_ptr + h * P * P + cols_i[:, None] * P + cols_j[None, :], acc.to(buf), m2, ATOMIC)
         if j != i:  # mirror into the lower triangle
@@ -160,18 +163,13 @@ def _add(ptr, val, mask, ATOMIC: tl.constexpr):
         tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + val, mask=mask)
 
 
-_KERNEL = LazyKernel(_stats_kernel, helpers=(_chunk, _x_chunk, _add))
+_KERNEL = LazyKernel(_stats_kernel, helpers=(*HELPERS, _chunk, _x_chunk, _add))
 _BLOCK_T = 64
 _CHUNK = 128  # Gram tile edge on CUDA: whole heads up to 128 dims
 _INTERPRET_BLOCK_T = 16
 _INTERPRET_CHUNK = 32
 # Default token splits per tile: about 2 programs per SM, each at least 8 token blocks.
 _SPLIT_POLICY = (2, 8)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tiles(nxc: int, nyc: int, g: int, n_heads: int, device) -> torch.Tensor:
@@ -186,11 +184,12 @@ _TILES_CACHE: dict[tuple, torch.Tensor] = {}
 
 def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs,
                  splits: int | tuple[int, int] | None = None, precision: str = "tf32x3",
-                 tile: int | None = None) -> None:  # fmt: skip
-    """Run the Triton kernel; arguments as the operator's. splits: programs per tile along the
-    tokens, or a policy (programs per SM, fewest token blocks per program) that picks them
-    (None: (2, 8)); > 1 makes them add with atomics. precision: see PRECISIONS. tile: edge of the
-    Gram tiles, a power of two >= 16 (None: the head dim up to 128; 32 in the interpreter)."""
+                 tile: int | None = None, src_rotary=None) -> None:  # fmt: skip
+    """Run the Triton kernel; arguments as the operator's (src_rotary: (kind, rotary_dim) or
+    None). splits: programs per tile along the tokens, or a policy (programs per SM, fewest token
+    blocks per program) that picks them (None: (2, 8)); > 1 makes them add with atomics.
+    precision: see PRECISIONS. tile: edge of the Gram tiles, a power of two >= 16 (None: the head
+    dim up to 128; 32 in the interpreter)."""
     xtx = bufs[0]
     view = source_view(layers)
     src = view.base
@@ -213,12 +212,13 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs,
     n_blocks = bsz * -(-t // block_t)
     if not isinstance(splits, int):  # programs per SM, each at least a few token blocks (its atomic adds)
         per_sm, fewest = splits or _SPLIT_POLICY
-        sms = 1 if interp else _sm_count(src.device)
+        sms = 1 if interp else sm_count(src.device)
         splits = max(1, min(-(-per_sm * sms // tiles.shape[0]), n_blocks // fewest))
     per_split = -(-n_blocks // splits)
     splits = -(-n_blocks // per_split)
     src_rope, has_w = src_cos is not None, weights is not None
     sc, ss = (src_cos, src_sin) if src_rope else (src, src)
+    interleaved, rot_half = layout_constants(src_rotary if src_rope else None, ds)
     wt = weights if has_w else rows
     args = (
         src, view.offsets, *src.stride()[:3],
@@ -233,5 +233,6 @@ def launch_stats(layers, rows, heads, y, weights, src_cos, src_sin, bufs,
     with device_of(src):
         _KERNEL[(tiles.shape[0], splits)](
             *args, HALF_S=half_s, C=c, NC=nc, SRC_ROPE=src_rope, HAS_W=has_w, ATOMIC=splits > 1,
-            PRECISION=precision, BLOCK_T=block_t, INTERPRET=interp, num_warps=8 if c >= 128 else 4,
+            PRECISION=precision, BLOCK_T=block_t, INTERPRET=interp, INTERLEAVED=interleaved,
+            ROT_HALF=rot_half, num_warps=8 if c >= 128 else 4,
         )  # fmt: skip

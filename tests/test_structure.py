@@ -160,9 +160,11 @@ RUNTIME_MODULE_STATE = {
     "bridgecache.runtime.selection.words._WORD_BYTES": "a constant table: which bytes are word characters",
     "bridgecache.runtime.selection.rules._NAMED": "a constant table: rule names -> classes",
     "bridgecache.runtime.cache._BRIDGED_LAYER_TYPES": "a constant table: transformers' layer classes -> ours",
+    "bridgecache.runtime.interop.attention._MASK": "a ContextVar: our forward's mask, per thread and task, "
+    "set for that forward only (interop.attention.attending)",
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary", "Lock",
-                  "RLock", "defaultdict", "zeros", "deque"}  # fmt: skip
+                  "RLock", "defaultdict", "zeros", "deque", "ContextVar"}  # fmt: skip
 
 
 def _module_state(path: Path) -> set[str]:

@@ -102,6 +102,10 @@ _LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
 }  # fmt: skip
+_GPT_OSS_YARN = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 128,
+}  # fmt: skip
 ARCHITECTURES = {
     "llama (llama3 rope)": ("LlamaConfig", dict(rope_parameters=_LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
@@ -123,7 +127,11 @@ ARCHITECTURES = {
         dict(sliding_window=8, layer_types=_ALTERNATING, initializer_range=0.5),
     ),  # fmt: skip
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-    # refused by name
+    "glm (interleaved, partial 0.5)": ("GlmConfig", dict(pad_token_id=0)),
+    "glm4 (interleaved, partial 0.5)": ("Glm4Config", dict(pad_token_id=0)),
+    "phi (partial 0.5)": ("PhiConfig", dict()),
+    "persimmon (partial 0.5, qk-norm)": ("PersimmonConfig", dict(num_key_value_heads=4)),  # no GQA
+    # partial or interleaved rotary, and the families refused by name (test_architectures.REFUSED)
     "phi4-mini (partial rotary)": (
         "Phi3Config",
         dict(
@@ -131,8 +139,9 @@ ARCHITECTURES = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
         ),
     ),  # fmt: skip
-    "gpt_neox": ("GPTNeoXConfig", dict()),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=4)),  # no GQA: every head its own KV
     "stablelm": ("StableLmConfig", dict()),
+    "nemotron": ("NemotronConfig", dict()),
     "helium": ("HeliumConfig", dict()),
     "gpt2 (learned positions)": ("GPT2Config", dict(n_embd=64, n_layer=4, n_head=4)),
     "cohere": ("CohereConfig", dict()),
@@ -140,7 +149,13 @@ ARCHITECTURES = {
     "smollm3 (no-RoPE layers)": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 1, 1], pad_token_id=0)),
     "gpt_oss (sinks)": (
         "GptOssConfig",
-        dict(sliding_window=8, layer_types=_ALTERNATING, num_local_experts=4, num_experts_per_tok=2),
+        dict(
+            sliding_window=8,
+            layer_types=_ALTERNATING,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=_GPT_OSS_YARN,
+        ),
     ),  # fmt: skip
     "deepseek_v3 (MLA)": (
         "DeepseekV3Config",
@@ -157,7 +172,24 @@ ARCHITECTURES = {
             num_key_value_heads=4,
         ),
     ),  # fmt: skip
-    "llama4_text (chunked)": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2)),
+    # Llama 4's chunked layers and NoPE layers (each with its query temperature: floor_scale small
+    # enough that it bites within 30 tokens); then its published pattern: RoPE (complex tables,
+    # interleaved pairs) and qk-norm after it on the chunked layers, NoPE on every fourth
+    "llama4_text (chunked, NoPE)": (
+        "Llama4TextConfig",
+        dict(
+            attention_chunk_size=8,
+            num_local_experts=2,
+            no_rope_layers=[0, 0, 0, 0],
+            floor_scale=4,
+            attn_scale=0.5,
+            layer_types=["chunked_attention"] * 3 + ["full_attention"],
+        ),
+    ),  # fmt: skip
+    "llama4_text (chunked, RoPE, qk-norm)": (
+        "Llama4TextConfig",
+        dict(attention_chunk_size=8, num_local_experts=2, floor_scale=4, attn_scale=0.5),
+    ),
     "qwen3_next (hybrid)": ("Qwen3NextConfig", dict(num_experts=4, num_experts_per_tok=2)),
 }
 
@@ -170,9 +202,15 @@ def tiny_architecture_config(name: str):
     return getattr(transformers, class_name)(**(_TINY | overrides))
 
 
-def tiny_architecture(name: str, seed: int = 0):
+def tiny_architecture(name: str, seed: int = 0, config=None):
+    """The tiny model of ARCHITECTURES[name] (`config`: that config, changed by the caller)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_architecture_config(name)).eval()
+    model = AutoModelForCausalLM.from_config(config or tiny_architecture_config(name)).eval()
+    with torch.no_grad():  # GPT-OSS's sinks start near 0 (std 0.02): logits of a few units, as trained ones
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 2.0)
+    return model
 
 
 # Chat templates of two families (the Zephyr style of SmolLM2's tokenizer, Qwen's ChatML).

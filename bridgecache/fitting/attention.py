@@ -10,15 +10,18 @@ summed over the query heads that share KV head h. ||d o_u / d k_i||_F^2 = a_ui^2
 never the [tokens, tokens] attention matrix.
 
 Queries come from forward pre-hooks on the attention modules, which recompute q for the boundary
-rows from the module's own q_proj (or Phi-3's fused qkv_proj), q_norm (where present, per head or
-over the whole projection) and the rotary tables the model passes in (`position_embeddings`; none
-on a layer without RoPE); keys and values are the captured cache. Causal masking and logit
+rows from the module's own q_proj (or Phi-3's fused qkv_proj, GPT-NeoX's query_key_value), q_norm
+(where present, per head or over the whole projection) and the rotary tables the model passes in
+(`position_embeddings`, rotated in the model's RotaryLayout; none on a layer without RoPE), then
+Llama 4's qk_norm (which its RoPE layers apply after the rotation); keys
+and values are the captured cache. Causal masking and logit
 soft-capping follow the module's attributes; the sliding window is the cache layout's
-(`bridgecache.models.layout.layer_window`).
+(`bridgecache.models.layout.layer_window`); GPT-OSS's sink logits take their share of each
+softmax (`softmax_with_sinks`).
 
-Knows the attention layout of transformers' Llama-style modules (q_proj or qkv_proj, optional
-q_norm, position_embeddings, scaling, num_key_value_groups); nothing about bridges or tokenizers.
-Attention sinks (learned extra logits) are not modelled: `model_spec` refuses such models.
+Knows the attention layout of transformers' Llama-style modules (q_proj, qkv_proj or
+query_key_value, optional q_norm, position_embeddings, scaling, num_key_value_groups); nothing
+about bridges or tokenizers.
 """
 
 from __future__ import annotations
@@ -27,10 +30,27 @@ import math
 
 import torch
 
-from bridgecache.kv.rope import rotate
-from bridgecache.models.layout import layer_window, rope_layers
+from bridgecache.kv.rope import RopeTables, cos_sin_of, rotate
+from bridgecache.models.layout import (
+    layer_chunk,
+    layer_sinks,
+    layer_window,
+    query_temperature,
+    rope_layers,
+    rotary_module,
+)
 
-__all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules"]
+__all__ = ["boundary_rows", "QueryRecorder", "token_weights", "attention_modules", "softmax_with_sinks"]
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of `logits` [..., heads..., rows, keys] beside one more logit per
+    head (`sinks`, shaped as the head axes before rows: GPT-OSS's sinks, a column with no value),
+    that column dropped; None: the plain softmax."""
+    if sinks is None:
+        return logits.softmax(-1)
+    column = sinks.to(logits)[..., None, None].expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, column], dim=-1).softmax(-1)[..., :-1]
 
 
 def boundary_rows(tokens: int, count: int = 32, first: int = 1) -> torch.Tensor:
@@ -51,15 +71,24 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def _projects_queries(module) -> bool:
-    return hasattr(module, "q_proj") or hasattr(module, "qkv_proj")
+    return any(hasattr(module, name) for name in ("q_proj", "qkv_proj", "query_key_value"))
+
+
+def head_dim(module) -> int:
+    """The head dim of an attention module (GPT-NeoX names it `head_size`)."""
+    return getattr(module, "head_dim", None) or module.head_size
 
 
 def _project_queries(module, hidden: torch.Tensor) -> torch.Tensor:
     """[batch, rows, q_heads * head_dim]: the queries of `hidden` (Phi-3 fuses q, k, v in `qkv_proj`,
-    queries first)."""
+    queries first; GPT-NeoX in `query_key_value`, per head [q | k | v])."""
     if hasattr(module, "q_proj"):
         return module.q_proj(hidden)
-    return module.qkv_proj(hidden)[..., : module.config.num_attention_heads * module.head_dim]
+    d, heads = head_dim(module), module.config.num_attention_heads
+    if hasattr(module, "query_key_value"):
+        qkv = module.query_key_value(hidden).view(*hidden.shape[:-1], heads, 3 * d)
+        return qkv[..., :d].reshape(*hidden.shape[:-1], heads * d)
+    return module.qkv_proj(hidden)[..., : heads * d]
 
 
 class QueryRecorder:
@@ -70,6 +99,7 @@ class QueryRecorder:
 
     def __init__(self, model, rows: torch.Tensor):
         self.modules = attention_modules(model)
+        self.tables = RopeTables.from_model(model) if rotary_module(model) is not None else None
         self.rows = rows
         self.queries: dict[int, torch.Tensor] = {}
         self._handles = []
@@ -93,20 +123,34 @@ class QueryRecorder:
 
     def _hook(self, module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        tables = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
-        q, norm = _project_queries(module, h), getattr(module, "q_norm", None)
-        whole = norm is not None and norm.weight.shape[-1] != module.head_dim  # OLMo 2: all heads at once
+        d = head_dim(module)
+        q = _project_queries(module, h)
+        norm = getattr(module, "q_norm", None) or getattr(module, "q_layernorm", None)  # StableLM's name
+        weight = None if norm is None else getattr(norm, "weight", None)
+        whole = weight is not None and weight.shape[-1] != d  # OLMo 2: all heads at once
         if whole:
             q = norm(q)
-        q = q.view(h.shape[0], h.shape[1], -1, module.head_dim).transpose(1, 2)
-        if norm is not None and not whole:
+        q = q.view(h.shape[0], h.shape[1], -1, d)
+        if weight is not None and weight.dim() == 2:  # Cohere's: one norm over [heads, head_dim]
+            q = norm(q)
+        q = q.transpose(1, 2)
+        if norm is not None and not whole and (weight is None or weight.dim() == 1):
             q = norm(q)
         if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
-            q = rotate(q.float(), cos[:, rows].float(), sin[:, rows].float())
+            cos, sin = cos_sin_of(tables)
+            cos, sin = self.tables.canonical(cos[:, rows].float(), sin[:, rows].float())
+            q = rotate(q.float(), cos, sin, self.tables.layout)
+            after = getattr(module, "qk_norm", None)  # Llama 4's: after RoPE, on its RoPE layers
+            if after is not None:
+                q = after(q)
         else:
             q = q.float()
+            temperature = query_temperature(module, rows)  # Llama 4's NoPE layers: [rows]
+            if temperature is not None:
+                q = q * temperature[:, None]
         self.queries[module.layer_idx] = q
 
 
@@ -119,11 +163,14 @@ def token_weights(
     scaling: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw key and value weights (r^K, r^V) of every token: each [batch, kv_heads, tokens] float32.
 
     queries: [batch, q_heads, rows, d] boundary queries; keys (post-RoPE), values:
-    [batch, kv_heads, tokens, d]; rows: [rows] int64 query positions.
+    [batch, kv_heads, tokens, d]; rows: [rows] int64 query positions; sinks: [q_heads] sink
+    logits (GPT-OSS) or None; chunk: queries see keys of their own chunk only (Llama 4) or None.
     """
     b, hq, nb, d = queries.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -137,8 +184,10 @@ def token_weights(
     allowed = i <= u
     if sliding_window:
         allowed &= u - i < sliding_window
+    if chunk:
+        allowed &= u // chunk == i // chunk
     logits = logits.masked_fill(~allowed, float("-inf"))
-    attn = logits.softmax(-1)
+    attn = softmax_with_sinks(logits, None if sinks is None else sinks.view(hkv, hq // hkv))
     out = attn @ v  # [b, hkv, group, rows, d]
     a2 = attn * attn
     r_value = a2.sum((2, 3))
@@ -165,6 +214,8 @@ def layer_weights(
             scaling=module.scaling,
             sliding_window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
+            sinks=layer_sinks(module),
+            chunk=layer_chunk(module),
         )
         r_keys.append(r_k)
         r_values.append(r_v)

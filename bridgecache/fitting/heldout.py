@@ -17,11 +17,11 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
-from bridgecache.fitting.attention import QueryRecorder, attention_modules
+from bridgecache.fitting.attention import QueryRecorder, attention_modules, softmax_with_sinks
 from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kernels import use_backend
 from bridgecache.kv.capture import capture_kv
-from bridgecache.models.layout import layer_window
+from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
@@ -43,7 +43,10 @@ def _outputs(queries, keys, values, rows, columns, module) -> torch.Tensor:
     window = layer_window(module)
     if window:
         allowed &= rows[:, None] - columns[None, :] < window
-    return (logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ v)[0]
+    chunk = layer_chunk(module)
+    if chunk:
+        allowed &= rows[:, None] // chunk == columns[None, :] // chunk
+    return (softmax_with_sinks(logits.masked_fill(~allowed, float("-inf")), layer_sinks(module)) @ v)[0]
 
 
 # Scores the maps: never the native route, and no CUDA graphs (captured per held-out shape, they

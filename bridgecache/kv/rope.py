@@ -6,13 +6,17 @@ with the target's tables at target positions. The tables come from the model's o
 (so every rope type and scaling transformers supports is honoured), per layer type where the
 model has several (Gemma 3: "sliding_attention" base 1e4, "full_attention" base 1e6).
 
-Convention (transformers' `rotate_half`): x_rot = x * cos + rotate_half(x) * sin, with
-cos/sin of shape [..., tokens, head_dim] holding each frequency twice (halves, not interleaved).
-Some rope types scale cos and sin by an attention factor f; un-rotation divides by
-cos^2 + sin^2 (= f^2 per channel), so it is exact for every type. A layer without RoPE (SmolLM3's
+Which channels RoPE pairs is the model's `RotaryLayout` (bridgecache.models.layout): half-split
+(j, j + R/2) or interleaved (2j, 2j + 1) over the leading R = rotary_dim channels of a head. The
+tables `cos_sin` returns are the kernels' (bridgecache.kernels.rotary): [..., tokens, head_dim]
+indexed by pair, the first half holding pair p's cos / sin and the second half repeating it, with
+cos 1, sin 0 on the pass-through pairs. For Llama's layout (half-split over the whole head) they
+are exactly transformers' tables and x_rot = x * cos + rotate_half(x) * sin; other layouts'
+tables are rearranged from the model's own (Phi-3's [..., R], Cohere's repeat_interleave, GPT-OSS's
+[..., R/2] with each frequency once, Llama 4's complex freqs_cis). Some
+rope types scale cos and sin by an attention factor f; un-rotation divides by cos^2 + sin^2
+(= f^2 per pair), so it is exact for every type. A layer without RoPE (SmolLM3's
 `no_rope_layers`) gets cos = 1, sin = 0: rotating and un-rotating its keys leave them as they are.
-Architectures whose rotary is partial or interleaved are refused before any table is built
-(`bridgecache.models.layout.check_supported`).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import json
 
 import torch
 
-from bridgecache.models.layout import rope_layers, rotary_module
+from bridgecache.kernels.reference import rope_pairs, unrope_pairs
+from bridgecache.models.layout import RotaryLayout, rope_layers, rotary_layout, rotary_module
 
-__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "NO_ROPE"]
+__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "cos_sin_of", "NO_ROPE"]
 
 NO_ROPE = "no_rope"  # RopeTables.layer_types entry of a layer without rotary embeddings
 
@@ -37,16 +42,39 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+def cos_sin_of(tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rotary module returns (and hands its attention as `position_embeddings`) -> cos, sin:
+    a (cos, sin) pair as it is, Llama 4's one complex table (freqs_cis = cos + i sin) split."""
+    if isinstance(tables, torch.Tensor) and tables.is_complex():
+        return tables.real, tables.imag
+    return tables
 
 
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo `rotate`. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d]."""
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout | None = None
+) -> torch.Tensor:
+    """Apply RoPE. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d] (`cos_sin`'s);
+    layout: the keys' RotaryLayout (None: half-split over the whole head)."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    if _whole_half(layout, x.shape[-1]):
+        return x * cos + rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    return rope_pairs(x, cos[..., :half], sin[..., :half], layout)
+
+
+def unrotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout | None = None
+) -> torch.Tensor:
+    """Undo `rotate`. x: [batch, heads, tokens, d]; cos, sin: [batch or 1, tokens, d]; layout as there."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    if _whole_half(layout, x.shape[-1]):
+        return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    half = x.shape[-1] // 2
+    return unrope_pairs(x, cos[..., :half], sin[..., :half], layout)
+
+
+def _whole_half(layout: RotaryLayout | None, head_dim: int) -> bool:
+    return layout is None or (layout.kind == "half" and layout.rotary_dim == head_dim)
 
 
 class RopeTables:
@@ -58,12 +86,22 @@ class RopeTables:
 
     layer_types: per layer, which tables it reads (layers with equal entries share them): its
     layer type, or NO_ROPE for a layer whose keys carry no RoPE.
+    layout: the RotaryLayout of the model's keys (read from the model, its config, or a spec).
     """
 
-    def __init__(self, config, rotary: torch.nn.Module, rotary_local: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        config,
+        rotary: torch.nn.Module,
+        rotary_local: torch.nn.Module | None = None,
+        layout: RotaryLayout | None = None,
+    ):
         self.config = config
         self.rotary = rotary
         self.rotary_local = rotary_local  # older Gemma 3 layouts keep a second module
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.layout = layout or rotary_layout(config)
+        self._repeated: bool | None = None  # whether the module's tables repeat_interleave (Cohere)
         self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
         n = config.num_hidden_layers
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
@@ -76,7 +114,8 @@ class RopeTables:
         if rotary is None:
             raise ValueError(f"{type(model).__name__} has no rotary_emb module: not a RoPE model")
         base = getattr(model, "model", model)
-        return cls(model.config.get_text_config(), rotary, getattr(base, "rotary_emb_local", None))
+        config = model.config.get_text_config()
+        return cls(config, rotary, getattr(base, "rotary_emb_local", None), rotary_layout(model))
 
     @classmethod
     def from_config(cls, config) -> RopeTables:
@@ -94,7 +133,7 @@ class RopeTables:
 
     @classmethod
     def from_spec(cls, spec) -> RopeTables:
-        """Tables of a `ModelSpec` (what a bridge records of each side)."""
+        """Tables of a `ModelSpec` (what a bridge records of each side), in its rotary layout."""
         from transformers import AutoConfig
 
         config = AutoConfig.for_model(
@@ -109,7 +148,9 @@ class RopeTables:
             rope_parameters=json.loads(spec.rope),
             **_no_rope_flags(spec),
         )
-        return cls.from_config(config)
+        tables = cls.from_config(config)
+        tables.layout = spec.rotary
+        return tables
 
     def to(self, device: torch.device) -> RopeTables:
         """A copy whose rotary modules live on `device` (this one is left where it is)."""
@@ -118,10 +159,12 @@ class RopeTables:
             self.config,
             copy.deepcopy(self.rotary).to(device),
             None if local is None else copy.deepcopy(local).to(device),
+            self.layout,
         )
 
     def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32."""
+        """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32,
+        indexed by pair (the module docstring)."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         layer_type = self._rotary_types[layer]
@@ -133,12 +176,59 @@ class RopeTables:
         positions = positions.to(device)
         with torch.no_grad():
             if self._takes_layer_type:
-                cos, sin = rotary(probe, positions, layer_type=layer_type)
+                tables = rotary(probe, positions, layer_type=layer_type)
             else:
-                cos, sin = rotary(probe, positions)
+                tables = rotary(probe, positions)
+        cos, sin = cos_sin_of(tables)
+        cos, sin = self.canonical(cos.float(), sin.float())
         if self.layer_types[layer] == NO_ROPE:  # the identity rotation, in the tables' shape
-            return torch.ones_like(cos, dtype=torch.float32), torch.zeros_like(sin, dtype=torch.float32)
-        return cos.float(), sin.float()
+            return torch.ones_like(cos), torch.zeros_like(sin)
+        return cos, sin
+
+    def canonical(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own tables (as its rotary module returns them, or as it hands them to its
+        attention; `cos_sin_of`) -> tables [..., head_dim] indexed by pair; Llama's layout
+        (half-split over the whole head) as it is. The model's own hold each frequency twice
+        ([..., rotary_dim]: cat(f, f) as Llama's and GLM's, repeat_interleave(f, 2) as Cohere's) or
+        once ([..., rotary_dim / 2]: GPT-OSS's, Llama 4's complex table)."""
+        kind, rotary_dim = self.layout
+        width = cos.shape[-1]
+        if width not in (rotary_dim, rotary_dim // 2):
+            raise ValueError(
+                f"{self.config.model_type}: its rotary tables have {width} channels, its rotary layout "
+                f"{tuple(self.layout)} says {rotary_dim} (or {rotary_dim // 2}, each frequency once)"
+            )
+        once = width == rotary_dim // 2
+        if not once and kind == "half" and rotary_dim == self.head_dim:
+            return cos, sin
+        if not once and self._repeated is None:
+            self._repeated = _repeats_pairs(self, rotary_dim)
+        pad = (self.head_dim - rotary_dim) // 2
+
+        def pairs(table: torch.Tensor, fill: float) -> torch.Tensor:
+            per_pair = table[..., 0::2] if self._repeated else table[..., : rotary_dim // 2]
+            per_pair = table if once else per_pair
+            per_pair = torch.cat((per_pair, per_pair.new_full((*per_pair.shape[:-1], pad), fill)), -1)
+            return torch.cat((per_pair, per_pair), -1)
+
+        return pairs(cos, 1.0), pairs(sin, 0.0)
+
+
+def _repeats_pairs(tables: RopeTables, rotary_dim: int) -> bool:
+    """Whether the rotary module lays its tables out as repeat_interleave(freqs, 2) (Cohere) rather
+    than cat(freqs, freqs) (Llama, Phi-3, GLM): read from its tables at position 1, where every
+    frequency differs from the next."""
+    if rotary_dim <= 2:
+        return False
+    rotary = tables.rotary
+    probe = torch.zeros(1, dtype=torch.float32, device=_module_device(rotary, torch.device("cpu")))
+    positions = torch.ones(1, 1, dtype=torch.long, device=probe.device)
+    with torch.no_grad():
+        if tables._takes_layer_type:
+            cos, _ = cos_sin_of(rotary(probe, positions, layer_type=tables._rotary_types[0]))
+        else:
+            cos, _ = cos_sin_of(rotary(probe, positions))
+    return bool(torch.equal(cos[..., 0::2], cos[..., 1::2]))
 
 
 def _no_rope_flags(spec) -> dict:
@@ -151,7 +241,8 @@ def _no_rope_flags(spec) -> dict:
 
 def _module_name(model_type: str) -> str:
     # gemma3_text lives in transformers.models.gemma3; others are named after their type
-    return {"gemma3_text": "gemma3", "gemma2_text": "gemma2"}.get(model_type, model_type.replace("-", "_"))
+    known = {"gemma3_text": "gemma3", "gemma2_text": "gemma2", "llama4_text": "llama4"}
+    return known.get(model_type, model_type.replace("-", "_"))
 
 
 def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:

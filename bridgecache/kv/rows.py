@@ -61,7 +61,7 @@ def pool_source(source: SourceKV, alignment, target_mask: torch.Tensor, tables: 
     for layer in range(source.num_layers):
         cos, sin = tables.cos_sin(layer, source.position_ids)
         device = source.keys[layer].device
-        unrotated = unrotate(source.keys[layer].float(), cos.to(device), sin.to(device))
+        unrotated = unrotate(source.keys[layer].float(), cos.to(device), sin.to(device), tables.layout)
         pooled_k, pooled_v = [], []
         for b, al in enumerate(alignments):
             pad = (0, 0, target_pad[b], 0)  # left-pad the target columns back

@@ -114,7 +114,7 @@ class SourceKV:
         positions = self.position_ids[:, first : first + self.keys[layer].shape[-2]]
         cos, sin = self.rope.cos_sin(layer, positions)
         keys = self.keys[layer].float()
-        return unrotate(keys, cos.to(keys.device), sin.to(keys.device))
+        return unrotate(keys, cos.to(keys.device), sin.to(keys.device), self.rope.layout)
 
     def check(self, spec: ModelSpec, fingerprint: str | None = None) -> None:
         """Raise unless these KV can stand for a model of `spec` (a bridge's source).

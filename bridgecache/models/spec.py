@@ -13,7 +13,14 @@ import weakref
 from dataclasses import asdict, dataclass
 
 import bridgecache.checks as checks
-from bridgecache.models.layout import check_supported, layer_windows, rope_layers
+from bridgecache.models.layout import (
+    ROTARY_KINDS,
+    RotaryLayout,
+    check_supported,
+    layer_windows,
+    rope_layers,
+    rotary_layout,
+)
 from bridgecache.models.zoo import builtin_name
 from bridgecache.untrusted import shown
 
@@ -70,11 +77,19 @@ class ModelSpec:
     tokenizer: str = ""  # fingerprint of the vocabulary; "" when unknown
     bos_token_id: int | None = None
     no_rope_layers: tuple[int, ...] = ()  # layers whose keys carry no RoPE (SmolLM3); older files: none
+    # which channels RoPE pairs (bridgecache.models.layout.RotaryLayout); None, and files written
+    # before the field: the half-split over the whole head
+    rotary: RotaryLayout | None = None
+
+    def __post_init__(self):
+        if self.rotary is None:
+            object.__setattr__(self, "rotary", RotaryLayout.whole(self.head_dim))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["no_rope_layers"] = list(self.no_rope_layers)
+        d["rotary"] = self.rotary._asdict()
         return d
 
     @classmethod
@@ -82,6 +97,8 @@ class ModelSpec:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         known["layer_types"] = tuple(known["layer_types"])
         known["no_rope_layers"] = tuple(known.get("no_rope_layers", ()))
+        if known.get("rotary") is not None:
+            known["rotary"] = RotaryLayout(**known["rotary"])
         return cls(**known)
 
     def mismatches(self, other: ModelSpec) -> list[str]:
@@ -153,6 +170,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
         tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",
         bos_token_id=bos,
         no_rope_layers=tuple(i for i, rotary in enumerate(rope_layers(config)) if not rotary),
+        rotary=rotary_layout(model_or_config),
     )
 
 
@@ -240,6 +258,24 @@ def check_spec_dict(spec, role: str, fail) -> None:
             no_rope,
             f"an ascending list of distinct layer indices in [0, {spec['num_layers']})",
         )
+
+    rotary = spec.get("rotary")  # absent from files written before the field: the half-split
+    if rotary is not None:
+        expected = (
+            f'an object {{"kind": one of {list(ROTARY_KINDS)}, "rotary_dim": an even integer in '
+            f"[2, {spec['head_dim']}]}}"
+        )
+        if not isinstance(rotary, dict) or set(rotary) != {"kind", "rotary_dim"}:
+            fail(f"{role}.rotary", rotary, expected)
+        dim = rotary["rotary_dim"]
+        if (
+            rotary["kind"] not in ROTARY_KINDS
+            or not isinstance(dim, int)
+            or isinstance(dim, bool)
+            or dim % 2
+            or not 2 <= dim <= spec["head_dim"]
+        ):
+            fail(f"{role}.rotary", rotary, expected)
 
 
 def spec_from_untrusted(d) -> ModelSpec:

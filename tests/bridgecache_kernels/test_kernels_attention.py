@@ -34,7 +34,9 @@ def test_in_fresh_process(run_in_fresh_process):
     run_in_fresh_process(__file__)
 
 
-def float64_attention(q, k, v, query_columns, key_columns, first_column, scale, window, softcap):
+def float64_attention(
+    q, k, v, query_columns, key_columns, first_column, scale, window, softcap, chunk=None, sinks=None
+):
     """The documented function, dense and explicit, in float64: [B, Nq, Hq, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, 1)
@@ -46,7 +48,17 @@ def float64_attention(q, k, v, query_columns, key_columns, first_column, scale, 
     seen = (kc <= qc) & (kc >= first_column[:, None, None])
     if window is not None:
         seen &= qc - kc < window
-    probs = logits.masked_fill(~seen[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    if chunk is not None:  # chunks counted from each row's first column, as transformers' chunked mask
+        first = first_column[:, None, None]
+        seen &= torch.div(qc - first, chunk, rounding_mode="floor") == torch.div(
+            kc - first, chunk, rounding_mode="floor"
+        )
+    logits = logits.masked_fill(~seen[:, None], float("-inf"))
+    if sinks is None:
+        probs = logits.softmax(-1).nan_to_num(0.0)
+    else:  # one more column per head, dropped after the softmax (transformers' GPT-OSS eager attention)
+        sink = sinks.double()[None, :, None, None].expand(*logits.shape[:-1], 1)
+        probs = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
     return (probs @ v).transpose(1, 2), seen
 
 
@@ -67,19 +79,41 @@ def columns(gen, batch, n_k, n_q, padded):
     return torch.stack(rows), key_columns, torch.tensor(first)
 
 
-def make_case(seed, batch, q_heads, kv_heads, dim, n_k, n_q, window, softcap, dtype, padded=True):
+def make_case(
+    seed,
+    batch,
+    q_heads,
+    kv_heads,
+    dim,
+    n_k,
+    n_q,
+    window,
+    softcap,
+    dtype,
+    padded=True,
+    chunk=None,
+    sinks=False,
+):
     gen = torch.Generator().manual_seed(seed)
     qc, kc, first = columns(gen, batch, n_k, n_q, padded)
     q = torch.randn(batch, q_heads, n_q, dim, generator=gen).to(dtype)
     k = torch.randn(batch, kv_heads, n_k, dim, generator=gen).to(dtype)
     v = torch.randn(batch, kv_heads, n_k, dim, generator=gen).to(dtype)
     scale = 2.0 / dim**0.5 if softcap else dim**-0.5  # logits of a few units: the cap bites
-    ref, seen = float64_attention(q, k, v, qc, kc, first, scale, window, softcap)
+    options = dict(scale=scale, window=window, softcap=softcap)
+    if chunk is not None:
+        options["chunk"] = chunk
+    if sinks:  # logits of a few units, as the keys': the sink takes a real share (or almost all)
+        options["sinks"] = 2.0 * torch.randn(q_heads, generator=gen)
+    ref, seen = float64_attention(
+        q, k, v, qc, kc, first, scale, window, softcap, options.get("chunk"), options.get("sinks")
+    )
     args = (q, k, v, qc, kc, first)
-    return args, dict(scale=scale, window=window, softcap=softcap), ref, seen
+    return args, options, ref, seen
 
 
 def run(args, options, backend, out=None):
+    options = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     got = column_attention(*(x.to(DEVICE) for x in args), **options, backend=backend, out=out)
     return got.cpu()
 
@@ -177,6 +211,52 @@ def test_split_keys_match_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap
     assert_blind_rows_zero(got, seen)
 
 
+# GPT-OSS's sinks and Llama 4's chunks, alone and with a window / cap, on both backends and split.
+# batch, q heads, kv heads, head dim, keys, queries, window, softcap, chunk, sinks, dtype, splits
+SINK_CHUNK_CASES = [
+    (2, 4, 2, 64, 50, 20, None, None, None, True, torch.float32, 1),
+    (2, 2, 1, 64, 50, 20, 8, None, None, True, torch.bfloat16, 1),
+    (2, 2, 2, 64, 60, 25, None, None, 8, False, torch.float32, 1),
+    (2, 2, 1, 128, 70, 33, None, None, 16, False, torch.bfloat16, 1),
+    (1, 4, 2, 64, 40, 18, None, 3.0, 8, True, torch.float32, 1),
+    (2, 2, 1, 64, 90, 5, None, None, None, True, torch.float32, 3),
+    (2, 2, 2, 64, 100, 12, None, None, 32, True, torch.bfloat16, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "batch, hq, hkv, dim, n_k, n_q, window, softcap, chunk, sinks, dtype, splits", SINK_CHUNK_CASES
+)
+def test_sinks_and_chunks_match_float64(batch, hq, hkv, dim, n_k, n_q, window, softcap, chunk, sinks, dtype,
+                                         splits):  # fmt: skip
+    from bridgecache.kernels.attention import launch_attention
+
+    seed = case_seed(batch, hq, hkv, dim, n_k, n_q, window, chunk, sinks, splits)
+    args, options, ref, seen = make_case(
+        seed, batch, hq, hkv, dim, n_k, n_q, window, softcap, dtype, chunk=chunk, sinks=sinks
+    )
+    want = run(args, options, "torch")
+    err_torch = rel_err(want, ref)
+    assert err_torch <= REF_TOL[dtype], err_torch
+    assert_blind_rows_zero(want, seen)
+    got = torch.full((batch, n_q, hq, dim), float("nan"), dtype=dtype, device=DEVICE)
+    device_options = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    if splits == 1:
+        column_attention(*(x.to(DEVICE) for x in args), **device_options, backend="triton", out=got)
+    else:
+        q, k, v, qc, kc, first = (x.to(DEVICE) for x in args)
+        o = device_options
+        launch_attention(q, k, v, qc, kc, first, o["scale"], window, softcap, got, splits=splits,
+                         chunk=o.get("chunk"), sinks=o.get("sinks"))  # fmt: skip
+    got = got.cpu()
+    err_kernel = rel_err(got, ref)
+    assert err_kernel <= 2 * err_torch + FLOOR, (err_kernel, err_torch)
+    assert_blind_rows_zero(got, seen)
+    # without them the function differs: the cases test something
+    plain = float64_attention(*args, options["scale"], window, softcap)[0]
+    assert rel_err(plain, ref) > 10 * REF_TOL[dtype]
+
+
 def test_split_count_fills_the_multiprocessors_with_few_queries_only():
     from bridgecache.kernels.attention_launch import split_count
 
@@ -226,7 +306,10 @@ def test_fake_tensors_and_opcheck():
         out = column_attention(*fake, **options)
         assert out.shape == (2, 9, 4, 64) and out.dtype == torch.float32
     out = torch.empty(2, 9, 4, 64)
-    op_args = (*args, options["scale"], 5, None, "torch", out)
+    op_args = (*args, options["scale"], 5, None, None, None, "torch", out)
+    torch.library.opcheck(torch.ops.bridgecache.column_attention.default, op_args)
+    sinks = torch.randn(4)
+    op_args = (*args, options["scale"], None, None, 4, sinks, "torch", out)
     torch.library.opcheck(torch.ops.bridgecache.column_attention.default, op_args)
 
 
@@ -241,6 +324,12 @@ def test_argument_checks():
         column_attention(q, k, v.bfloat16(), qc, kc, first, **options)
     with pytest.raises(ValueError, match="window"):
         column_attention(q, k, v, qc, kc, first, scale=1.0, window=0)
+    with pytest.raises(ValueError, match="chunk"):
+        column_attention(q, k, v, qc, kc, first, scale=1.0, chunk=0)
+    with pytest.raises(ValueError, match="sinks"):
+        column_attention(q, k, v, qc, kc, first, scale=1.0, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="sinks"):
+        column_attention(q, k, v, qc, kc, first, scale=1.0, sinks=torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="out"):
         column_attention(q, k, v, qc, kc, first, **options, out=torch.empty(1, 4, 6, 64))
     empty = column_attention(q, k[:, :, :0], v[:, :, :0], qc, kc[:0], first, **options)

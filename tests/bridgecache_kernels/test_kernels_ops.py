@@ -35,7 +35,9 @@ def test_opcheck_gathered_affine():
     out = torch.empty(1, 1, 3, 5, 64)
     cos5 = sc[:, None, None].expand(1, 1, 2, 5, 32)
     sin5 = ss[:, None, None].expand(1, 1, 2, 5, 32)
-    args = ([src], rows, heads[None], weight[None], bias[None], cos5, sin5, tc[None], ts[None], "torch", out)
+    layouts = ("interleaved", 16, "half", 48)  # source, target: (kind, rotary_dim)
+    args = ([src], rows, heads[None], weight[None], bias[None], cos5, sin5, tc[None], ts[None], "torch",
+            *layouts, out)  # fmt: skip
     torch.library.opcheck(torch.ops.bridgecache.gathered_affine.default, args)
 
 
@@ -43,7 +45,7 @@ def test_opcheck_accumulate_stats():
     src, rows, heads, *_ = small_inputs()
     stats = SufficientStats.zeros(3, 32, 16)
     y = torch.randn(1, 3, 5, 16)
-    args = ([src], rows, heads, y, torch.rand(1, 3, 5), None, None, "torch", "tf32x3",
+    args = ([src], rows, heads, y, torch.rand(1, 3, 5), None, None, "torch", "tf32x3", "half", 32,
             stats.xtx, stats.xty, stats.sum_x, stats.sum_y, stats.sum_yy, stats.sum_w)  # fmt: skip
     torch.library.opcheck(torch.ops.bridgecache.accumulate_stats.default, args)
 

@@ -11,16 +11,18 @@ UnsupportedArchitectureError naming the feature, and no forward of the model has
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, byte_tokenizer, tiny_architecture, tiny_architecture_config, tiny_model
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, DynamicCache
 
 from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
 from bridgecache.bridge.maps import Bridge
 from bridgecache.compat import cache_kwargs
+from bridgecache.fitting.attention import QueryRecorder, boundary_rows
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.files import load_kv, save_kv
 from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
@@ -29,18 +31,11 @@ from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.handoff import handoff
+from bridgecache.runtime.selection.reading import attention_scores
 
 REFUSED = {
-    "phi4-mini (partial rotary)": "partial rotary",
-    "gpt_neox": "partial rotary",
-    "stablelm": "partial rotary",
-    "helium": "interleaved rotary",
     "gpt2 (learned positions)": "no rotary position embeddings",
-    "cohere": "interleaved rotary",
-    "cohere2": "interleaved rotary",
-    "gpt_oss (sinks)": "attention sinks",
     "deepseek_v3 (MLA)": "latent attention",
-    "llama4_text (chunked)": "chunked_attention",
     "qwen3_next (hybrid)": "linear_attention",
 }
 EXACT = [name for name in ARCHITECTURES if name not in REFUSED]
@@ -102,13 +97,64 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     assert (logits - native_logits).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["mistral (sliding window)", "phi3 (sliding window)", "starcoder2"])
-def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
-    # these families hand their window to the attention function as a keyword only
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt_oss (sinks)",
+        "gemma2 (soft-capping)",
+        "llama4_text (chunked, NoPE)",
+        "llama4_text (chunked, RoPE, qk-norm)",
+    ],
+)
+def test_the_sources_reading_is_the_models_own_attention(name):
+    # the reading scores context tokens by the model's own probabilities: GPT-OSS's sinks take
+    # their share, windows hold (a 20-token context, windows of 8), as transformers' eager attention
+    model = tiny_architecture(name)
+    context, prompt = torch.randint(3, 300, (1, 20)), torch.randint(3, 300, (1, 4))
+    kv = capture_kv(model, context)
+    first = torch.zeros(1, dtype=torch.long)
+    out = model(input_ids=torch.cat([context, prompt], 1), output_attentions=True)
+    expected = sum(a[0, :, 20:, :20].sum((0, 1)) for a in out.attentions)
+    scores = attention_scores(model, kv.keys, kv.values, kv.position_ids, first, prompt, 20, reduce="sum")
+    assert torch.allclose(scores[0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gpt_oss (sinks)", "llama4_text (chunked, NoPE)", "llama4_text (chunked, RoPE, qk-norm)", "gemma3"],
+)
+def test_a_prompt_read_in_the_pass_after_an_identity_context_is_the_targets_own(name):
+    # the prompt's queries sit at columns past the context, not at 0..n-1: windows, chunks, sinks
+    # and Llama 4's query temperature (floor_scale 4: it changes every 4 columns) must follow them
+    model, tok = tiny_architecture(name), byte_tokenizer()
+    result = handoff(
+        Bridge.identity(model), model, model, CONTEXT, " Where?", source_tokenizer=tok, target_tokenizer=tok,
+        max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True,
+        config=HandoffConfig(route="handoff"),
+    )  # fmt: skip
+    ids = tok(CONTEXT + " Where?", return_tensors="pt").input_ids
+    native_seq, native_logits = _generate(model, ids)
+    assert torch.equal(result.output_ids, native_seq[:, ids.shape[1] : ids.shape[1] + 4])
+    logits = torch.stack(result.generation.logits)
+    assert (logits - native_logits[:4]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "name, attention",
+    [
+        ("mistral (sliding window)", "sdpa"),
+        ("phi3 (sliding window)", "sdpa"),
+        ("starcoder2", "sdpa"),
+        ("gpt_oss (sinks)", "eager"),  # transformers runs its sinks in eager attention only
+        ("llama4_text (chunked, NoPE)", "sdpa"),  # chunks count from each row's first real token
+        ("llama4_text (chunked, RoPE, qk-norm)", "sdpa"),
+    ],
+)
+def test_a_left_padded_batch_keeps_windows_chunks_and_sinks(name, attention):
+    # Mistral, Phi-3 and StarCoder2 hand their window to the attention function as a keyword only
     config = tiny_architecture_config(name)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    config._attn_implementation = attention
+    model = tiny_architecture(name, config=config)
     ids = torch.randint(3, 300, (2, 26), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :7], ids[0, :7] = 0, 0  # row 0: 19 real tokens, both rows longer than the window
@@ -122,6 +168,33 @@ def test_a_keyword_window_is_kept_under_sdpa_for_a_left_padded_batch(name):
         )
         assert torch.equal(seq, native_seq)
         assert (logits - native_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_the_fits_boundary_queries_are_the_ones_the_models_attention_receives(name):
+    # the fit recomputes queries at boundary rows (q_proj, q-norms, RoPE in the model's layout, Llama
+    # 4's qk-norm after it and its NoPE layers' temperature); in the same forward, the attention
+    # function the model calls receives its own
+    seen = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = query.detach().float()
+        eager = importlib.import_module(type(module).__module__).eager_attention_forward  # the model's own
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("bridgecache-test-recording", recording)
+    config = tiny_architecture_config(name)
+    config._attn_implementation = "bridgecache-test-recording"
+    model = tiny_architecture(name, config=config)
+    ids = torch.randint(3, 300, (2, 21), generator=torch.Generator().manual_seed(4))
+    rows = boundary_rows(21, 6, first=1)
+    with QueryRecorder(model, rows) as recorder, torch.no_grad():
+        model(input_ids=ids)
+    assert sorted(recorder.queries) == sorted(seen) == list(range(config.num_hidden_layers))
+    for layer, queries in recorder.queries.items():
+        own = seen[layer][:, :, rows]
+        assert queries.shape == own.shape
+        assert (queries - own).abs().max() <= 1e-5 * own.abs().max(), layer
 
 
 @pytest.mark.parametrize("name", EXACT)

@@ -13,32 +13,51 @@ Two of bridgecache's forwards attend in ways transformers' masks cannot say chea
                  attention probabilities each context token receives are reduced on the fly into
                  a score (the largest any layer, head and prompt token gives it, or their sum).
 
-A forward passes one of these as the keyword `bridgecache_attention=` (transformers hands a
-forward's extra keywords down to every attention call) through a `ModelView` of the model
+A forward runs inside `attending(mask)` through a `ModelView` of the model
 (bridgecache.runtime.interop.views), whose config copies name `dispatch`'s implementation; transformers
 then builds no mask at all (it builds none for an attention implementation without a mask
-function). The user's own model and config are never switched over.
+function). The mask travels in a context variable, not as a forward keyword: some decoder layers
+(StableLM's, Nemotron's) call their attention without handing the forward's keywords on. It is
+set for the block only and only in the thread (or task) that runs it, and read only by
+`dispatch`, which only our config copies name: the user's own model and config are never
+switched over, and their forwards elsewhere never see it.
 
-Knows transformers' attention-module conventions (scaling, softcapping); a layer's window is the
+Knows transformers' attention-module conventions (scaling, softcapping, GPT-OSS's sink logits:
+`layer_sinks`, one more softmax column per head with no value; Llama 4's chunks, `layer_chunk`, and
+the temperature its NoPE layers give queries by position); a layer's window is the
 cache layout's (`bridgecache.models.layout.layer_window`: Mistral, Phi-3 and StarCoder2 keep no
 attribute for it). Nothing about bridges or tokenizers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
-from bridgecache.models.layout import layer_window
+from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature
 from bridgecache.runtime.interop.views import FALLBACK
 
-__all__ = ["ColumnMask", "ReadingMask", "layers_read", "read_without_logits", "KEYWORD", "NAME"]
+__all__ = ["ColumnMask", "ReadingMask", "attending", "layers_read", "read_without_logits", "NAME"]
 
 NAME = "bridgecache"  # the attention implementation's name
-KEYWORD = "bridgecache_attention"  # the forward keyword that carries a ColumnMask / ReadingMask
+# The ColumnMask / ReadingMask of the forward running in this context (None: none of ours).
+_MASK: contextvars.ContextVar = contextvars.ContextVar("bridgecache_attention", default=None)
+
+
+@contextlib.contextmanager
+def attending(mask):
+    """Forwards through a `ModelView` inside this block attend with `mask` (a ColumnMask or a
+    ReadingMask); in this thread or task only, and never after the block."""
+    token = _MASK.set(mask)
+    try:
+        yield mask
+    finally:
+        _MASK.reset(token)
 
 
 @dataclass(eq=False)
@@ -76,6 +95,9 @@ class ColumnMask:
         rows = self.write_rows[:, None, :, None]
         keys.scatter_(2, rows.expand(-1, key.shape[1], -1, key.shape[3]), key.to(keys.dtype))
         values.scatter_(2, rows.expand(-1, value.shape[1], -1, value.shape[3]), value.to(values.dtype))
+        fix = retemper(module, self.query_columns, query.shape[2])
+        if fix is not None:
+            query = query * fix.to(query.dtype)
         return column_attention(
             query,
             keys,
@@ -86,6 +108,8 @@ class ColumnMask:
             scale=scaling,
             window=layer_window(module),
             softcap=getattr(module, "attn_logit_softcapping", None),
+            chunk=layer_chunk(module),
+            sinks=layer_sinks(module),
         )
 
 
@@ -136,6 +160,9 @@ class ReadingMask:
         batch, heads, q, dim = query.shape
         kv_heads, n = context_k.shape[1], context_k.shape[2]
         group = heads // kv_heads
+        fix = retemper(module, self.first_column[:, None] + self.query_positions, q)
+        if fix is not None:
+            query = query * fix.to(query.dtype)
         # Query heads of one KV head side by side: [batch, kv_heads, group * q, dim], no K copy.
         grouped = query.reshape(batch, kv_heads, group * q, dim)
         logits = torch.cat(
@@ -149,7 +176,14 @@ class ReadingMask:
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
-        probs = torch.softmax(logits.add_(self._bias(module, group, q)), dim=-1)
+        logits.add_(self._bias(module, group, q))
+        sinks = layer_sinks(module)
+        if sinks is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:  # one more column per query head (rows of kv head k: its heads' queries in turn)
+            column = sinks.to(logits.device).view(kv_heads, group, 1).repeat_interleave(q, 1)
+            column = column.view(1, kv_heads, group * q, 1).expand(batch, -1, -1, -1)
+            probs = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
         weights = probs.to(value.dtype)
         out = torch.matmul(weights[..., :n], context_v) + torch.matmul(weights[..., n:], value)
         if self.layers is None or layer < self.layers:
@@ -161,15 +195,20 @@ class ReadingMask:
         """[batch, 1, group * q, context + q] float32: 0 where a query sees a key (the context's visible
         columns, the prompt's tokens up to its own), -inf elsewhere; made once per forward and
         window, shared by the layers."""
-        window = layer_window(module)
-        if window not in self._biases:
+        key = (layer_window(module), layer_chunk(module))
+        if key not in self._biases:
             visible = self._context_visible(module, group)  # [batch, 1, 1 or group * q, n]
             batch = visible.shape[0]
-            causal = torch.ones(q, q, dtype=torch.bool, device=visible.device).tril().repeat(group, 1)
+            causal = torch.ones(q, q, dtype=torch.bool, device=visible.device).tril()[None]
+            chunk = key[1]
+            if chunk:  # the prompt's tokens see each other only within a chunk
+                at = self.query_positions // chunk
+                causal = causal & (at[:, :, None] == at[:, None, :])
+            causal = causal.repeat(1, group, 1)[:, None]  # [batch or 1, 1, group * q, q]
             seen = torch.cat([visible.expand(-1, -1, group * q, -1), causal.expand(batch, 1, -1, -1)], dim=-1)
             bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device)
-            self._biases[window] = bias.masked_fill_(~seen, float("-inf"))
-        return self._biases[window]
+            self._biases[key] = bias.masked_fill_(~seen, float("-inf"))
+        return self._biases[key]
 
     def _context_visible(self, module, group: int) -> torch.Tensor:
         """[batch, 1, 1, context] (or [batch, 1, group * q, context] in a sliding layer) bool."""
@@ -178,10 +217,13 @@ class ReadingMask:
         if self.context_end is not None:
             visible = visible & (columns[None] < self.context_end[:, None])
         visible = visible[:, None, None]
-        window = layer_window(module)
+        window, chunk = layer_window(module), layer_chunk(module)
         if window:
             near = self.query_positions[:, :, None] - self.context_positions[:, None, :] < window
             visible = visible & near.repeat(1, group, 1)[:, None]
+        if chunk:  # positions count from each row's first real token, as transformers' chunks do
+            same = self.query_positions[:, :, None] // chunk == self.context_positions[:, None, :] // chunk
+            visible = visible & same.repeat(1, group, 1)[:, None]
         return visible
 
     def _score(self, probs: torch.Tensor) -> None:
@@ -196,10 +238,23 @@ class ReadingMask:
             self.scores.add_(probs.sum(dim=(1, 2, 3)))
 
 
+def retemper(module, columns: torch.Tensor, slots: int) -> torch.Tensor | None:
+    """[batch, 1, slots, 1] float32: what turns the temperature a Llama 4 NoPE layer gave its
+    queries into the one due at `columns` [batch, slots]; None for every other layer.
+
+    Its attention scales queries by position p = arange(slots) + the cache's length
+    (`query_temperature`); our forwards run without a cache (p = arange(slots)), and their queries
+    sit at `columns`, the p transformers gives them when it reads the whole sequence."""
+    given = query_temperature(module, torch.arange(slots, device=columns.device))
+    if given is None:
+        return None
+    return (query_temperature(module, columns) / given)[:, None, :, None]
+
+
 def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as `NAME`: ours for our masks, else the implementation the
     user's config names (kept on our config copy: bridgecache.runtime.interop.views)."""
-    ours = kwargs.pop(KEYWORD, None)
+    ours = _MASK.get()
     if ours is not None:
         scaling = module.scaling if scaling is None else scaling
         return ours.attend(module, query, key, value, scaling), None
@@ -210,7 +265,7 @@ def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.
 
 # Registered once, at import: the one change bridgecache makes to transformers' process state, and
 # one that changes nothing for anyone else (only our config copies name it). No mask function is
-# registered for NAME: transformers then builds no mask for our forwards (theirs travel as KEYWORD).
+# registered for NAME: transformers then builds no mask for our forwards (theirs: `attending`).
 AttentionInterface.register(NAME, dispatch)
 
 

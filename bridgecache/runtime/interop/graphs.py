@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.interop.attention import KEYWORD, NAME, ReadingMask, layers_read, read_without_logits
+from bridgecache.runtime.interop.attention import (
+    NAME,
+    ReadingMask,
+    attending,
+    layers_read,
+    read_without_logits,
+)
 from bridgecache.runtime.interop.views import ModelView
 
 __all__ = ["ReadingGraph", "PassGraph", "as_view", "bucket", "capture", "kv_bytes", "reading_bytes"]
@@ -137,14 +143,10 @@ class ReadingGraph:
     def _forward(self) -> None:
         self.mask.forget()
         self.mask.scores.zero_()
-        read_without_logits(
-            self.view,
-            self.layers,
-            input_ids=self.ids,
-            position_ids=self.query_positions,
-            use_cache=False,
-            **{KEYWORD: self.mask},
-        )
+        with attending(self.mask):
+            read_without_logits(
+                self.view, self.layers, input_ids=self.ids, position_ids=self.query_positions, use_cache=False
+            )
 
     @torch.no_grad()
     def run(self, keys, values, positions, first_column, query_ids, context_tokens: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from bridgecache.compat import cache_keyword
-from bridgecache.runtime.interop.attention import KEYWORD, ColumnMask
+from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
 from bridgecache.runtime.native_work import prefill
 
@@ -150,14 +150,10 @@ class NativePass:
     @torch.no_grad()
     def forward(self, keep, extra: dict):
         """The model's own forward over the slots, through its view (our attention)."""
-        return self.view.model.forward(
-            input_ids=self.ids,
-            position_ids=self.positions,
-            use_cache=False,
-            logits_to_keep=keep,
-            **{KEYWORD: self.mask},
-            **extra,
-        )
+        with attending(self.mask):
+            return self.view.model.forward(
+                input_ids=self.ids, position_ids=self.positions, use_cache=False, logits_to_keep=keep, **extra
+            )
 
     def commit(self, cache, new_tokens: int, copy: bool, room: int = 0) -> None:
         """The buffers' columns [0, prefix + new_tokens) become the cache's layers (copied when the

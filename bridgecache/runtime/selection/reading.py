@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.runtime.interop.attention import KEYWORD, ReadingMask, layers_read, read_without_logits
+from bridgecache.runtime.interop.attention import ReadingMask, attending, layers_read, read_without_logits
 from bridgecache.runtime.interop.graphs import ReadingGraph, as_view, bucket, reading_bytes
 
 __all__ = ["SourceReader", "attention_scores"]
@@ -92,14 +92,10 @@ def attention_scores(
         counted=counted,
         layers=layers,
     )
-    read_without_logits(
-        view,
-        layers,
-        input_ids=query_ids.to(device),
-        position_ids=query_positions,
-        **{KEYWORD: mask},
-        use_cache=False,
-    )
+    with attending(mask):
+        read_without_logits(
+            view, layers, input_ids=query_ids.to(device), position_ids=query_positions, use_cache=False
+        )
     return mask.scores
 
 

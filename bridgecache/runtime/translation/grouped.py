@@ -146,5 +146,6 @@ class LayerGroups:
         rows = tr.device_rows(begin, device)
         out_keys, out_values = keys[:, :, :, begin - start :], values[:, :, :, begin - start :]
         translate_layers(
-            plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values
-        )
+            plan, tr.source, tr.source_rope, rows, cos, sin, out_keys=out_keys, out_values=out_values,
+            target_rotary=tr.target_rope.layout,
+        )  # fmt: skip

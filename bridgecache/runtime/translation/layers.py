@@ -106,6 +106,7 @@ def translate_layer(
     target_sin: torch.Tensor,
     dtype: torch.dtype,
     key_norm_scale: torch.Tensor | None = None,
+    target_rotary: tuple[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target keys and values of one layer for the target positions `rows` describes.
 
@@ -122,11 +123,14 @@ def translate_layer(
         key_norm_scale: [tgt_head_dim] float32 on the device, the scale of the target layer's key
             norm (see bridgecache.kv.keynorm), or None: mapped keys are rescaled onto what the norm
             produces before RoPE is applied (unfused: map, rescale, then rotate).
+        target_rotary: the target keys' RotaryLayout (None: half-split over the whole head); the
+            source's is its tables' (`source_rope.tables.layout`).
     Returns:
         keys, values: [batch, tgt_heads, tgt_tokens, tgt_head_dim] (keys post-RoPE).
     """
     # The kernel addresses a list of layers as one stack of heads: no concatenation copy.
     src_k, src_v, rows, src_cos, src_sin = layer_sources(plan, source, source_rope, rows)
+    src_rotary = None if source_rope is None else source_rope.tables.layout
     if key_norm_scale is None:
         keys = map_heads(
             src_k,
@@ -139,6 +143,8 @@ def translate_layer(
             tgt_cos=target_cos,
             tgt_sin=target_sin,
             out_dtype=dtype,
+            src_rotary=src_rotary,
+            tgt_rotary=target_rotary,
         )
     else:
         keys = map_heads(
@@ -150,8 +156,10 @@ def translate_layer(
             src_cos=src_cos,
             src_sin=src_sin,
             out_dtype=torch.float32,
+            src_rotary=src_rotary,
         )
-        keys = rotate(project_to_key_norm(keys, key_norm_scale), target_cos, target_sin).to(dtype)
+        keys = project_to_key_norm(keys, key_norm_scale)
+        keys = rotate(keys, target_cos, target_sin, target_rotary).to(dtype)
     values = map_heads(
         src_v, rows=rows, heads=plan.heads, weight=plan.value_weight, bias=plan.value_bias, out_dtype=dtype
     )
@@ -249,6 +257,7 @@ def translate_layers(
     target_sin: torch.Tensor,
     out_keys: torch.Tensor,
     out_values: torch.Tensor,
+    target_rotary: tuple[str, int] | None = None,
 ) -> None:
     """Translate the target layers of `plan` at once: one kernel launch for keys, one for values.
 
@@ -261,6 +270,7 @@ def translate_layers(
         out_keys, out_values: [layers, batch, tgt_heads, tgt_tokens, tgt_head_dim] written in
             place (keys post-RoPE); any strides with the last axis contiguous, e.g. a slice of a
             larger buffer that also holds native rows.
+        target_rotary: as in `translate_layer`.
     """
     device = out_keys.device
     every = range(source.num_layers)
@@ -285,6 +295,8 @@ def translate_layers(
         tgt_cos=target_cos,
         tgt_sin=target_sin,
         out=out_keys,
+        src_rotary=None if source_rope is None else source_rope.tables.layout,
+        tgt_rotary=target_rotary,
     )
     map_layers(
         src_v, rows=rows, heads=plan.heads, weight=plan.value_weight, bias=plan.value_bias, out=out_values

@@ -183,7 +183,9 @@ class Translator:
                 cos, sin, rows = cos[:, :count], sin[:, :count], rows[:, :count]
             scale = None if self.key_norm_scales is None else self.key_norm_scales[idx]
             scale = None if scale is None else scale.to(device)
-            keys, values = translate_layer(plan, self.source, self.source_rope, rows, cos, sin, dtype, scale)
+            keys, values = translate_layer(
+                plan, self.source, self.source_rope, rows, cos, sin, dtype, scale, self.target_rope.layout
+            )
             parts_k.append(keys)
             parts_v.append(values)
         if len(parts_k) == 1:
