@@ -86,11 +86,12 @@ def model(value, name: str, *, optional: bool = False):
 
 
 def tokenizer(value, name: str, *, optional: bool = False):
-    """`value` if it looks like a transformers tokenizer (callable, with `decode` and
-    `get_vocab`; None with `optional`); else FieldTypeError."""
+    """`value` if it looks like a transformers tokenizer (callable, with `decode` or `get_vocab`:
+    a fit reads only the vocabulary, a reply only decodes; None with `optional`); else
+    FieldTypeError."""
     if optional and value is None:
         return value
-    methods = all(callable(getattr(value, m, None)) for m in ("decode", "get_vocab"))
+    methods = any(callable(getattr(value, m, None)) for m in ("decode", "get_vocab"))
     if callable(value) and methods and not isinstance(value, type):
         return value
     also = " or None" if optional else ""
