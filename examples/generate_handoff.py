@@ -15,7 +15,16 @@ import time
 
 import torch
 
-from bridgecache import Bridge, BridgedCache, FitConfig, capture_kv, fit_bridge, load_model, tokenize_context
+from bridgecache import (
+    Bridge,
+    BridgedCache,
+    FitConfig,
+    HandoffConfig,
+    capture_kv,
+    fit_bridge,
+    load_model,
+    tokenize_context,
+)
 
 CONTEXT = (
     "The lighthouse keeper of Port Ellis kept a logbook in which every ship was written down. "
@@ -65,7 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     #    the prompt (in its own tokens) over its cache to choose the 20% of the context that the
     #    target recomputes itself, in whole words (HandoffConfig's default). Nothing is translated
     #    yet: layer i is translated when the target's layer i first reads it, and the recomputed
-    #    tokens join the target's first forward.
+    #    tokens join the target's first forward. route="handoff": this script shows the translated
+    #    cache; the default "auto" lets the cost gate answer a context this short with the
+    #    target's own prefill where that reaches the first token sooner (cache.report() says).
     source_prompt = source_tok(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     cache = BridgedCache(
         bridge,
@@ -76,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         source_model=source,
         prompt_ids=source_prompt,
         words=words,
+        config=HandoffConfig(route="handoff"),
     )
     cached = cache.get_seq_length()  # context positions in the cache (all but the last token)
 
