@@ -211,41 +211,40 @@ def _bridges(root: Path) -> list[CacheEntry]:
 
 def _costs(root: Path) -> list[CacheEntry]:
     """The cost tables (`<key>.json` holding that key) and their writers' leftovers; the rest is other."""
-    folder = root / _ROUTE_COSTS
-    kind = _real(folder)
-    if kind is None:
-        return []
-    if kind != "dir":
-        return [_other(root, folder, "not a folder (a link or a file): left alone")]
-    ours, others = [], []
-    for path in _children(root, _ROUTE_COSTS):
-        file = _real(path) == "file"
+
+    def ours(path: Path) -> bool:
         table = _COST_FILE.fullmatch(path.name) and _json_mark(path, "key") == path.stem
-        if file and (table or _COST_LEFTOVER.fullmatch(path.name)):
-            ours.append(path)
-        else:
-            others.append(_other(root, path, "not a cost table bridgecache wrote"))
-    words = "the cost gate's times per device, pair and config (a CUDA engine times them again)"
-    entry = _entry(root, folder, "timing", words, parts=tuple(ours)) if ours or not others else None
-    return ([entry] if entry else []) + others
+        return _real(path) == "file" and bool(table or _COST_LEFTOVER.fullmatch(path.name))
+
+    words = "the cost gate's times per device, pair and config (an engine times them again)"
+    return _marked_folder(root, _ROUTE_COSTS, ours, "timing", words, "not a cost table bridgecache wrote")
 
 
 def _locks(root: Path) -> list[CacheEntry]:
-    folder = root / "locks"
-    kind = _real(folder)
-    if kind is None:
-        return []
-    if kind != "dir":
-        return [_other(root, folder, "not a folder (a link or a file): left alone")]
-    ours, others = [], []
-    for path in _children(root, "locks"):
+    def ours(path: Path) -> bool:
         empty = _real(path) == "file" and os.lstat(path).st_size == 0
-        if empty and path.name.endswith(".lock"):
-            ours.append(path)
-        else:
-            others.append(_other(root, path, "not a lock bridgecache takes"))
+        return empty and path.name.endswith(".lock")
+
     words = "locks that keep two processes from building one model"
-    entry = _entry(root, folder, "lock", words, parts=tuple(ours)) if ours or not others else None
+    return _marked_folder(root, "locks", ours, "lock", words, "not a lock bridgecache takes")
+
+
+def _marked_folder(root: Path, name: str, ours, kind: str, words: str, other: str) -> list[CacheEntry]:
+    """One entry for root/name holding the children `ours(path)` accepts (when any, or when the
+    folder is empty), and an entry left alone for each other child or for a folder that is a link."""
+    folder = root / name
+    found = _real(folder)
+    if found is None:
+        return []
+    if found != "dir":
+        return [_other(root, folder, "not a folder (a link or a file): left alone")]
+    mine, others = [], []
+    for path in _children(root, name):
+        if ours(path):
+            mine.append(path)
+        else:
+            others.append(_other(root, path, other))
+    entry = _entry(root, folder, kind, words, parts=tuple(mine)) if mine or not others else None
     return ([entry] if entry else []) + others
 
 
