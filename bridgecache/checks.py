@@ -131,7 +131,7 @@ def ids(value, name: str, *, vocab: int | None = None, batch: int | None = None,
     if batch is not None and value.shape[0] != batch:
         raise ValueError(f"{name} has {value.shape[0]} rows; expected {batch} (one per context)")
     if vocab is not None and value.numel():
-        low, high = int(value.min()), int(value.max())
+        low, high = torch.stack(torch.aminmax(value)).tolist()  # one read back from the device
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             expected = f"ids in 0..{vocab - 1} (the model's vocabulary)"
