@@ -244,3 +244,115 @@ def test_only_the_lm_eval_adapter_imports_lm_eval():
                 users.append(name)
     assert not users, f"modules importing lm_eval outside {adapter}: {sorted(users)}"
     assert not any(adapter in imported for imported in _graph()["bridgecache.integrations"])
+
+
+# Objects the engine's plan is handed to: they read it, and nothing outside a class writes its fields
+# (issue 61: the planner wrote the translator's fields, the pass and the engine the cache's). A
+# field name no other class of the library uses is flagged on any receiver; a name that others use
+# too (`config`, `source`, `route`) only on the names the library gives these objects.
+OWNED_FIELDS = {
+    "Translator": ("bridgecache.runtime.translation.translator", {"tr", "translator"}),
+    "LayerGroups": ("bridgecache.runtime.translation.grouped", {"groups"}),
+    "BridgedCache": ("bridgecache.runtime.cache", {"cache", "bridged"}),
+    "HandoffPlan": ("bridgecache.runtime.native_work.plan", {"plan"}),
+}
+
+
+def _class_fields(node: ast.ClassDef) -> set[str]:
+    """Names a class binds on `self` (any method), as annotated class attributes or properties."""
+    fields = set()
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            fields.add(item.target.id)
+        elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any(ast.unparse(d) in ("property", "cached_property") for d in item.decorator_list):
+                fields.add(item.name)
+            for sub in ast.walk(item):
+                for target in _assigned(sub):
+                    if isinstance(target.value, ast.Name) and target.value.id == "self":
+                        fields.add(target.attr)
+    return fields
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+
+
+def _assigned(node) -> list[ast.Attribute]:
+    """The attributes `node` assigns: `x.a = ...`, `x.a += ...`, `x.a: T = ...`, tuple targets,
+    and `setattr(x, "a", ...)` with a constant name."""
+    targets = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "setattr"
+        and len(node.args) == 3
+        and isinstance(node.args[1], ast.Constant)
+    ):
+        return [ast.Attribute(value=node.args[0], attr=node.args[1].value)]
+    return [part for target in targets for part in ast.walk(target) if isinstance(part, ast.Attribute)]
+
+
+def _receiver(target: ast.Attribute) -> str:
+    """The name an assignment's object goes by: `cache` in `cache.x`, `translator` in `c.translator.x`."""
+    value = target.value
+    return value.id if isinstance(value, ast.Name) else getattr(value, "attr", "")
+
+
+def _outside_writes(cls: str, owner: str, aliases: set[str], modules: dict[str, Path]) -> list[str]:
+    """Writes of `cls`'s fields anywhere in `modules` except in a method of `cls` itself."""
+    fields = _class_fields(_classes(modules[owner])[cls])
+    shared = {
+        field
+        for name, path in modules.items()
+        for other, node in _classes(path).items()
+        if (name, other) != (owner, cls)
+        for field in _class_fields(node)
+    }
+    wrong = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        inside = {id(sub) for sub in ast.walk(_classes(path)[cls])} if name == owner else set()
+        for node in ast.walk(tree):
+            for target in _assigned(node):
+                if target.attr not in fields or id(node) in inside or _receiver(target) == "self":
+                    continue
+                if target.attr not in shared or _receiver(target) in aliases:
+                    wrong.append(f"{name}:{node.lineno} {ast.unparse(target)}")
+    return wrong
+
+
+def test_no_field_of_the_plans_readers_is_assigned_outside_its_own_class():
+    modules = _modules()
+    wrong = []
+    for cls, (owner, aliases) in OWNED_FIELDS.items():
+        assert _class_fields(_classes(modules[owner])[cls]), f"{cls} in {owner}: the scan lost its fields"
+        wrong += _outside_writes(cls, owner, aliases, modules)
+    assert not wrong, "fields written from outside their class:\n" + "\n".join(wrong)
+
+
+def test_the_field_scan_sees_what_it_must(tmp_path):
+    owner, other = tmp_path / "owner.py", tmp_path / "other.py"
+    owner.write_text(
+        "class Owner:\n"
+        "    def __init__(self):\n        self.rows = 1\n        self.config = None\n"
+        "    @property\n    def plan(self):\n        return 1\n"
+        "def outside(owner, args):\n"
+        "    owner.rows += 1\n    setattr(owner, 'plan', 3)\n    owner.free = 4\n"
+    )
+    other.write_text(
+        "class Args:\n    def __init__(self):\n        self.config = 1\n"
+        "def f(args, cache):\n    args.config = 2\n    cache.config = 3\n    cache.x.rows = 4\n"
+    )
+    modules = {"owner": owner, "other": other}
+    assert _class_fields(_classes(owner)["Owner"]) == {"rows", "config", "plan"}
+    wrong = _outside_writes("Owner", "owner", {"cache"}, modules)
+    assert sorted(w.split(" ")[1] for w in wrong) == [
+        "cache.config",
+        "cache.x.rows",
+        "owner.plan",
+        "owner.rows",
+    ]

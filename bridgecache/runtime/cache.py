@@ -27,18 +27,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from bridgecache.kv.files import as_source
-from bridgecache.models.layout import check_supported
-from bridgecache.models.spec import model_spec
+import bridgecache.checks as checks
 from bridgecache.runtime.config import HandoffConfig
-from bridgecache.runtime.inputs import check_arguments, check_config, check_engine, selector_layers
 from bridgecache.runtime.interop.static import fill_static
 from bridgecache.runtime.native_work import forward as native_forward
-from bridgecache.runtime.native_work.plan import plan_native_work, read_context
+from bridgecache.runtime.native_work.plan import HandoffPlan, layer_windows, plan_handoff, read_context
 from bridgecache.runtime.report import HandoffReport
-from bridgecache.runtime.state import EngineState
-from bridgecache.runtime.translation.grouped import LayerGroups, groups_apply
-from bridgecache.runtime.translation.translator import Translator
 
 __all__ = ["BridgedCache", "BridgedLayer", "BridgedSlidingLayer"]
 
@@ -95,8 +89,8 @@ class _LazyLayerMixin:
             if self.is_materialized:
                 return
         index = self.batch_index_for(batch_size)
-        translator, self._translator = self._translator, None
-        keys, values = translator.layer(self._layer_idx, device, dtype)
+        self._translator = None
+        keys, values = cache.plan.layer(self._layer_idx, device, dtype)
         if index is not None:
             keys = keys.index_select(0, index.to(keys.device))
             values = values.index_select(0, index.to(keys.device))
@@ -264,66 +258,62 @@ class BridgedCache(DynamicCache):
         words=None,
         engine=None,
     ):
-        config = check_config(config)
-        check_arguments(
-            bridge, target, target_ids, target_attention_mask, source_model, prompt_ids, words, alignment,
-            source_attention_mask,
+        plan = plan_handoff(
+            bridge, source_kv, target, target_ids, config=config, alignment=alignment,
+            target_attention_mask=target_attention_mask, source_attention_mask=source_attention_mask,
+            source_model=source_model, prompt_ids=prompt_ids, words=words, engine=engine,
         )  # fmt: skip
-        if engine is not None:
-            check_engine(engine, bridge, target, source_model)
-        selector_layers(config, bridge.target.num_layers)  # a custom rule's answer, before any work
-        source_kv = as_source(source_kv, source_attention_mask)
-        if words is not None and words.source.shape != (source_kv.batch_size, source_kv.num_tokens):
-            raise ValueError(
-                f"words.source has shape {tuple(words.source.shape)}; expected one group per source KV "
-                f"row [{source_kv.batch_size}, {source_kv.num_tokens}] (words of another context?)"
-            )
-        if prompt_ids is not None and source_model is not None:  # on its device before any work is queued
-            prompt_ids = prompt_ids.to(source_model.get_input_embeddings().weight.device, non_blocking=True)
-        if words is not None:  # likewise: a copy from the host later would wait for the queued work
-            words = words.to(target.get_input_embeddings().weight.device)
-        config = config.with_words(words is not None)
-        if engine is not None:
-            state = engine.state
-        else:  # a private state: the target's spec is checked here, as an engine checks it once
-            bridge.target.check(model_spec(target), "target")
-            state = EngineState(bridge, source_model, target, graph_bytes=0)
-        self.state = state
-        layers = _bridged_layers(target.config)
-        self.translator = Translator(
-            bridge,
-            source_kv,
-            target,
-            target_ids,
-            target_mask=target_attention_mask,
-            alignment=alignment,
-            config=config,
-            windows=[getattr(layer, "sliding_window", None) for layer in layers],
-            state=state,
-        )
-        super().__init__()
-        self.layers = layers
+        self._adopt(plan)
+
+    @classmethod
+    def from_plan(cls, plan: HandoffPlan) -> BridgedCache:
+        """The cache of a `HandoffPlan` (`HandoffEngine.plan`): runs no model, only reads the plan."""
+        checks.instance(plan, "plan", HandoffPlan, "a HandoffPlan (HandoffEngine.plan)")
+        cache = cls.__new__(cls)
+        cache._adopt(plan)
+        return cache
+
+    def _adopt(self, plan: HandoffPlan) -> None:
+        DynamicCache.__init__(self)
+        self.layers = _bridged_layers(plan.target.config)
         self.layer_class_to_replicate = None
-        self.handoff_config = config
-        self.pending_work = None  # pending.PendingWork until the target's first forward runs it
-        self.decode_room = 0  # tokens generate() will append: the pass leaves room for them
-        self.launched_prefill = None  # the native route's prefill replayed early (prefill.launch)
-        self.launched_pass = None  # the pass replayed early (native_work.forward.launch)
-        self._target = target
-        self._target_ids = target_ids
-        make_groups = None
-        if groups_apply(self.translator, target, config.one_launch):
-            make_groups = lambda whole: LayerGroups(self.translator, whole)  # noqa: E731
-        plan = plan_native_work(
-            self.translator, target, target_ids, config, source_model, prompt_ids, make_groups, words
-        )
-        self.pending_work = plan.pending
         self._plan = plan
+        self._pending = plan.pending  # until the target's first forward (or run_pending) runs it
         # Bound layers report the context and translate on first use. Unbound ones are plain empty
         # layers: no context (nothing to translate) or the native route, where generate() feeds the
         # whole context to the target's own first forward.
-        if self.translator.prefix_length and not plan.native_route:
+        if plan.translator.prefix_length and not plan.native_route:
             self._bind_layers()
+
+    @property
+    def plan(self) -> HandoffPlan:
+        """The frozen `HandoffPlan` this cache reads (shared with its copies)."""
+        return self._plan
+
+    @property
+    def translator(self):
+        """The plan's `Translator`: the context's layout and its translation."""
+        return self._plan.translator
+
+    @property
+    def state(self):
+        """The `EngineState` the plan was made over (the engine's, or a private one)."""
+        return self._plan.state
+
+    @property
+    def handoff_config(self) -> HandoffConfig:
+        """The `HandoffConfig` as decided (whole_words resolved)."""
+        return self._plan.config
+
+    @property
+    def pending_work(self):
+        """The plan's `PendingWork` until the target's first forward (or `run_pending`) runs it;
+        then None."""
+        return self._pending
+
+    def finish_pending(self) -> None:
+        """Called by the native-work pass once its forward ran: nothing is pending any more."""
+        self._pending = None
 
     def _bind_layers(self) -> None:
         for i, layer in enumerate(self.layers):
@@ -332,14 +322,8 @@ class BridgedCache(DynamicCache):
     def __deepcopy__(self, memo):
         """A copy whose layers are copied; the read-only parts (the target model, the translator
         with the source KV and the bridge, the plan) are shared, not copied."""
-        for shared in (
-            self._target,
-            self._target_ids,
-            self.translator,
-            self._plan,
-            self.pending_work,
-            self.state,
-        ):
+        plan = self._plan
+        for shared in (plan.target, plan.target_ids, plan.translator, plan, plan.pending, plan.state):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new
@@ -353,14 +337,13 @@ class BridgedCache(DynamicCache):
     def run_pending(self, batch: int | None = None) -> None:
         """Run the pending native work now, in a forward of its own (no-op when there is none), for
         `batch` rows (None: the context's; generate() may have expanded them for beams)."""
-        self.launched_pass = None  # a launched pass is its first forward's only
-        if self.pending_work is not None:
+        if self._pending is not None:
             native_forward.run_alone(self, batch)
 
     def pending_for_batch(self, batch: int):
         """The pending work for a forward of `batch` rows: generate() may have expanded the
         cache's rows (beams, several sequences per prompt) before its first forward."""
-        work = self.pending_work
+        work = self._pending
         rows = work.columns.shape[0]
         index = next((layer._batch_index for layer in self.layers if not layer.is_materialized), None)
         if index is None and batch != rows:
@@ -404,9 +387,15 @@ class BridgedCache(DynamicCache):
         """Run the native work and translate every layer now (e.g. to time translation on its
         own); on the native route, compute the context with the target now if no forward has
         (the cache then holds it as a handoff's would). Returns self."""
-        if self.native_route and self.translator.prefix_length and self.get_seq_length() == 0:
-            read_context(self.translator, self._target, self._target_ids, range(len(self.layers)))
-            self._bind_layers()
+        tr = self.translator
+        if self.native_route and tr.prefix_length and self.get_seq_length() == 0:
+            context = read_context(tr, self._plan.target, self._plan.target_ids, range(len(self.layers)))
+            for i, layer in enumerate(self.layers):
+                keys, values = context[i]
+                start = tr.window_start(i)
+                if isinstance(layer, BridgedSlidingLayer):
+                    layer.cumulative_length = tr.prefix_length
+                layer.settle(keys[:, :, start:], values[:, :, start:])
         self.run_pending()
         for layer in self.layers:
             if not layer.is_materialized:
@@ -428,16 +417,11 @@ class BridgedCache(DynamicCache):
 
 def _bridged_layers(config) -> list[_LazyLayerMixin]:
     """One bridged layer per target layer, of the type transformers' `DynamicCache(config=...)`
-    dispatches for `config` (full or sliding window); any other layer type raises ValueError."""
-    check_supported(config)  # an architecture no bridge translates exactly: refused by name
+    dispatches for `config` (full or sliding window; `layer_windows` refuses any other)."""
+    layer_windows(config)
     layers = []
-    for i, layer in enumerate(DynamicCache(config=config).layers):
-        bridged = _BRIDGED_LAYER_TYPES.get(type(layer))
-        if bridged is None:
-            raise ValueError(
-                f"target layer {i} is a {type(layer).__name__} cache layer; BridgedCache supports "
-                f"{sorted(t.__name__ for t in _BRIDGED_LAYER_TYPES)}"
-            )
+    for layer in DynamicCache(config=config).layers:
+        bridged = _BRIDGED_LAYER_TYPES[type(layer)]
         kwargs = {"sliding_window": layer.sliding_window} if bridged is BridgedSlidingLayer else {}
         layers.append(bridged(**kwargs))
     return layers

@@ -15,7 +15,9 @@ Who calls what, when:
   and the evaluation runner go through these) builds one `HandoffRequest` (runtime/request.py:
   tokenized, aligned, words, the source's KV), checks its sizes against both models' windows
   before the source reads anything, runs a cheap per-request check that the weights the engine
-  derived state from are unchanged, builds a `BridgedCache` over the engine's state, and calls
+  derived state from are unchanged, turns it into a frozen `HandoffPlan` (`plan`: route, gates,
+  layout, native layers and their KV, pending work, groups, report; runtime/native_work/plan.py),
+  builds a `BridgedCache` that only reads that plan (`cache`: it runs no model), and calls
   transformers' own `generate()` on a view of the target whose first forward does the cache's
   native work (runtime/native_work/forward.py).
 - The cost gate (`HandoffConfig.route`, bridgecache.runtime.route): before a request with
@@ -42,7 +44,6 @@ Knows requests, caches, views and generate(); nothing about fitting or serving e
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import OrderedDict
@@ -52,7 +53,6 @@ import torch
 
 import bridgecache.checks as checks
 from bridgecache.bridge.builtin import check_models
-from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.inputs import (
@@ -65,10 +65,8 @@ from bridgecache.runtime.inputs import (
     check_text,
     selector_layers,
 )
-from bridgecache.runtime.interop.views import generate_view
-from bridgecache.runtime.native_work import prefill
-from bridgecache.runtime.native_work.forward import forward_with_pass
-from bridgecache.runtime.native_work.forward import launch as pass_launch
+from bridgecache.runtime.native_work.forward import generate
+from bridgecache.runtime.native_work.plan import HandoffPlan, plan_handoff
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.route import RouteCosts, save_costs
 from bridgecache.runtime.route_timing import (
@@ -211,8 +209,10 @@ class HandoffEngine:
             what = f"the context{' and prompt' if role == 'target' and prompt else ''} in the {role}'s tokens"
             check_fits(tokens, limit, what)
 
-    def cache(self, request: HandoffRequest, config: HandoffConfig | None = None) -> BridgedCache:
-        """The BridgedCache of a request (over this engine's state), nothing translated yet."""
+    def plan(self, request: HandoffRequest, config: HandoffConfig | None = None) -> HandoffPlan:
+        """The frozen `HandoffPlan` of a request over this engine's state (runtime/native_work/
+        plan.py): the routes timed first where route="auto" needs it, then the gates, the native
+        layers' KV, the selection rule's reading and the pending work."""
         self._check_open()
         checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
         self._check_weights()
@@ -220,20 +220,16 @@ class HandoffEngine:
         mask = request.target_mask
         tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
         self.time_routes(config.with_words(request.words is not None), tokens)
-        return BridgedCache(
-            self.bridge,
-            request.source_kv,
-            self.target,
-            request.target_ids,
-            config=config,
-            alignment=request.alignment,
-            target_attention_mask=request.target_mask,
-            source_attention_mask=request.source_mask,
-            source_model=self.source,
-            prompt_ids=request.source_prompt,
-            words=request.words,
-            engine=self,
-        )
+        return plan_handoff(
+            self.bridge, request.source_kv, self.target, request.target_ids, config=config,
+            alignment=request.alignment, target_attention_mask=request.target_mask,
+            source_attention_mask=request.source_mask, source_model=self.source,
+            prompt_ids=request.source_prompt, words=request.words, engine=self,
+        )  # fmt: skip
+
+    def cache(self, request: HandoffRequest, config: HandoffConfig | None = None) -> BridgedCache:
+        """The BridgedCache of a request's plan (`plan`), nothing translated yet."""
+        return BridgedCache.from_plan(self.plan(request, config))
 
     def generate(self, cache: BridgedCache, input_ids, attention_mask, **generate_kwargs):
         """transformers' `generate()` over `cache`, its first forward doing the cache's native
@@ -368,40 +364,6 @@ class HandoffEngine:
                 "the models' weights changed after this handoff engine was built (replaced, moved or "
                 "edited in place): build a new engine, or call bridgecache.clear_engines()"
             )
-
-
-def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
-    """`target.generate(input_ids, cache=cache, ...)` whose first forward also does `cache`'s native
-    work (one forward instead of two), run on a view of the target (`generate_view`): the user's
-    model is not changed, and its later forwards run as they always do. A plain `target.generate`
-    over a BridgedCache works too; its native work then runs as a forward of its own."""
-    forward = functools.update_wrapper(functools.partial(forward_with_pass, target), target.forward)
-    reserve_decode_room(target, cache, generate_kwargs)
-    # The first forward's work starts now, replayed from a graph where one is captured (the
-    # native route's prefill or the handoff's pass): generate()'s own host work runs beside it.
-    prefill.launch(cache, target, input_ids, attention_mask, generate_kwargs)
-    pass_launch(cache, target, input_ids, attention_mask, generate_kwargs)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    return generate_view(target, forward).generate(
-        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
-    )
-
-
-# Decoded tokens the native-work pass leaves room for in its buffers (past them, decoding
-# concatenates as transformers' layers do): enough for an answer, bounded so that a large
-# max_new_tokens does not reserve memory that an early end of sequence never uses.
-MAX_DECODE_ROOM = 512
-
-
-def reserve_decode_room(target, cache, generate_kwargs: dict) -> None:
-    """Tell a BridgedCache with pending work how many tokens generate() will append after its
-    first forward (max_new_tokens - 1, at most MAX_DECODE_ROOM): its pass keeps room for them."""
-    if getattr(cache, "pending_work", None) is None:
-        return
-    config = generate_kwargs.get("generation_config") or target.generation_config
-    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    cache.decode_room = min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0
 
 
 def _weights_identity(*models) -> tuple:

@@ -24,7 +24,7 @@ def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_lau
     kwargs["config"] = HandoffConfig(one_launch=one_launch)
     batched = handoff_batch(bridge, model, model, CONTEXTS, PROMPT, **kwargs)
     assert batched.cache.translator.batch_size == len(CONTEXTS)
-    assert (batched.cache.translator.groups is not None) == one_launch
+    assert (batched.cache.plan.groups is not None) == one_launch
     for b, context in enumerate(CONTEXTS):
         single = handoff(bridge, model, model, context, PROMPT, **kwargs)
         assert torch.equal(batched.output_ids[b], single.output_ids[0]), context

@@ -100,8 +100,8 @@ def test_layers_materialise_lazily_one_at_a_time_each_once():
     cache = BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
     assert cache.materialized_layers == [] and cache.get_seq_length() == 11
     calls, seen_at_layer = [], []
-    original = cache.translator.columns  # what the first forward reads, layer by layer
-    cache.translator.columns = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
+    original = cache.translator.translate  # what the first forward reads, layer by layer
+    cache.translator.translate = lambda idx, *a, **k: calls.append(idx) or original(idx, *a, **k)
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: seen_at_layer.append((i, list(calls))))
     _generate(model, ids, cache, fused=True)
@@ -273,7 +273,7 @@ def test_alignment_policies_read_the_source_rows_they_name(policy):
         config=HandoffConfig(native_head=0, refresh=None),
     )
     assert cache.translator.head_end.tolist() == [1]  # the leading NATIVE token is computed by the target
-    keys, values = cache.translator.layer(1)
+    keys, values = cache.plan.layer(1)
     tables = RopeTables.from_model(model)
     for t in range(1, 6):  # translated positions 1..5 (position 6 is the held-back token)
         lo, hi = int(start[t]), int(end[t])

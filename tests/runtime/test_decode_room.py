@@ -11,8 +11,8 @@ import torch
 from tiny_models import random_bridge, tiny_model
 
 from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, capture_kv
-from bridgecache.runtime import engine as engine_module
 from bridgecache.runtime.engine import generate
+from bridgecache.runtime.native_work import forward as forward_module
 
 
 def _cache(model, bridge, ids, scores) -> BridgedCache:
@@ -33,8 +33,11 @@ def test_decoding_in_the_room_equals_concatenation(family, monkeypatch):
     ids, scores = torch.randint(3, 300, (2, 20)), torch.rand(2, 20)
     roomy = _cache(model, bridge, ids, scores)
     out = _run(model, roomy, ids)
-    assert roomy.decode_room == 5  # max_new_tokens - 1: the first token comes from the pass itself
-    monkeypatch.setattr(engine_module, "MAX_DECODE_ROOM", 0)
+    rooms = {
+        layer._room[0].shape[-2] for layer in roomy.layers if getattr(layer, "sliding_window", None) is None
+    }
+    assert rooms == {20 + 1 + 5}  # the pass's columns, then max_new_tokens - 1 (the pass gives the first)
+    monkeypatch.setattr(forward_module, "MAX_DECODE_ROOM", 0)
     tight = _cache(model, bridge, ids, scores)
     reference = _run(model, tight, ids)
     assert torch.equal(out.sequences, reference.sequences)
@@ -55,15 +58,15 @@ def test_past_the_room_and_after_beams_decoding_concatenates(monkeypatch):
     bridge = random_bridge(model)
     torch.manual_seed(1)
     ids, scores = torch.randint(3, 300, (1, 20)), torch.rand(1, 20)
-    monkeypatch.setattr(engine_module, "MAX_DECODE_ROOM", 2)  # 6 new tokens: the room runs out
+    monkeypatch.setattr(forward_module, "MAX_DECODE_ROOM", 2)  # 6 new tokens: the room runs out
     short = _cache(model, bridge, ids, scores)
     out = _run(model, short, ids)
     assert all(getattr(layer, "_room", None) is None for layer in short.layers)  # given up, then cat
-    monkeypatch.setattr(engine_module, "MAX_DECODE_ROOM", 0)
+    monkeypatch.setattr(forward_module, "MAX_DECODE_ROOM", 0)
     reference = _run(model, _cache(model, bridge, ids, scores), ids)
     assert torch.equal(out.sequences, reference.sequences)
     beams = dict(num_beams=2, output_logits=False)
-    monkeypatch.setattr(engine_module, "MAX_DECODE_ROOM", 512)
+    monkeypatch.setattr(forward_module, "MAX_DECODE_ROOM", 512)
     with_room = _run(model, _cache(model, bridge, ids, scores), ids, **beams).sequences
-    monkeypatch.setattr(engine_module, "MAX_DECODE_ROOM", 0)
+    monkeypatch.setattr(forward_module, "MAX_DECODE_ROOM", 0)
     assert torch.equal(with_room, _run(model, _cache(model, bridge, ids, scores), ids, **beams).sequences)

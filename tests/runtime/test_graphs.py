@@ -179,7 +179,6 @@ def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
                 outputs.append(
                     generate(model, cache, prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
                 )
-                assert cache.launched_pass is None  # taken by generate()'s first forward
             assert torch.equal(outputs[0], outputs[1])
     assert calls == ["launch", "launch"]  # the captured pass ran once per request, before generate()
     assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed

@@ -44,14 +44,14 @@ def test_identity_bridge_is_exact_in_one_launch(family):
         source_attention_mask=mask,
         config=config,
     )
-    assert cache.translator.groups is not None
+    assert cache.plan.groups is not None
     bridged = _generate(model, ids, cache, attention_mask=mask)
     native = _generate(model, ids, attention_mask=mask)
     assert torch.equal(bridged.sequences, native.sequences)
     assert max((x - y).abs().max().item() for x, y in zip(bridged.logits, native.logits)) < 1e-5
     # gemma3: sliding layers and the full layer are two groups, each translated once
-    assert cache.translator.groups.translations == (2 if family == "gemma3" else 1)
-    assert cache.translator.groups._done == {}  # buffers released once every layer took its view
+    assert cache.plan.groups.translations == (2 if family == "gemma3" else 1)
+    assert cache.plan.groups._done == {}  # buffers released once every layer took its view
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
@@ -72,7 +72,7 @@ def test_one_launch_equals_the_per_layer_path_for_arandom_bridge(family, device)
     per_layer = BridgedCache(
         bridge, source, model, ids, config=HandoffConfig(key_norm=False, one_launch=False, refresh=None)
     ).materialize()
-    assert grouped.translator.groups is not None and per_layer.translator.groups is None
+    assert grouped.plan.groups is not None and per_layer.plan.groups is None
     for a, b in zip(grouped.layers, per_layer.layers):
         assert a.keys.shape == b.keys.shape
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
@@ -86,7 +86,7 @@ def test_the_group_translates_into_the_pass_buffers_when_the_first_layer_reads()
         Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(one_launch=True)
     )
     calls, seen_at_layer = [], []
-    groups = cache.translator.groups  # the first forward translates when layer 0's attention runs
+    groups = cache.plan.groups  # the first forward translates when layer 0's attention runs
     original = groups.translate_into
     groups.translate_into = lambda idx, *a: calls.append(idx) or original(idx, *a)
     groups._translate = lambda *a: pytest.fail("the pass's buffers take the translation: no group buffer")
@@ -104,14 +104,14 @@ def test_one_launch_is_off_where_it_cannot_apply():
     assert (
         BridgedCache(
             Bridge.identity(model), source, model, ids, config=HandoffConfig(one_launch=True)
-        ).translator.groups
+        ).plan.groups
         is None
     )
     # on CPU the default is per layer
     assert (
         BridgedCache(
             Bridge.identity(model), source, model, ids, config=HandoffConfig(key_norm=False)
-        ).translator.groups
+        ).plan.groups
         is None
     )
     # a sliding-window source cache (layers keep different rows) goes per layer
@@ -124,7 +124,7 @@ def test_one_launch_is_off_where_it_cannot_apply():
         ids,
         config=HandoffConfig(key_norm=False, one_launch=True),
     )
-    assert cache.translator.groups is None
+    assert cache.plan.groups is None
 
 
 def _fullhead_bridge(model, seed: int = 0) -> Bridge:
@@ -190,8 +190,8 @@ def test_a_refresh_over_groups_translated_into_its_buffers_equals_the_per_layer_
             config=config,
         )
         if one_launch:
-            original = cache.translator.groups.translate_into
-            cache.translator.groups.translate_into = lambda *a, original=original: (
+            original = cache.plan.groups.translate_into
+            cache.plan.groups.translate_into = lambda *a, original=original: (
                 written.append(original(*a)) or written[-1]
             )
         results.append(_generate(model, ids, cache, fused=True, attention_mask=mask, num_beams=beams))

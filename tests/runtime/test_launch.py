@@ -57,19 +57,20 @@ def test_a_launched_pass_serves_the_forward_that_reads_its_ids_and_no_other(fami
     assert requested  # the cache's own pass asked for a graph (none: eager)
 
     requested.clear()
-    launched.decode_room = 3
-    launched.launched_pass = _launched(launched, new.clone(), room=3)  # equal ids, another tensor
-    out = forward_with_pass(model, input_ids=new, logits_to_keep=1, **cache_kwargs(model, launched))
-    assert not requested and launched.launched_pass is None and launched.pending_work is None
+    first = forward.FirstForward(3, _launched(launched, new.clone(), room=3))  # equal ids, another tensor
+    out = forward_with_pass(
+        model, input_ids=new, logits_to_keep=1, first=first, **cache_kwargs(model, launched)
+    )
+    assert not requested and first.launched is None and launched.pending_work is None
     assert torch.allclose(out.logits, expected.logits, atol=1e-5)
     for a, b in zip(own.layers, launched.layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
     full = next(layer for layer in launched.layers if getattr(layer, "sliding_window", None) is None)
     assert full._room[0].shape[2] == prefix + 1 + 3  # room for generate()'s tokens, as the pass leaves
 
-    other.launched_pass = _launched(other, new + 1, room=0)  # other ids
-    out = forward_with_pass(model, input_ids=new, logits_to_keep=1, **cache_kwargs(model, other))
-    assert requested and other.launched_pass is None  # its own pass ran
+    first = forward.FirstForward(0, _launched(other, new + 1, room=0))  # other ids
+    out = forward_with_pass(model, input_ids=new, logits_to_keep=1, first=first, **cache_kwargs(model, other))
+    assert requested and first.launched is None  # its own pass ran
     assert torch.allclose(out.logits, expected.logits, atol=1e-5)
 
 
@@ -80,9 +81,14 @@ def test_a_pass_run_before_the_first_forward_drops_the_launched_one(monkeypatch)
     monkeypatch.setattr(forward, "_pass_graph", lambda *args: None)
     (cache,) = _caches(model, ids, 1)
     new = ids[:, cache.translator.prefix_length :]
-    cache.launched_pass = _launched(cache, new, room=0)
-    cache.run_pending()  # a read of the cache before generate()'s first forward (inputs_embeds, crop)
-    assert cache.launched_pass is None and cache.pending_work is None  # its buffers are not held
+    first = forward.FirstForward(0, _launched(cache, new, room=0))
+    cache.run_pending()  # a read of the cache before generate()'s first forward (crop, materialize)
+    assert cache.pending_work is None
+    taken = []
+    monkeypatch.setattr(forward, "run", lambda *args: taken.append(args))
+    out = forward_with_pass(model, input_ids=new, logits_to_keep=1, first=first, **cache_kwargs(model, cache))
+    assert first.launched is None and not taken  # the first forward dropped it: a plain forward
+    assert out.logits.shape[1] == 1
 
 
 def test_only_a_plain_generate_is_launched():

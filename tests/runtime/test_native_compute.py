@@ -312,7 +312,7 @@ def _request(model, context, prompt):
     cache = BridgedCache(
         _noisy_bridge(model), capture_kv(model, context), model, context, config=translate_only
     )
-    return selection_request(cache.translator, model, context, model, prompt)
+    return selection_request(cache.translator, model, context, model, prompt, native_kv=cache.plan.native_kv)
 
 
 def test_source_attention_defaults_to_the_measured_rule_per_case():
@@ -399,7 +399,7 @@ def test_refresh_reads_grouped_translation_like_per_layer_translation():
     per_layer = BridgedCache(
         bridge, capture_kv(model, ids), model, ids, config=config.replace(one_launch=False)
     )
-    assert grouped.translator.groups is not None and per_layer.translator.groups is None
+    assert grouped.plan.groups is not None and per_layer.plan.groups is None
     assert torch.equal(grouped.refreshed_columns, per_layer.refreshed_columns)
     for a, b in zip(grouped.materialize().layers, per_layer.materialize().layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)

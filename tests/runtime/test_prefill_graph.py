@@ -169,9 +169,9 @@ def test_a_launched_prefill_serves_the_forward_that_reads_its_ids_and_no_other(m
     for forward_ids, replays in ((ids.clone(), 1), (other, 2)):
         replayed.clear()
         cache = _cache(model, ids[:, :40], route="native")
-        cache.launched_prefill = prefill.Launched(ids, eager_replay(cache, model, ids))
-        out = prefill.run(cache, model, forward_ids)
-        assert len(replayed) == replays and cache.launched_prefill is None
+        launched = prefill.Launched(ids, eager_replay(cache, model, ids))
+        out = prefill.run(cache, model, forward_ids, launched)
+        assert len(replayed) == replays
         own = model(forward_ids, use_cache=True, **cache_kwargs(model, DynamicCache(config=model.config)))
         assert torch.allclose(out.logits[:, 0], own.logits[:, -1], atol=1e-5)
         assert cache.get_seq_length() == 44
@@ -207,7 +207,6 @@ def test_the_native_route_replays_its_prefill_and_generates_the_targets_own_toke
             exact = model(full, use_cache=True).past_key_values
             for layer, mine in zip(exact.layers, cache.layers):  # the cache holds the context too
                 assert torch.allclose(layer.keys, mine.keys[:, :, : layer.keys.shape[2]], atol=1e-4)
-            assert cache.launched_prefill is None  # launched before generate(), taken by its forward
         assert len(replays) == 4  # once per request: generate()'s forward replayed nothing again
         graphs = engine.state.graphs._graphs
         assert ("prefill", 1, 304) in graphs  # 304 and 294 tokens with the prompt: one bucket, replayed

@@ -13,7 +13,7 @@ logits give the first new token. Refreshing every column reproduces the target's
 Every layer first writes its fresh rows into the buffers (pending columns over their translated
 rows, new tokens after the prefix), then attends over them: the pending tokens see each other's
 fresh rows, the prompt sees a repaired cache. After the forward the buffers become the cache's
-layers, with room after them for the tokens generate() appends (`cache.decode_room`, set by the
+layers, with room after them for the tokens generate() appends (`FirstForward.room`, from the
 engine's generate(): the layers write them in place, bridgecache.runtime.cache). A group of layers
 translated in one launch is translated straight into the buffers: the pass holds one copy of the
 translated cache. Placeholder slots (a shape bucket wider than the work, or a row with nothing pending)
@@ -29,11 +29,12 @@ A read of the cache before any such forward (the first layer's update in a user'
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
 with no new tokens.
 
-Launched before generate() (`launch`): the engine's generate() replays the pass of its first
-forward (the prompt's ids after the cached prefix, at their own positions) before transformers'
-generate() runs its own host work, which then overlaps the GPU's; the output and a copy of the
-buffers wait on the cache until that forward reads the same ids (`run`), and the cache's layers
-are set only then (generate() counts the cache's columns before its first forward).
+Launched before generate() (`launch`): the engine's generate() (`generate` here) replays the pass
+of its first forward (the prompt's ids after the cached prefix, at their own positions) before
+transformers' generate() runs its own host work, which then overlaps the GPU's; the output and a
+copy of the buffers travel as a value (`FirstForward`, bound into that generate()'s forward, never
+parked on the cache) until the first forward takes them, where it reads the same ids (`run`); the
+cache's layers are set only then (generate() counts the cache's columns before its first forward).
 
 Knows transformers' forward conventions and the cache's layers; nothing about bridges or
 tokenizers.
@@ -41,14 +42,28 @@ tokenizers.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-from bridgecache.compat import cache_keyword
+from bridgecache.compat import cache_keyword, cache_kwargs
 from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
+from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work import prefill
 
-__all__ = ["NativePass", "forward_with_pass", "launch", "pass_bytes", "run_alone"]
+__all__ = [
+    "MAX_DECODE_ROOM",
+    "FirstForward",
+    "NativePass",
+    "decode_room",
+    "forward_with_pass",
+    "generate",
+    "launch",
+    "pass_bytes",
+    "run_alone",
+]
 
 
 class NativePass:
@@ -86,8 +101,8 @@ class NativePass:
         lazy: load a layer's rows when its attention runs (translation of layer i then follows the
             compute of layer i-1), else all of them now.
         """
-        tr = cache.translator
-        prefix, m, n = tr.prefix_length, new_ids.shape[1], work.count
+        plan = cache.plan
+        prefix, m, n = plan.translator.prefix_length, new_ids.shape[1], work.count
         pad = self.slots - n - m
         if pad < 0 or prefix + m >= self.capacity:
             raise ValueError(f"{n} pending + {m} new tokens over {prefix} columns exceed this pass's shape")
@@ -112,7 +127,7 @@ class NativePass:
         batch = self.ids.shape[0]
 
         def rows(idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = tr.columns(idx, 0, prefix)  # [context batch, heads, prefix, dim]
+            keys, values = plan.columns(idx, 0, prefix)  # [context batch, heads, prefix, dim]
             index = cache.layers[idx].batch_index_for(batch)
             if index is not None:  # generate() expanded the rows (beams, several sequences)
                 index = index.to(keys.device)
@@ -122,7 +137,7 @@ class NativePass:
         written: set[int] = set()  # layers whose group translated straight into the buffers
 
         def translated_here(idx: int) -> bool:
-            groups = tr.groups
+            groups = plan.groups
             if idx in written:
                 return True
             if groups is None or not groups.covers(idx) or groups.start(idx) != 0:
@@ -225,20 +240,21 @@ def _pass_graph(cache, batch: int, slots: int, columns: int):
     return state.graphs.get(("pass", *shape), make, pass_bytes(view.original, batch, shape[2]), share)
 
 
-def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> None:
+def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict, room: int = 0):
     """Replay the pass of generate()'s first forward over `cache` now, before transformers'
     generate() runs its own host work (the engine's generate(): see prefill.launch), where that
-    forward will be `input_ids` [batch, T] after the cached prefix at their own positions; the
-    output and the buffers' copy wait on the cache (`cache.launched_pass`) for `run`."""
+    forward will be `input_ids` [batch, T] after the cached prefix at their own positions, with
+    `room` columns for decoding; returns the output and the buffers' copy as a `Launched` for
+    `run` (None: nothing launched)."""
     if getattr(cache, "pending_work", None) is None or not input_ids.is_cuda or not _graphs(cache, 1, {}):
-        return
+        return None
     prefix = cache.translator.prefix_length
     if input_ids.shape[1] <= prefix or not prefill.plain_generate(
         target, input_ids, attention_mask, generate_kwargs
     ):
-        return
+        return None
     new_ids = input_ids[:, prefix:]
-    (batch, m), room = new_ids.shape, cache.decode_room
+    batch, m = new_ids.shape
     positions = _own_positions(cache, new_ids)
     work = cache.pending_for_batch(batch)
     graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
@@ -246,7 +262,7 @@ def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwar
     if graph is not None:
         with cache.state.replay_lock:
             result = graph.launch(cache, work, new_ids, positions, room)
-    cache.launched_pass = prefill.Launched(new_ids, result)
+    return prefill.Launched(new_ids, result)
 
 
 def _taken(launched, cache, new_ids, new_positions) -> bool:
@@ -256,16 +272,16 @@ def _taken(launched, cache, new_ids, new_positions) -> bool:
     return bool((new_positions == _own_positions(cache, new_ids)).all())
 
 
-def run(cache, new_ids, new_positions, keep, extra: dict):
+def run(cache, new_ids, new_positions, keep, extra: dict, launched=None, room: int = 0):
     """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
-    forward's output (logits of the new tokens only, the cache in its cache field)."""
+    forward's output (logits of the new tokens only, the cache in its cache field). launched: what
+    `launch` returned for this forward (taken where it read these ids); room: columns to keep
+    after the new tokens for the ones generate() appends (0: none known)."""
     batch, m = new_ids.shape
-    launched, cache.launched_pass = getattr(cache, "launched_pass", None), None
     graphs = _graphs(cache, keep, extra)  # launches are made only for such forwards
     taken = graphs and _taken(launched, cache, new_ids, new_positions)
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
-    room = cache.decode_room  # columns for the tokens generate() will append (0: unknown)
     graph = None
     if graphs and not taken:  # a launched request was counted already
         graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
@@ -283,7 +299,7 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
         finally:  # the lazy fill's closure holds the pass and the cache: a cycle, broken here
             native.mask.fill = None
         native.commit(cache, m, copy=False, room=room)
-    cache.pending_work = None
+    cache.finish_pending()
     field = "cache" if hasattr(output, "cache") else "past_key_values"
     setattr(output, field, cache)
     if m and getattr(output, "hidden_states", None) is not None:
@@ -291,18 +307,38 @@ def run(cache, new_ids, new_positions, keep, extra: dict):
     return output
 
 
-def forward_with_pass(target, *args, **kwargs):
+@dataclass(eq=False)
+class FirstForward:
+    """What one generate() call knows of its first forward before transformers' generate() runs
+    (the engine's `generate`): `room`, the tokens it will append after that forward (the pass
+    keeps room for them), and `launched`, that forward replayed early (`launch`,
+    `prefill.launch`: a `Launched`, or None), which the call's first forward takes (`take`)."""
+
+    room: int = 0
+    launched: prefill.Launched | None = None
+
+    def take(self) -> prefill.Launched | None:
+        """The launched forward, once: a later forward of the same generate() gets None."""
+        launched, self.launched = self.launched, None
+        return launched
+
+
+def forward_with_pass(target, *args, first: FirstForward | None = None, **kwargs):
     """A forward of `target` (what `generate_view` calls): over a BridgedCache with pending work it
-    runs the pass with this forward's tokens; any other forward is the user's model's own."""
+    runs the pass with this forward's tokens; any other forward is the user's model's own.
+    first: the `FirstForward` of the engine's generate() call this forward belongs to (None: no
+    room for decoding known, nothing launched)."""
     keyword = cache_keyword(target)
     cache = kwargs.get(keyword, kwargs.get("past_key_values"))
+    launched = None if first is None else first.take()  # the first forward's only
+    room = 0 if first is None else first.room
     if getattr(cache, "pending_work", None) is None:
         input_ids = kwargs.get("input_ids")
         native = getattr(cache, "native_route", False)  # checked first: every decode step comes here
         if native and not args and input_ids is not None and input_ids.is_cuda:  # a graph's prefill
             rest = {k: v for k, v in kwargs.items() if k not in (keyword, "past_key_values", "input_ids")}
             if prefill.replays(cache, target, input_ids, rest):
-                output = prefill.run(cache, target, input_ids)
+                output = prefill.run(cache, target, input_ids, launched)
                 if output is not None:
                     return output
         return target(*args, **kwargs)
@@ -311,7 +347,7 @@ def forward_with_pass(target, *args, **kwargs):
     if input_ids is None and args:
         input_ids, args = args[0], args[1:]
     if input_ids is None or args:  # inputs_embeds, or positional extras: the pending work runs first
-        cache.run_pending()
+        run_alone(cache, room=room)
         return (
             target(*args, input_ids=input_ids, **kwargs) if input_ids is not None else target(*args, **kwargs)
         )
@@ -326,14 +362,54 @@ def forward_with_pass(target, *args, **kwargs):
         keep = keep + _slots(cache.pending_for_batch(input_ids.shape[0]), m) - m
     elif keep is None or keep == 0 or keep > m:
         keep = max(m, 1)  # only the new tokens' logits are anyone's
-    return run(cache, input_ids, positions, keep, kwargs)
+    return run(cache, input_ids, positions, keep, kwargs, launched, room)
 
 
-def run_alone(cache, batch: int | None = None) -> None:
+def run_alone(cache, batch: int | None = None, room: int = 0) -> None:
     """Run the pending work now, in a forward of its own (no new tokens), for `batch` rows (what
-    generate() expanded the context's rows to; None: the context's rows)."""
+    generate() expanded the context's rows to; None: the context's rows), with `room` columns
+    for decoding."""
     ids = cache.pending_work.ids[:, :0]
     if batch is not None and batch != ids.shape[0]:
         ids = ids.new_zeros(batch, 0)
     with torch.no_grad():
-        run(cache, ids, ids, 1, {})
+        run(cache, ids, ids, 1, {}, room=room)
+
+
+def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
+    """`target.generate(input_ids, cache=cache, ...)` whose first forward also does `cache`'s native
+    work (one forward instead of two), run on a view of the target (`generate_view`): the user's
+    model is not changed, and its later forwards run as they always do. A plain `target.generate`
+    over a BridgedCache works too; its native work then runs as a forward of its own."""
+    room = decode_room(target, cache, generate_kwargs)
+    # The first forward's work starts now, replayed from a graph where one is captured (the
+    # native route's prefill or the handoff's pass): generate()'s own host work runs beside it.
+    launched = prefill.launch(cache, target, input_ids, attention_mask, generate_kwargs)
+    if launched is None:
+        launched = launch(cache, target, input_ids, attention_mask, generate_kwargs, room)
+    first = FirstForward(room, launched)
+    forward = functools.update_wrapper(
+        functools.partial(forward_with_pass, target, first=first), target.forward
+    )
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    return generate_view(target, forward).generate(
+        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
+    )
+
+
+# Decoded tokens the native-work pass leaves room for in its buffers (past them, decoding
+# concatenates as transformers' layers do): enough for an answer, bounded so that a large
+# max_new_tokens does not reserve memory that an early end of sequence never uses.
+MAX_DECODE_ROOM = 512
+
+
+def decode_room(target, cache, generate_kwargs: dict) -> int:
+    """How many tokens generate() will append after its first forward over a BridgedCache with
+    pending work (max_new_tokens - 1, at most MAX_DECODE_ROOM; 0 without pending work): the
+    pass keeps room for them."""
+    if getattr(cache, "pending_work", None) is None:
+        return 0
+    config = generate_kwargs.get("generation_config") or target.generation_config
+    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    return min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0

@@ -26,8 +26,8 @@ pays for its padding in full, and the prefill is all of the native route's work.
 
 Launched before generate() (`launch`): the engine's generate() replays the prefill before calling
 transformers' generate(), whose own host work before its first forward then runs while the GPU
-computes; that forward takes the result when its ids are the ones launched (`run`), and runs as
-above otherwise.
+computes; the result travels to that forward as a value (native_work.forward.FirstForward), which
+takes it when its ids are the ones launched (`run`), and runs as above otherwise.
 
 The causal mask under capture: while a stream captures, transformers 5.17 never lets sdpa run
 causal without a mask (`masking_utils._ignore_causal_mask_sdpa` returns False whenever
@@ -216,12 +216,13 @@ _LAUNCH_SAFE = frozenset(
 )  # fmt: skip
 
 
-def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> None:
+def launch(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> Launched | None:
     """Replay the native route's prefill of `input_ids` [batch, m] now, before generate() asks for
     it (see the module docstring), where `launches` says generate()'s first forward will be one a
-    graph replays; the result waits on the cache (`cache.launched_prefill`) for `run`."""
+    graph replays; returns the result for `run` (None: nothing launched)."""
     if input_ids.is_cuda and launches(cache, target, input_ids, attention_mask, generate_kwargs):
-        cache.launched_prefill = Launched(input_ids, _replay(cache, target, input_ids))
+        return Launched(input_ids, _replay(cache, target, input_ids))
+    return None
 
 
 def launches(cache, target, input_ids: torch.Tensor, attention_mask, generate_kwargs: dict) -> bool:
@@ -246,12 +247,11 @@ def plain_generate(target, input_ids: torch.Tensor, attention_mask, generate_kwa
     return attention_mask.shape == input_ids.shape and bool(attention_mask.bool().all())
 
 
-def run(cache, target, input_ids: torch.Tensor):
+def run(cache, target, input_ids: torch.Tensor, launched: Launched | None = None):
     """The native route's first forward from a captured graph when the engine's graph budget has
     one for this shape (captured on a shape's second request), else None (run it eagerly); the
-    result `launch` left on the cache where it read these ids. Returns the forward's output:
+    result `launch` returned (`launched`) where it read these ids. Returns the forward's output:
     logits of the last token, the cache (now holding the context)."""
-    launched, cache.launched_prefill = getattr(cache, "launched_prefill", None), None
     if launched is not None and launched.reads(input_ids):
         result = launched.result
     else:

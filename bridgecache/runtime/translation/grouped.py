@@ -15,8 +15,6 @@ Knows nothing about tokenizers or generate(); reads a `Translator`
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from bridgecache.runtime.translation.layers import translate_layers
@@ -53,20 +51,18 @@ def groups_apply(translator, target, one_launch: bool | None) -> bool:
 class LayerGroups:
     """The grouped translation of one BridgedCache on its home device and dtype."""
 
-    def __init__(self, translator, whole: bool = False):
-        """whole: translate every column of every layer (the native-work pass reads them all);
-        else the columns each layer keeps."""
-        # Weak: the translator holds its groups (translator.groups); a strong reference back would
-        # be a cycle that keeps the source KV and the groups' buffers until the cyclic collector runs.
-        self._translator = weakref.ref(translator)
-        tr = translator
+    def __init__(self, translator, native_layers=(), whole: bool = False):
+        """native_layers: layers the target computes itself (in no group); whole: translate every
+        column of every layer (the native-work pass reads them all); else the columns each layer
+        keeps."""
+        self.translator = tr = translator
         self._group_of: dict[int, tuple] = {}
         members: dict[tuple, list[int]] = {}
         for idx, window in enumerate(tr.windows):
             start = 0 if whole else tr.window_start(idx)
             if max(start, tr.begin) >= tr.prefix_length:  # nothing to translate: native rows only
                 continue
-            if idx in tr.native_layers:  # the target computes this layer itself
+            if idx in native_layers:  # the target computes this layer itself
                 continue
             key = (start, window, tuple(tr.bridge.layers[idx].inputs.shape))
             members.setdefault(key, []).append(idx)
@@ -76,10 +72,6 @@ class LayerGroups:
         self._done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._waiting: dict[tuple, set[int]] = {}  # layers of a translated group not yet handed out
         self.translations = 0  # groups translated so far (each launch pair counts once)
-
-    @property
-    def translator(self):
-        return self._translator()
 
     def covers(self, idx: int) -> bool:
         return idx in self._group_of

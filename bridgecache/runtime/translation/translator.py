@@ -1,8 +1,8 @@
 """Translator: the one place that produces a bridged cache's per-layer KV from the source's.
 
     translator = Translator(bridge, source_kv, target, target_ids, target_mask=..., alignment=...)
-    keys, values = translator.layer(idx)        # what target layer idx caches
-    keys, values = translator.columns(idx, a, b)  # its columns [a, b), also those a window dropped
+    keys, values = translator.translate(idx)               # the columns target layer idx keeps
+    keys, values = translator.translate(idx, start=a, stop=b)  # [a, b), also those a window dropped
 
 Layout of a target context of T tokens (left-padded rows; columns of `target_ids`):
     [pad_b, head_end_b)     row b's native head (the attention sink / BOS, leading tokens without
@@ -14,9 +14,10 @@ Layout of a target context of T tokens (left-padded rows; columns of `target_ids
 Columns before `begin` (the smallest head end) are never translated (zeros until the pass writes
 the head rows; padding stays zero and masked).
 
-Translation runs layer by layer (`translate_layer`) or, on CUDA, in groups of layers that keep the
-same rows (`LayerGroups`: one launch per group for keys and one for values). Layers the quality
-gate or a selection rule computes natively come from `native_kv` instead.
+Translation runs layer by layer here (`translate_layer`); `LayerGroups` (translation.grouped)
+reads a translator to translate groups of layers in one launch. Which layers are native and which
+go in groups is the plan's to say (bridgecache.runtime.native_work.plan.HandoffPlan), not this
+object's: it is built once and only read from then on.
 
 Knows bridges, KV and the target model's config; nothing about generate() or token selection.
 """
@@ -44,7 +45,6 @@ class Translator:
         target_mask [batch, T] int64 (CPU); target_positions [batch, T] on the target's device.
         head_end [batch] int64 (CPU): each row's first translated column; begin = its minimum.
         prefix_length: cached columns; windows: per target layer, its sliding window or None.
-        native_layers / native_kv: layers computed natively and their (keys, values) until read.
     """
 
     def __init__(
@@ -99,9 +99,6 @@ class Translator:
         # Moved now, before this cache queues any device work: a later copy would wait for it.
         reading = plan_rows(self.reading_source, self.target_mask, alignment, "last") if pooled else rows
         self.reading_rows = reading[:, : self.prefix_length].to(self.home_device, non_blocking=True)
-        self.native_layers: set[int] = set()
-        self.native_kv: dict = {}  # layer -> the target's own (keys, values), until the layer reads them
-        self.groups = None  # LayerGroups when layers are translated in groups (set by the cache)
         self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
         self._device_rows: dict = {
@@ -116,42 +113,11 @@ class Translator:
             else SourceRope(state.rope_on(source_tables, self.home_device), source, self.home_device)
         )
 
-    def layer(self, idx: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [batch, tgt_heads, kept_rows, tgt_head_dim] of target layer `idx`: the
-        target's own where the layer is native, else translated."""
-        if idx in self.native_kv:
-            device = torch.device(device or self.home_device)
-            keys, values = self.native_kv.pop(idx)  # read once: the cache layer then owns them
-            start = self.window_start(idx)
-            return (
-                keys[:, :, start:].to(device, dtype or keys.dtype),
-                values[:, :, start:].to(device, dtype or values.dtype),
-            )
-        return self.translate(idx, device, dtype)
-
     def window_start(self, idx: int) -> int:
         """The first cached column a layer keeps (a sliding-window layer keeps window - 1)."""
         if self.windows[idx] is not None:
             return max(0, self.prefix_length - (self.windows[idx] - 1))
         return 0
-
-    def columns(self, idx: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [batch, tgt_heads, stop - start, tgt_head_dim] of target layer `idx` for
-        context columns [start, stop), also those a sliding-window layer no longer keeps (a
-        refreshed token's window reads them); the target's own where the layer is native."""
-        if idx in self.native_kv:
-            keys, values = self.native_kv[idx]
-            return keys[:, :, start:stop], values[:, :, start:stop]
-        if idx in self.native_layers:
-            raise RuntimeError(f"target layer {idx} is native and was read already: its columns are gone")
-        groups = self.groups
-        if (
-            groups is not None
-            and groups.covers(idx)
-            and (start, stop) == (groups.start(idx), self.prefix_length)
-        ):
-            return groups.layer(idx)
-        return self.translate(idx, start=start, stop=stop)
 
     def translate(
         self, idx: int, device=None, dtype=None, start=None, stop=None
@@ -161,9 +127,6 @@ class Translator:
         Columns before `begin` are zeros (native head placeholders and padding)."""
         device = torch.device(device or self.home_device)
         dtype = dtype or self.home_dtype
-        home = (device, dtype) == (self.home_device, self.home_dtype)
-        if start is None and stop is None and home and self.groups is not None and self.groups.covers(idx):
-            return self.groups.layer(idx)
         start = self.window_start(idx) if start is None else start
         stop = self.prefix_length if stop is None else stop
         begin = min(max(start, self.begin), stop)
