@@ -7,15 +7,16 @@ An item is read in three parts:
 Plain: the context is `tokenizer(context)` (with the model's own BOS where it adds one), in each
     model's own tokenization, as `handoff()` reads it (`bridgecache.runtime.handoff.tokenize_context`:
     across tokenizers tokenalign pairs them).
-Chat (`chat=True`): the context is the first user message in each model's own chat template
-    (`tokenalign.align_chat`; template scaffolding is computed by the target); the prompt is a second
+Chat (`chat=True`): the context is the first user message in each model's own chat template, as
+    `Conversation` reads a chat (`HandoffRequest.from_chat`: tokenalign.align_chat where the
+    tokenizers or templates differ; template scaffolding is computed by the target); the prompt is a second
     user message (the question, or CHAT_PPL_INSTRUCTION for ppl) and the assistant header; the
     scored strings are the assistant's reply, leading whitespace stripped.
 No context: plain: the model's start token (BOS, else EOS: lm-evaluation-harness's convention) and
     the prompt; chat: the conversation without the context message. Scored strings are the same.
 
 This module knows nothing about KV caches or metrics; it calls tokenizers, tokenalign and the
-runtime's `tokenize_context` and `ContextWords` only.
+runtime's `tokenize_context` and `HandoffRequest.from_chat` only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.evaluation.items import ChoiceItem, EvaluationError, GenerationItem, PplItem
-from bridgecache.runtime.handoff import same_tokenization, tokenize_context
-from bridgecache.runtime.selection.words import ContextWords
+from bridgecache.runtime.request import HandoffRequest, rendered_ids, same_tokenization, tokenize_context
 
 __all__ = ["CHAT_PPL_INSTRUCTION", "Context", "Prompts"]
 
@@ -60,30 +60,16 @@ class Prompts:
     def context(self, text: str, bridge, *, words: bool = False) -> Context:
         """The context as each model reads it, aligned for `bridge` (its alignment policy);
         words=True adds its words on each side (for a whole-word refresh)."""
-        from tokenalign import align_chat, render_chat
-
         if not self.chat:
             alignment, source_ids, target_ids, found = tokenize_context(
                 bridge, text, self.source_tok, self.target_tok, words=words
             )
             return Context(alignment, source_ids, target_ids.clone(), text, found)
         messages = [{"role": "user", "content": text}]
-        target_chat = render_chat(messages, self.target_tok)
-        if self.same:  # one rendering read by both
-            ids = self._chat_ids(target_chat)
-            alignment, source_ids, target_ids, source_chat = None, ids, ids.clone(), target_chat
-        else:
-            policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
-            alignment, source_ids, target_ids = align_chat(
-                messages, self.source_tok, self.target_tok, policy=policy
-            )
-            source_ids, target_ids = _row(source_ids), _row(target_ids)
-            source_chat = render_chat(messages, self.source_tok)
-        found = None
-        if words:
-            texts = [source_chat.text], [target_chat.text]
-            found = ContextWords.of(*texts, self.source_tok, self.target_tok, [source_ids], [target_ids])
-        return Context(alignment, source_ids, target_ids, text, found)
+        request = HandoffRequest.from_chat(
+            bridge, messages, self.source_tok, self.target_tok, same=self.same, words=words
+        )
+        return Context(request.alignment, request.source_ids, request.target_ids.clone(), text, request.words)
 
     def prompt(self, item: PplItem | ChoiceItem, context_text: str | None = None) -> list[int]:
         """Target ids read natively right after the context (`context_text`: chat needs it)."""
@@ -155,8 +141,7 @@ class Prompts:
         return self.target_tok(text, add_special_tokens=False)["input_ids"] if text else []
 
     def _chat_ids(self, rendered) -> torch.Tensor:
-        ids = self.target_tok(rendered.text, add_special_tokens=rendered.add_special_tokens)["input_ids"]
-        return _row(ids)
+        return rendered_ids(rendered, self.target_tok)
 
 
 def _plain_prompt(item: PplItem | ChoiceItem) -> str:
@@ -173,7 +158,3 @@ def _start_token(tokenizer) -> int:
     if token is None:
         raise ValueError("the target tokenizer has neither a BOS nor an EOS token to start a bare text")
     return int(token)
-
-
-def _row(ids) -> torch.Tensor:
-    return torch.as_tensor(list(ids), dtype=torch.long).reshape(1, -1)

@@ -23,10 +23,10 @@ import torch
 from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
-from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.engine import HandoffEngine
 from bridgecache.runtime.likelihood import Prefix, score
-from bridgecache.runtime.native_work.forward import forward_with_pass
+from bridgecache.runtime.request import HandoffRequest
 
 # Prefix, score: runtime.likelihood's
 __all__ = ["Prefix", "native_prefix", "bridged_prefix", "chosen_prefix", "score"]
@@ -64,27 +64,25 @@ def bridged_prefix(
     """The target continues from `source_kv` translated through `bridge` with `config`.
 
     ids: [1, T] the context in the target's tokenization; source_model, prompt_ids, words: what the
-    selection rule reads (BridgedCache). Timed: the source's reading, translation of every layer,
-    and the target's forward over the native work and columns [P, T) (native tail + held-back
-    token) that yields the logits after the context: one forward, which also does the cache's
-    native work (`forward_with_pass`). engine: the `HandoffEngine` whose plans and graphs to use.
+    selection rule reads (BridgedCache). Through the engine's public calls: `engine.cache` (the
+    plan and its cache) and `engine.prefill`. Timed: the source's reading, translation of every
+    layer, and the target's forward over the native work and columns [P, T) (native tail +
+    held-back token) that yields the logits after the context: one forward, which also does the
+    cache's native work. engine: the `HandoffEngine` whose plans and graphs to use (None: a private
+    one, without CUDA graphs, as a BridgedCache built alone has).
     A config that routes "auto" runs the handoff: this scores the bridge, and the cost gate's speed
     choice (a CPU engine times both routes) must not answer a scored item with the target's prefill.
     """
     config = HandoffConfig() if config is None else config
     if config.route == "auto":
         config = config.replace(route="handoff")
+    if engine is None:
+        engine = HandoffEngine(bridge, source_model, target, graph_bytes=0)
     ids = ids.to(_device(target))
     start = time.perf_counter()
-    cache = BridgedCache(
-        bridge, source_kv, target, ids, config=config, alignment=alignment, source_model=source_model,
-        prompt_ids=prompt_ids, words=words, engine=engine,
-    )  # fmt: skip
-    first = cache.get_seq_length()
-    out = forward_with_pass(
-        target, input_ids=ids[:, first:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache)
-    )
-    logits = out.logits[:, -1].float()
+    request = HandoffRequest.from_kv(source_kv, ids, alignment, words=words, source_prompt=prompt_ids)
+    cache = engine.cache(request, config)
+    logits = engine.prefill(cache, ids[:, cache.get_seq_length() :]).float()
     return Prefix(cache, logits, ids.shape[1], time.perf_counter() - start)
 
 

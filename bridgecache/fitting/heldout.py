@@ -22,9 +22,9 @@ from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kernels import use_backend
 from bridgecache.kv.capture import capture_kv
 from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window
-from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
+from bridgecache.runtime.request import HandoffRequest
 
 __all__ = ["attention_cosine", "score_bridge"]
 
@@ -89,11 +89,9 @@ def _score_context(bridge, source, target, engine, modules, source_ids, target_i
     # Decoders only: the KV and queries without the vocabulary projection (a quarter of Qwen 0.5B's work).
     source_kv = capture_kv(source, source_ids)
     # The maps alone: no refresh (the native head, as every handoff computes it, included).
-    cache = BridgedCache(
-        bridge, source_kv, target, target_ids, alignment=alignment, config=_MAPS_ONLY, engine=engine
-    )
+    cache = engine.cache(HandoffRequest.from_kv(source_kv, target_ids, alignment))  # engine: _MAPS_ONLY
     cache.materialize()
-    prefix, first = cache.get_seq_length(), int(cache.translator.head_end[0])
+    prefix, first = cache.get_seq_length(), cache.translated_positions.start
     if prefix - first < 2:
         return
     count = min(rows_per_context, prefix - first - 1)

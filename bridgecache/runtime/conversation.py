@@ -43,7 +43,7 @@ from bridgecache.runtime.inputs import (
     check_text,
 )
 from bridgecache.runtime.likelihood import Prefix, score
-from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, same_tokenization
+from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, rendered_ids
 
 __all__ = ["Conversation", "Turn"]
 
@@ -132,22 +132,15 @@ class Conversation:
             checks.same(engine.source, source, "engine", "source model")
             checks.same(engine.source_tokenizer, source_tokenizer, "engine", "source tokenizer")
             checks.same(engine.target_tokenizer, target_tokenizer, "engine", "target tokenizer")
-        same_template = getattr(source_tokenizer, "chat_template", None) == getattr(
-            target_tokenizer, "chat_template", None
+        wants_words = (config or HandoffConfig()).wants_words
+        request = HandoffRequest.from_chat(
+            bridge,
+            messages,
+            source_tokenizer,
+            target_tokenizer,
+            same=engine.same_tokenizer,
+            words=wants_words,
         )
-        if same_template and same_tokenization(source_tokenizer, target_tokenizer):
-            alignment, source_ids = None, _render(messages, target_tokenizer)
-            target_ids = source_ids
-        else:
-            from tokenalign import align_chat
-
-            policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
-            alignment, source_ids, target_ids = align_chat(
-                messages, source_tokenizer, target_tokenizer, policy=policy
-            )
-            source_ids, target_ids = _row(source_ids), _row(target_ids)
-        words = _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids)
-        request = HandoffRequest(source_ids, None, target_ids, None, alignment, words, None, None)
         engine.check_fits(request)
         request.read_source(source)
         request.target_ids = request.target_ids.to(_device(target))
@@ -248,28 +241,13 @@ def _crop(cache, length: int) -> None:
         cache.crop(-removed)
 
 
-def _words(config, messages, source_tokenizer, target_tokenizer, source_ids, target_ids):
-    """The ContextWords of each side's rendering of `messages` (None unless `config`, None for
-    HandoffConfig(), takes whole words)."""
-    if not (config or HandoffConfig()).wants_words:
-        return None
-    from bridgecache.runtime.selection.words import ContextWords
-    from tokenalign import render_chat
-
-    texts = [render_chat(messages, source_tokenizer).text], [render_chat(messages, target_tokenizer).text]
-    return ContextWords.of(*texts, source_tokenizer, target_tokenizer, [source_ids], [target_ids])
-
-
 def _render(messages, tokenizer, add_generation_prompt: bool = False) -> torch.Tensor:
     """[1, N] the tokenizer's chat-template rendering of `messages` (tokenalign's, for alignment)."""
     from tokenalign import render_chat
 
-    chat = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
-    return _row(tokenizer(chat.text, add_special_tokens=chat.add_special_tokens)["input_ids"])
-
-
-def _row(ids) -> torch.Tensor:
-    return torch.as_tensor(list(ids), dtype=torch.long).reshape(1, -1)
+    return rendered_ids(
+        render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt), tokenizer
+    )
 
 
 def _device(model) -> torch.device:

@@ -53,6 +53,7 @@ import torch
 
 import bridgecache.checks as checks
 from bridgecache.bridge.builtin import check_models
+from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.inputs import (
@@ -65,7 +66,7 @@ from bridgecache.runtime.inputs import (
     check_text,
     selector_layers,
 )
-from bridgecache.runtime.native_work.forward import generate
+from bridgecache.runtime.native_work.forward import forward_with_pass, generate
 from bridgecache.runtime.native_work.plan import HandoffPlan, plan_handoff
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.route import RouteCosts, save_costs
@@ -203,7 +204,7 @@ class HandoffEngine:
         prompt = 0 if request.target_prompt is None else request.target_prompt.shape[1]
         sides = (
             ("target", request.target_ids.shape[1] + prompt, self.bridge.target.max_position_embeddings),
-            ("source", request.source_ids.shape[1], self.bridge.source.max_position_embeddings),
+            ("source", _source_tokens(request), self.bridge.source.max_position_embeddings),
         )
         for role, tokens, limit in sides:
             what = f"the context{' and prompt' if role == 'target' and prompt else ''} in the {role}'s tokens"
@@ -241,6 +242,18 @@ class HandoffEngine:
         if self.target_tokenizer is not None:
             generate_kwargs.setdefault("pad_token_id", pad_token_id(self.target_tokenizer))
         return generate(self.target, cache, input_ids, attention_mask, **generate_kwargs)
+
+    @torch.no_grad()
+    def prefill(self, cache: BridgedCache, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's forward over `input_ids` [batch, m], the tokens after `cache`'s columns (the
+        native tail, the held-back last token, a prompt), that also does the cache's native work;
+        returns the last token's logits [batch, vocab] (what generate()'s first forward samples
+        from; scoring reads them). The cache then holds those tokens too."""
+        checks.instance(cache, "cache", BridgedCache, "a BridgedCache (engine.cache)")
+        checks.ids(input_ids, "input_ids", vocab=self.target.config.get_text_config().vocab_size)
+        kwargs = cache_kwargs(self.target, cache)
+        out = forward_with_pass(self.target, input_ids=input_ids, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1]
 
     @torch.no_grad()
     def handoff(
@@ -364,6 +377,11 @@ class HandoffEngine:
                 "the models' weights changed after this handoff engine was built (replaced, moved or "
                 "edited in place): build a new engine, or call bridgecache.clear_engines()"
             )
+
+
+def _source_tokens(request: HandoffRequest) -> int:
+    """The source's context tokens of a request (its KV's where it came without ids: from_kv)."""
+    return request.source_kv.num_tokens if request.source_ids is None else request.source_ids.shape[1]
 
 
 def _weights_identity(*models) -> tuple:

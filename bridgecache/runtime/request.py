@@ -1,13 +1,16 @@
 """One request of a handoff: the contexts as each model reads them, the prompt, the source's KV.
 
-    request = HandoffRequest.from_texts(engine_parts, contexts, prompt, words=True)
+    request = HandoffRequest.from_texts(bridge, contexts, prompt, source_tok, target_tok, same=s, words=True)
+    request = HandoffRequest.from_chat(bridge, messages, source_tok, target_tok, words=True)
+    request = HandoffRequest.from_kv(source_kv, target_ids, alignment)  # ids and KV already in hand
     request.source_kv                       SourceKV of the contexts (captured, or the caller's)
     request.input_ids, request.attention_mask    what generate() reads: contexts + prompt, left-padded
 
 Every path that starts from text (handoff, handoff_batch, Conversation, publishing, evaluation)
-builds one of these the same way: each context tokenized once per tokenizer (once in all when they
-agree), the two tokenizations aligned otherwise, the words found from the same tokenizer calls, the
-rows left-padded on both sides; the prompt in each tokenizer; the source's KV captured or checked.
+builds one of these the same way (a chat: `from_chat`, for Conversation and evaluation's chat
+mode): each context tokenized once per tokenizer (once in all when they agree), the two
+tokenizations aligned otherwise, the words found from the same tokenizer calls, the rows
+left-padded on both sides; the prompt in each tokenizer; the source's KV captured or checked.
 
 Knows tokenizers (through tokenalign), SourceKV and capture; nothing about caches or generate().
 """
@@ -35,6 +38,7 @@ __all__ = [
     "left_pad",
     "pad_token_id",
     "prompt_ids",
+    "rendered_ids",
     "same_tokenization",
     "tokenize_context",
 ]
@@ -60,6 +64,15 @@ def same_tokenization(source_tokenizer, target_tokenizer) -> bool:
     if source_tokenizer is target_tokenizer:
         return True
     return tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
+
+
+def rendered_ids(chat, tokenizer) -> torch.Tensor:
+    """[1, N] the ids of a chat-template rendering (tokenalign.render_chat's `Rendered`)."""
+    return _row(tokenizer(chat.text, add_special_tokens=chat.add_special_tokens)["input_ids"])
+
+
+def _row(ids) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long).reshape(1, -1)
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +135,8 @@ def tokenize_context(
 class HandoffRequest:
     """One request's inputs, as every path hands them to the cache and to generate().
 
-    source_ids, source_mask: [batch, S] the contexts in the source's tokens (left-padded);
+    source_ids, source_mask: [batch, S] the contexts in the source's tokens (left-padded; source_ids
+        None where the caller holds the source's KV and not its ids: `from_kv`);
     target_ids, target_mask: [batch, T] the same in the target's tokens;
     alignment: None (one tokenization), a tokenalign.Alignment (batch 1) or one per row;
     words: the contexts' ContextWords on both sides, or None;
@@ -176,6 +190,50 @@ class HandoffRequest:
         return cls(
             source_ids, source_mask, target_ids, target_mask, alignment, found, source_prompt, target_prompt
         )
+
+    @classmethod
+    def from_chat(
+        cls, bridge, messages: list[dict], source_tokenizer, target_tokenizer, *, same: bool | None = None,
+        words: bool = False,
+    ) -> HandoffRequest:  # fmt: skip
+        """The request of a chat (batch 1, no prompt yet, no source KV): `messages` in each model's
+        own chat template (tokenalign.render_chat), one rendering read by both when the tokenizers
+        (`same`, None: compared here) and their templates agree, else both aligned with `bridge`'s
+        policy (tokenalign.align_chat); words=True adds each rendering's words."""
+        from tokenalign import align_chat, render_chat
+
+        checks.instance(bridge, "bridge", Bridge, "a bridgecache Bridge")
+        checks.tokenizer(source_tokenizer, "source_tokenizer")
+        checks.tokenizer(target_tokenizer, "target_tokenizer")
+        if same is None:
+            same = same_tokenization(source_tokenizer, target_tokenizer)
+        template = getattr(source_tokenizer, "chat_template", None)
+        target_chat = render_chat(messages, target_tokenizer)
+        if same and template == getattr(target_tokenizer, "chat_template", None):
+            alignment, source_chat = None, target_chat
+            source_ids = target_ids = rendered_ids(target_chat, target_tokenizer)
+        else:
+            policy = bridge.alignment_policy if bridge.alignment_policy != "identity" else "last"
+            alignment, source_ids, target_ids = align_chat(
+                messages, source_tokenizer, target_tokenizer, policy=policy
+            )
+            source_ids, target_ids = _row(source_ids), _row(target_ids)
+            source_chat = render_chat(messages, source_tokenizer)
+        found = None
+        if words:
+            texts = [source_chat.text], [target_chat.text]
+            found = ContextWords.of(*texts, source_tokenizer, target_tokenizer, [source_ids], [target_ids])
+        return cls(source_ids, None, target_ids, None, alignment, found, None, None)
+
+    @classmethod
+    def from_kv(
+        cls, source_kv, target_ids: torch.Tensor, alignment=None, *, target_mask=None, source_mask=None,
+        words=None, source_prompt=None,
+    ) -> HandoffRequest:  # fmt: skip
+        """The request of a context whose source KV and target ids the caller holds already
+        (evaluation, held-out scoring): no tokenizer, no source ids, nothing read again."""
+        request = cls(None, source_mask, target_ids, target_mask, alignment, words, source_prompt, None)
+        return request.read_source(None, source_kv)
 
     def read_source(self, source, source_kv=None) -> HandoffRequest:
         """Take the source's KV of the contexts: `source_kv` checked against the contexts (KV of
