@@ -20,6 +20,7 @@ import torch
 
 from bridgecache.evaluation.items import EvaluationError
 from bridgecache.files import clean_leftovers, publish, staging_folder
+from bridgecache.models.fingerprint import weight_fingerprint
 
 __all__ = ["ControlScores"]
 
@@ -88,12 +89,12 @@ def _is_seconds(x) -> bool:
 
 
 def _model_fingerprint(model) -> str:
-    """A cheap identity of a model's weights: config plus a few values of every parameter."""
+    """The target's identity in the controls' keys: its config, its weights' fingerprint
+    (bridgecache.models.fingerprint, the library's one) and its parameters' dtypes (scores of a
+    bfloat16 copy are not a float32 model's, though their weights share a fingerprint)."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        picks = flat[:: max(1, flat.numel() // 16)][:16].float().cpu()
-        digest.update(name.encode() + str(tuple(param.shape)).encode() + picks.numpy().tobytes())
+    dtypes = sorted({str(param.dtype) for param in model.parameters()})
+    digest.update(f"{weight_fingerprint(model)}|{','.join(dtypes)}".encode())
     return digest.hexdigest()
 
 

@@ -29,11 +29,19 @@ __all__ = ["capture_kv", "cache_to_layers", "position_ids_from_mask"]
 
 
 @torch.no_grad()
-def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SourceKV:
+def capture_kv(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    fingerprint: str | None = None,
+) -> SourceKV:
     """Run `model` over `input_ids` [batch, tokens] and return every layer's KV.
 
     With left padding, pass `attention_mask` [batch, tokens] (0 on the padding): it travels with
     the KV, and positions follow generate()'s. An empty context (0 tokens) gives 0-row KV.
+    fingerprint: `weight_fingerprint(model)` where the caller holds it (a handoff engine takes it
+    once and checks per request that the weights did not change); None: taken here.
     """
     checks.model(model, "model")
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
@@ -68,7 +76,7 @@ def capture_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         rope=RopeTables.from_model(model),
         input_ids=input_ids.detach().cpu(),
         model=spec,
-        fingerprint=weight_fingerprint(model),
+        fingerprint=weight_fingerprint(model) if fingerprint is None else fingerprint,
     )
 
 

@@ -7,7 +7,8 @@
 
 Who calls what, when:
 - `HandoffEngine(...)` checks the models and tokenizers against the bridge ONCE (their specs, the
-  tokenizers' vocabularies, the weights' fingerprints) and creates its `EngineState`
+  tokenizers' vocabularies, the weights' fingerprints: `ModelIdentity`, runtime/identity.py) and
+  creates its `EngineState`
   (bridgecache.runtime.state): plans of the bridge's maps per device, rotary tables, key-norm
   scales, views of both models that run our attention (bridgecache.runtime.interop.views), and captured
   CUDA graphs, at most `graph_bytes` of them (least recently used dropped first).
@@ -52,10 +53,10 @@ from dataclasses import dataclass
 import torch
 
 import bridgecache.checks as checks
-from bridgecache.bridge.builtin import check_models
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
+from bridgecache.runtime.identity import ModelIdentity
 from bridgecache.runtime.inputs import (
     check_config,
     check_contexts,
@@ -143,7 +144,7 @@ class HandoffEngine:
         self.config = check_config(config)
         checks.integer(graph_bytes, "graph_bytes", low=0, what="a byte count")
         check_setup(bridge, source, target, source_tokenizer, target_tokenizer)
-        check_models(bridge, source, target, source_tokenizer, target_tokenizer)
+        self.identity = ModelIdentity(bridge, source, target, source_tokenizer, target_tokenizer)
         self.bridge, self.source, self.target = bridge, source, target
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
         self.same_tokenizer = (
@@ -152,7 +153,6 @@ class HandoffEngine:
             else None
         )
         self.state = EngineState(bridge, source, target, graph_bytes=graph_bytes)
-        self._weights = _weights_identity(source, target)
         self._closed = False
         self._timing_lock = threading.Lock()  # one measurement of the routes at a time
 
@@ -196,7 +196,7 @@ class HandoffEngine:
             same=self.same_tokenizer, words=config.wants_words,
         )  # fmt: skip
         self.check_fits(request)
-        return request.read_source(self.source, source_kv)
+        return request.read_source(self.source, source_kv, fingerprint=self.identity.source_fingerprint)
 
     def check_fits(self, request: HandoffRequest) -> None:
         """Refuse a request longer than either model's window, before any model runs."""
@@ -216,7 +216,7 @@ class HandoffEngine:
         layers' KV, the selection rule's reading and the pending work."""
         self._check_open()
         checks.instance(request, "request", HandoffRequest, "a HandoffRequest (engine.request)")
-        self._check_weights()
+        self.identity.check()  # the cheap per-request check: the weights are the ones checked
         config = self.config if config is None else check_config(config)
         mask = request.target_mask
         tokens = request.target_ids.shape[1] if mask is None else int(mask.sum(1).max())
@@ -369,24 +369,10 @@ class HandoffEngine:
         if self._closed:
             raise RuntimeError("this handoff engine is closed: build a new one")
 
-    def _check_weights(self) -> None:
-        """The cheap per-request check: the models' embedding weights are the same tensors, at the
-        same version, as when the engine was built (its identity check and memos hold)."""
-        if _weights_identity(self.source, self.target) != self._weights:
-            raise RuntimeError(
-                "the models' weights changed after this handoff engine was built (replaced, moved or "
-                "edited in place): build a new engine, or call bridgecache.clear_engines()"
-            )
-
 
 def _source_tokens(request: HandoffRequest) -> int:
     """The source's context tokens of a request (its KV's where it came without ids: from_kv)."""
     return request.source_kv.num_tokens if request.source_ids is None else request.source_ids.shape[1]
-
-
-def _weights_identity(*models) -> tuple:
-    weights = [None if model is None else model.get_input_embeddings().weight for model in models]
-    return tuple(None if w is None else (id(w), w._version, w.data_ptr(), w.device) for w in weights)
 
 
 # ---------------------------------------------------------------------- the module-level engines

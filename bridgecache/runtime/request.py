@@ -235,9 +235,10 @@ class HandoffRequest:
         request = cls(None, source_mask, target_ids, target_mask, alignment, words, source_prompt, None)
         return request.read_source(None, source_kv)
 
-    def read_source(self, source, source_kv=None) -> HandoffRequest:
+    def read_source(self, source, source_kv=None, *, fingerprint: str | None = None) -> HandoffRequest:
         """Take the source's KV of the contexts: `source_kv` checked against the contexts (KV of
-        another model or another document is refused), or `source`'s prefill of them, timed."""
+        another model or another document is refused), or `source`'s prefill of them, timed
+        (fingerprint: the source's weight fingerprint where the caller holds it, `capture_kv`)."""
         if source_kv is not None:
             self.source_kv = as_source(source_kv, self.source_mask, model=source, input_ids=self.source_ids)
             return self
@@ -246,7 +247,9 @@ class HandoffRequest:
         device = source.get_input_embeddings().weight.device
         start = time.perf_counter()
         mask = None if self.source_mask is None else self.source_mask.to(device)
-        self.source_kv = capture_kv(source, self.source_ids.to(device), attention_mask=mask)
+        self.source_kv = capture_kv(
+            source, self.source_ids.to(device), attention_mask=mask, fingerprint=fingerprint
+        )
         self.source_prefill_s = time.perf_counter() - start
         return self
 

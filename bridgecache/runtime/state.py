@@ -5,7 +5,8 @@
     state.stacked_plan(layers, device)             several LayerMaps stacked for one grouped launch
     state.rope_on(tables, device)                  rotary tables moved to a device
     state.source_rope                              the bridge's source rotary tables (from its spec)
-    state.key_norm_scales()                        the target's key-norm scales (checked per request)
+    state.key_norm_scales()                        the target's key-norm scales (runtime.identity
+                                                   checks their weights per request)
     state.source_view / state.target_view          ModelViews that run our attention (runtime.views)
     state.graphs                                   captured CUDA graphs, bounded by bytes (LRU)
     state.route_costs(config) / set_route_costs    the cost gate's measured costs (bridgecache.runtime.route)
@@ -123,10 +124,6 @@ class EngineState:
         self.replay_lock = threading.RLock()  # a captured graph's buffers serve one request at a time
         self.source_rope = RopeTables.from_spec(bridge.source)
         self._norms = key_norm_scales(target) if target is not None else None
-        self._norm_modules = [] if target is None else [
-            getattr(m, "k_norm", None) for m in target.modules() if hasattr(m, "layer_idx")
-        ]  # fmt: skip
-        self._norm_versions = _norm_versions(self._norm_modules)
         self.graphs = GraphStore(graph_bytes)
         self._route_costs: dict = {}  # route_key -> RouteCosts or None (nothing saved)
         self._route_keys: dict = {}  # HandoffConfig -> its route_key
@@ -161,13 +158,8 @@ class EngineState:
 
     def key_norm_scales(self):
         """The target's key-norm scales (None: it normalises no keys), computed when the engine was
-        built; refused if a key-norm weight has been replaced or written since (the per-request
-        check: a version counter per norm, no walk of the model)."""
-        if _norm_versions(self._norm_modules) != self._norm_versions:
-            raise RuntimeError(
-                "the target's key-norm weights changed after this handoff engine was built: build a new "
-                "engine (or call bridgecache.clear_engines()) after editing a model's weights"
-            )
+        built (the engine's per-request identity check refuses a request after their weights
+        changed: runtime.identity)."""
         return self._norms
 
     # ------------------------------------------------------------------ the cost gate
@@ -235,11 +227,6 @@ class EngineState:
             self._views.clear()
             self._route_costs.clear()
             self._route_keys.clear()
-
-
-def _norm_versions(norms) -> tuple:
-    weights = [getattr(n, "weight", None) for n in norms]
-    return tuple(None if w is None else (id(w), w._version, w.data_ptr()) for w in weights)
 
 
 def _tensors(plan) -> list[torch.Tensor]:

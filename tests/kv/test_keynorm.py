@@ -9,6 +9,7 @@ from tiny_models import tiny_model
 from bridgecache import Bridge, BridgedCache, HandoffConfig, capture_kv
 from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
 from bridgecache.kv.rope import RopeTables, unrotate
+from bridgecache.runtime.identity import ModelIdentity
 from bridgecache.runtime.state import EngineState
 
 
@@ -52,11 +53,12 @@ def test_scales_are_read_from_the_model_and_absent_without_k_norm():
         assert torch.allclose(scale, 1 + layer.self_attn.k_norm.weight.detach(), atol=1e-5)
     assert key_norm_scales(tiny_model("llama")) is None and key_norm_scales(tiny_model("qwen2")) is None
     state = EngineState(Bridge.identity(model), None, model, graph_bytes=0)
+    identity = ModelIdentity(Bridge.identity(model), None, model)  # what an engine checks per request
     assert state.key_norm_scales() is state.key_norm_scales()  # an engine's: no forward per cache
     with torch.no_grad():
         model.model.layers[1].self_attn.k_norm.weight.add_(1.0)  # an edited weight is noticed
-    with pytest.raises(RuntimeError, match="key-norm weights changed after this handoff engine was built"):
-        state.key_norm_scales()
+    with pytest.raises(RuntimeError, match="weights changed after this handoff engine was built"):
+        identity.check()
     assert torch.allclose(key_norm_scales(model)[1], scales[1] + 1, atol=1e-5)
 
 

@@ -56,13 +56,13 @@ def test_every_path_takes_the_config_and_it_reaches_the_cache(models, tmp_path, 
     import bridgecache.evaluation.scoring as scoring
     from bridgecache.evaluation import PplItem, Variant, evaluate
 
-    built = []
+    built, original = [], scoring.HandoffEngine.cache
 
-    def recording(*args, **kwargs):
-        built.append(BridgedCache(*args, **kwargs))
+    def recording(engine, request, config=None):  # the evaluation builds its caches through engines
+        built.append(original(engine, request, config))
         return built[-1]
 
-    monkeypatch.setattr(scoring, "BridgedCache", recording)
+    monkeypatch.setattr(scoring.HandoffEngine, "cache", recording)
     items = [PplItem(CONTEXTS[0], " the heron"), PplItem(CONTEXTS[2], " was grey")]
     evaluate(model, tok, model, tok, items, "ppl", [Variant(bridge, CONFIG)], progress=False)
     assert built

@@ -190,6 +190,7 @@ def plan_handoff(
         check_engine(engine, bridge, target, source_model)
     selector_layers(config, bridge.target.num_layers)  # a custom rule's answer, before any work
     source_kv = as_source(source_kv, source_attention_mask)
+    source_kv.check(bridge.source, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
     if words is not None and words.source.shape != (source_kv.batch_size, source_kv.num_tokens):
         raise ValueError(
             f"words.source has shape {tuple(words.source.shape)}; expected one group per source KV "

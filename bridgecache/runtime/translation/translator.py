@@ -50,8 +50,6 @@ class Translator:
     def __init__(
         self, bridge, source: SourceKV, target, target_ids, *, target_mask, alignment, config, windows, state
     ):
-        spec = bridge.source
-        source.check(spec, bridge.fingerprints.get("source"))  # shapes; the KV's model, if recorded
         self.bridge = bridge
         self.state = state  # the engine's EngineState: plans, rope tables, key-norm scales
         self.source = source
