@@ -410,3 +410,27 @@ def test_one_definition_of_changed_weights():
         if isinstance(node, ast.Attribute) and node.attr == "_version"
     }
     assert readers == {"bridgecache.models.fingerprint"}, sorted(readers)
+
+
+def _runtime_room(module: str) -> str:
+    """The room of a runtime module: a top-level module is its own, a subpackage's modules share it."""
+    parts = module.split(".")
+    return ".".join(parts[:3])
+
+
+def test_no_runtime_import_climbs_back_up():
+    """Inside runtime/, rooms (each top-level module, each subpackage as one) import without cycles:
+    a phase never reaches back into a later one (route.py once imported native_work/, which imports it)."""
+    rooms: dict[str, set[str]] = {}
+    for name, imported in _graph().items():
+        if not name.startswith("bridgecache.runtime."):
+            continue
+        here = _runtime_room(name)
+        rooms.setdefault(here, set()).update(
+            _runtime_room(m)
+            for m in imported
+            if m.startswith("bridgecache.runtime.") and _runtime_room(m) != here
+        )
+    rooms = {room: {r for r in deps if r in rooms} for room, deps in rooms.items()}
+    cycle = _cycle(rooms)
+    assert cycle is None, " -> ".join(cycle)

@@ -26,7 +26,14 @@ from bridgecache.runtime.fields import FieldTypeError, count, flag
 from bridgecache.runtime.gate import QualityPolicy
 from bridgecache.runtime.selection.rules import Selector, selector_named
 
-__all__ = ["HandoffConfig", "RefreshConfig", "QualityPolicy", "DEFAULT_REFRESH"]
+__all__ = [
+    "HandoffConfig",
+    "RefreshConfig",
+    "QualityPolicy",
+    "DEFAULT_REFRESH",
+    "refresh_budget",
+    "resolve_native_layers",
+]
 
 ROUTES = ("auto", "handoff", "native")  # HandoffConfig.route
 DEFAULT_REFRESH = 0.2  # share of translated tokens refreshed by default (benchmarks/reports/quality.md)
@@ -248,7 +255,7 @@ class HandoffConfig:
 
 def _native_layers(layers):
     """HandoffConfig.native_layers checked: None, "all", an int >= 0, or layer indices (a list
-    becomes a tuple of ints >= 0); bounds against the model: native.resolve_native_layers."""
+    becomes a tuple of ints >= 0); bounds against the model: resolve_native_layers."""
     name = "HandoffConfig.native_layers"
     if layers is None or layers == "all":
         return layers
@@ -263,3 +270,38 @@ def _native_layers(layers):
             f"{name}={layers!r}; expected an int, a tuple of layer indices or 'all', "
             f"not a {type(layers).__name__}"
         ) from None
+
+
+# What the config's fields mean for one model and context (the planner and the cost gate read them).
+def resolve_native_layers(native_layers, num_layers: int) -> tuple[int, ...]:
+    """Sorted target layer indices from `native_layers`: an int n (the first n layers), an
+    iterable of indices, "all", or None (none). Raises ValueError for out-of-range values."""
+    if native_layers is None:
+        return ()
+    if isinstance(native_layers, str):
+        if native_layers != "all":
+            raise ValueError(f"native_layers={native_layers!r}; expected an int, a list of layers or 'all'")
+        return tuple(range(num_layers))
+    if isinstance(native_layers, bool):
+        raise ValueError("native_layers must be an int, a list of layer indices or 'all', not a bool")
+    if isinstance(native_layers, int):
+        if not 0 <= native_layers <= num_layers:
+            raise ValueError(f"native_layers={native_layers}; expected 0..{num_layers} (the target's layers)")
+        return tuple(range(native_layers))
+    layers = sorted({int(i) for i in native_layers})
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"native_layers {bad} are not target layers; expected indices in 0..{num_layers - 1}"
+        )
+    return tuple(layers)
+
+
+def refresh_budget(amount, eligible: int) -> int:
+    """Tokens to refresh: `amount` is a fraction in [0, 1] of the `eligible` (translated) tokens,
+    or an int token count (capped at `eligible`); None refreshes nothing."""
+    if amount is None:
+        return 0
+    if isinstance(amount, float):
+        return min(eligible, round(amount * eligible))
+    return min(eligible, amount)

@@ -42,7 +42,7 @@ import torch
 
 from bridgecache.files import replace_file, set_aside
 from bridgecache.models.zoo import cache_root
-from bridgecache.runtime.native_work.pending import refresh_budget
+from bridgecache.runtime.config import refresh_budget, resolve_native_layers
 from bridgecache.runtime.report import handoff_flops, prefill_flops, reading_flops
 
 __all__ = ["RouteCosts", "RouteDecision", "decide_route", "route_key", "load_costs", "save_costs"]
@@ -294,8 +294,6 @@ def decide_route(
 def estimated_flops(config, bridge, source_config, target_config, tokens: int, prompt_tokens: int):
     """(the handoff's FLOPs, the target's prefill FLOPs) of a `tokens`-token context: the target's
     native work (head, native layers, refreshed tokens) and the source reading the prompt."""
-    from bridgecache.runtime.native_work.layers import resolve_native_layers
-
     layers = target_config.get_text_config().num_hidden_layers
     whole = prefill_flops(target_config, tokens)
     refresh = config.refresh if bridge.method != "identity" else None

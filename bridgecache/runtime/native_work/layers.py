@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import position_ids_from_mask
+from bridgecache.runtime.config import resolve_native_layers  # re-exported: its home is the config's
 
 __all__ = ["native_layer_kv", "resolve_native_layers"]
 
@@ -40,30 +41,6 @@ class _StoppingCache(DynamicCache):
         if layer_idx >= self.stop_after:
             raise _StopForward
         return out
-
-
-def resolve_native_layers(native_layers, num_layers: int) -> tuple[int, ...]:
-    """Sorted target layer indices from `native_layers`: an int n (the first n layers), an
-    iterable of indices, "all", or None (none). Raises ValueError for out-of-range values."""
-    if native_layers is None:
-        return ()
-    if isinstance(native_layers, str):
-        if native_layers != "all":
-            raise ValueError(f"native_layers={native_layers!r}; expected an int, a list of layers or 'all'")
-        return tuple(range(num_layers))
-    if isinstance(native_layers, bool):
-        raise ValueError("native_layers must be an int, a list of layer indices or 'all', not a bool")
-    if isinstance(native_layers, int):
-        if not 0 <= native_layers <= num_layers:
-            raise ValueError(f"native_layers={native_layers}; expected 0..{num_layers} (the target's layers)")
-        return tuple(range(native_layers))
-    layers = sorted({int(i) for i in native_layers})
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"native_layers {bad} are not target layers; expected indices in 0..{num_layers - 1}"
-        )
-    return tuple(layers)
 
 
 @torch.no_grad()

@@ -14,17 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bridgecache.runtime.config import refresh_budget  # re-exported: its home is the config's
+
 __all__ = ["PendingPlan", "PendingWork", "mass_budgets", "pending_columns", "ranked", "refresh_budget"]
-
-
-def refresh_budget(amount, eligible: int) -> int:
-    """Tokens to refresh: `amount` is a fraction in [0, 1] of the `eligible` (translated) tokens,
-    or an int token count (capped at `eligible`); None refreshes nothing."""
-    if amount is None:
-        return 0
-    if isinstance(amount, float):
-        return min(eligible, round(amount * eligible))
-    return min(eligible, amount)
 
 
 def mass_budgets(
