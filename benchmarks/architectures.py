@@ -75,7 +75,7 @@ def measure(name: str) -> dict:
     from bridgecache.models.layout import UnsupportedArchitectureError, layer_chunks
     from bridgecache.models.spec import model_spec
     from bridgecache.runtime.cache import BridgedCache
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model = tiny_architecture(name)
     row = {"architecture": name, "config": type(model.config).__name__}

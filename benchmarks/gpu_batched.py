@@ -26,9 +26,9 @@ from gpu_ttft import random_headlocal_bridge
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from bridgecache.kv.capture import capture_kv
-from bridgecache.runtime.batch import left_pad
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.engine import HandoffEngine, generate
+from bridgecache.runtime.entry.batch import left_pad
 
 SHAPES = {  # Qwen2.5-1.5B -> Qwen2.5-0.5B
     "source": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),

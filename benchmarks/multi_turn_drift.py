@@ -85,7 +85,7 @@ def drift(
     from tqdm.auto import tqdm
 
     from bridgecache import HandoffConfig
-    from bridgecache.runtime.conversation import Conversation
+    from bridgecache.runtime.entry.conversation import Conversation
 
     configs = {"bridged": HandoffConfig()} if configs is None else configs
     kinds = [*configs, "native", *(CONTROLS if controls else ())]
@@ -148,7 +148,7 @@ def explain(source, target, bridge, item, *, source_tokenizer, target_tokenizer,
     t (translated). Returns {"bridged", "native", "answer": choice indices, "refreshed", "tokens":
     counts over the chat, "choices": [{"text", "occurrences", "around"}]}."""
     from bridgecache import HandoffConfig
-    from bridgecache.runtime.conversation import Conversation
+    from bridgecache.runtime.entry.conversation import Conversation
     from tokenalign import render_chat, token_spans
 
     chat = Conversation.handoff(

@@ -44,7 +44,7 @@ from bridgecache.evaluation.builtin import builtin_items  # noqa: E402
 from bridgecache.evaluation.prompts import _plain_prompt  # noqa: E402
 from bridgecache.kv.capture import capture_kv  # noqa: E402
 from bridgecache.models.zoo import load_model, load_tokenizer  # noqa: E402
-from bridgecache.runtime.handoff import align_context  # noqa: E402
+from bridgecache.runtime.entry.handoff import align_context  # noqa: E402
 from bridgecache.runtime.interop.attention import ReadingMask, attending, read_without_logits  # noqa: E402
 from bridgecache.runtime.interop.graphs import as_view  # noqa: E402
 from bridgecache.runtime.selection.reading import attention_scores  # noqa: E402

@@ -46,7 +46,7 @@ def best(fn, repeats: int) -> float:
 def main() -> None:
     from bridgecache.bridge import Bridge
     from bridgecache.models.zoo import load_tokenizer
-    from bridgecache.runtime.handoff import tokenize_context
+    from bridgecache.runtime.entry.handoff import tokenize_context
     from bridgecache.runtime.selection.words import word_groups
     from tokenalign import token_spans
 

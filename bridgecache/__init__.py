@@ -20,12 +20,12 @@ from bridgecache.kv.source import KVFileError, KVMismatchError, SourceKV
 from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, SpecMismatchError, model_spec
 from bridgecache.models.zoo import load_model, load_tokenizer
-from bridgecache.runtime.batch import BatchHandoffResult, handoff_batch
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig, QualityPolicy, RefreshConfig
-from bridgecache.runtime.conversation import Conversation, Turn
 from bridgecache.runtime.engine import HandoffEngine, clear_engines
-from bridgecache.runtime.handoff import HandoffResult, align_context, handoff, tokenize_context
+from bridgecache.runtime.entry.batch import BatchHandoffResult, handoff_batch
+from bridgecache.runtime.entry.conversation import Conversation, Turn
+from bridgecache.runtime.entry.handoff import HandoffResult, align_context, handoff, tokenize_context
 from bridgecache.runtime.report import HandoffReport
 from bridgecache.runtime.selection.rules import (
     GivenScores,

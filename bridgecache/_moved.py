@@ -30,6 +30,11 @@ MOVED = {  # old -> new (2026-12-03: runtime/ by phase)
     "bridgecache.runtime.pending": "bridgecache.runtime.native_work.pending",
     "bridgecache.runtime.reading": "bridgecache.runtime.selection.reading",
     "bridgecache.runtime.words": "bridgecache.runtime.selection.words",
+    # 2026-12-07: the entry points over an engine in their own room (runtime/ keeps 12 at its top)
+    "bridgecache.runtime.handoff": "bridgecache.runtime.entry.handoff",
+    "bridgecache.runtime.batch": "bridgecache.runtime.entry.batch",
+    "bridgecache.runtime.conversation": "bridgecache.runtime.entry.conversation",
+    "bridgecache.runtime.likelihood": "bridgecache.runtime.entry.likelihood",
 }
 
 

@@ -45,8 +45,8 @@ from bridgecache import (
     load_model,
     load_tokenizer,
 )
-from bridgecache.runtime.batch import left_pad
-from bridgecache.runtime.handoff import context_ids, pad_token_id, prompt_ids
+from bridgecache.runtime.entry.batch import left_pad
+from bridgecache.runtime.entry.handoff import context_ids, pad_token_id, prompt_ids
 from bridgecache.text import text_chunks
 
 PROMPT = "\n\nIn one sentence, the text above is about"

@@ -22,7 +22,7 @@ import torch
 
 from bridgecache import Bridge, FitConfig, fit_bridge, load_model
 from bridgecache.bridge.builtin import builtin_names
-from bridgecache.runtime.conversation import Conversation
+from bridgecache.runtime.entry.conversation import Conversation
 
 LOG = (
     "Harbour log, Port Ellis. On the night of the storm three ships passed: the Marigold, carrying "

@@ -434,3 +434,8 @@ def test_no_runtime_import_climbs_back_up():
     rooms = {room: {r for r in deps if r in rooms} for room, deps in rooms.items()}
     cycle = _cycle(rooms)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_runtime_keeps_at_most_12_modules_at_its_top():
+    top = sorted(p.stem for p in (PACKAGES["bridgecache"] / "runtime").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 12, top

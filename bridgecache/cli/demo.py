@@ -147,7 +147,7 @@ def _timed(fn):
 @torch.no_grad()
 def run_demo(args) -> int:
     from bridgecache.kv.capture import capture_kv
-    from bridgecache.runtime.handoff import align_context, handoff
+    from bridgecache.runtime.entry.handoff import align_context, handoff
 
     torch.manual_seed(0)
     try:

@@ -5,7 +5,7 @@ An item is read in three parts:
     prompt   what the target then reads natively: "" (ppl) or "\\nQuestion: {q}\\nAnswer:" (choice)
     scored   the strings whose log-likelihood is measured: the continuation, or " {choice}" each
 Plain: the context is `tokenizer(context)` (with the model's own BOS where it adds one), in each
-    model's own tokenization, as `handoff()` reads it (`bridgecache.runtime.handoff.tokenize_context`:
+    model's own tokenization, as `handoff()` reads it (`bridgecache.runtime.request.tokenize_context`:
     across tokenizers tokenalign pairs them).
 Chat (`chat=True`): the context is the first user message in each model's own chat template, as
     `Conversation` reads a chat (`HandoffRequest.from_chat`: tokenalign.align_chat where the

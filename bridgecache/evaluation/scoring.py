@@ -9,7 +9,7 @@ A `Prefix` is a target cache holding a context plus the logits that predict the 
 Both are timed up to the first logits after the context, the cost a handoff replaces (only the
 last position's logits are computed: a 150K-token vocabulary head over every position would
 add ~20% to a prefill that no serving system pays).
-`score(target, prefix, rows, scored_from)` (bridgecache.runtime.likelihood) then sums the
+`score(target, prefix, rows, scored_from)` (bridgecache.runtime.entry.likelihood) then sums the
 log-probabilities of each row's tokens after the prefix.
 
 This module knows nothing about tasks, tokenizers or metrics.
@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
-from bridgecache.runtime.likelihood import Prefix, score
+from bridgecache.runtime.entry.likelihood import Prefix, score
 from bridgecache.runtime.request import HandoffRequest
 
 # Prefix, score: runtime.likelihood's

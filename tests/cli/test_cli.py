@@ -125,7 +125,7 @@ def test_a_damaged_cached_bridge_is_set_aside_and_fitted_again(monkeypatch, tmp_
 
 
 def test_handoff_keeps_a_pad_id_of_0(monkeypatch):
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model, tok = tiny_model("qwen2"), _byte_tokenizer()
     assert tok.pad_token_id == 0

@@ -182,7 +182,7 @@ def test_while_serving_a_bad_manifest_is_skipped_and_partial_writes_are_never_re
 def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_path):
     from tiny_models import byte_tokenizer
 
-    from bridgecache.runtime.handoff import context_ids
+    from bridgecache.runtime.entry.handoff import context_ids
     from bridgecache.runtime.selection.words import context_words
 
     source, target, bridge, _ = handoff
@@ -208,7 +208,7 @@ def test_publish_context_from_text_matches_publishing_the_cache(handoff, tmp_pat
 def test_publish_context_refuses_kv_of_another_document(handoff, tmp_path):
     from tiny_models import byte_tokenizer
 
-    from bridgecache.runtime.handoff import context_ids
+    from bridgecache.runtime.entry.handoff import context_ids
 
     source, target, bridge, _ = handoff
     tok = byte_tokenizer()

@@ -319,7 +319,7 @@ def test_every_entry_point_refuses_a_source_model_of_another_family_with_the_sam
     """Bridge.check would refuse it; the entry points once checked only built-in bridges."""
     from bridgecache import handoff_batch
     from bridgecache.integrations.publish import publish_context
-    from bridgecache.runtime.conversation import Conversation
+    from bridgecache.runtime.entry.conversation import Conversation
 
     qwen, tok = tiny_model("qwen2"), byte_tokenizer()
     bridge = Bridge.identity(qwen)  # fitted (exactly) for qwen2 -> qwen2; llama has the same KV shapes

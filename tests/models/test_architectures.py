@@ -30,7 +30,7 @@ from bridgecache.kv.rope import RopeTables
 from bridgecache.models.layout import UnsupportedArchitectureError
 from bridgecache.models.spec import ModelSpec, model_spec, spec_from_untrusted
 from bridgecache.runtime.cache import BridgedCache
-from bridgecache.runtime.handoff import handoff
+from bridgecache.runtime.entry.handoff import handoff
 from bridgecache.runtime.selection.reading import attention_scores
 
 REFUSED = {

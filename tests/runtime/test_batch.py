@@ -9,8 +9,8 @@ from tiny_models import tiny_model
 
 from bridgecache import HandoffConfig
 from bridgecache.bridge.maps import Bridge
-from bridgecache.runtime.batch import handoff_batch, left_pad
-from bridgecache.runtime.handoff import handoff
+from bridgecache.runtime.entry.batch import handoff_batch, left_pad
+from bridgecache.runtime.entry.handoff import handoff
 
 CONTEXTS = ["hello world the world", "the hello", "hello the world hello world the hello the", "world"]
 PROMPT = " the"
@@ -36,7 +36,7 @@ def test_batched_identity_handoff_equals_one_by_one_and_native(byte_bpe, one_lau
 
 def test_batched_handoff_across_tokenizers_equals_one_by_one(byte_bpe, sp_bpe):
     """Per-row alignments; the sources differ in length (source padding), the targets do not (a
-    row with more target padding widens the batch's native head: see bridgecache.runtime.batch)."""
+    row with more target padding widens the batch's native head: see bridgecache.runtime.entry.batch)."""
     model = tiny_model("llama")
     bridge = Bridge.identity(model)
     contexts = ["hello world", "the world", "hello the"]

@@ -236,7 +236,7 @@ def test_eval_scoring_works_on_a_one_token_context():
 
 
 def test_handoff_of_an_empty_or_one_token_context_continues_like_the_target():
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     bridge = Bridge.identity(model)

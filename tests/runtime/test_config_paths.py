@@ -16,7 +16,7 @@ from tiny_models import random_bridge as _random_bridge
 
 from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv, handoff, handoff_batch
 from bridgecache.integrations.keys import bridge_salt
-from bridgecache.runtime.conversation import Conversation
+from bridgecache.runtime.entry.conversation import Conversation
 
 # Not the defaults in any field a path could drop silently: a tail, no key norm, 3 tokens by deviation.
 CONFIG = HandoffConfig(native_tail=2, key_norm=False, refresh=RefreshConfig(amount=3, by="deviation"))

@@ -21,8 +21,8 @@ from bridgecache import (
     handoff,
     handoff_batch,
 )
-from bridgecache.runtime.conversation import Conversation
 from bridgecache.runtime.engine import HandoffEngine, generate
+from bridgecache.runtime.entry.conversation import Conversation
 
 CONFIGS = {
     "groups": HandoffConfig(one_launch=True, route="handoff"),

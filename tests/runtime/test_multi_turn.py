@@ -16,7 +16,7 @@ from tiny_models import CHATML, ZEPHYR, chat_tokenizer, script, tiny_model
 
 from bridgecache import Bridge, load_model
 from bridgecache.fitting import FitConfig, fit_bridge
-from bridgecache.runtime.conversation import Conversation
+from bridgecache.runtime.entry.conversation import Conversation
 
 EARLIER = [
     {"role": "user", "content": "The Alder lost its mast near the rocks; the Heron towed it in at dawn."},
@@ -147,7 +147,7 @@ def test_multi_turn_drift_benchmark_on_tiny_models(saved, tmp_path, capsys):
 def test_drift_reuse_runs_only_the_bridged_conversations(saved, tmp_path, capsys, monkeypatch):
     """--reuse takes native's and the controls' answers from an earlier run whose bridged configs
     differ (a new default): none of those conversations runs again, the bridged ones do."""
-    from bridgecache.runtime.conversation import Conversation
+    from bridgecache.runtime.entry.conversation import Conversation
 
     drift = script("benchmarks/multi_turn_drift.py")
     args = _drift_args(saved, "--turns", "0", "1", "--max-new-tokens", "2")
@@ -194,7 +194,7 @@ def test_drift_controls_read_no_document_and_another_items_document(monkeypatch)
     """The no-context control opens with a greeting, the unrelated one with the next item's
     context; the native and bridged conversations read the item's own."""
     from bridgecache.evaluation.builtin import builtin_items
-    from bridgecache.runtime.conversation import Conversation
+    from bridgecache.runtime.entry.conversation import Conversation
 
     drift = script("benchmarks/multi_turn_drift.py")
     model, tok = (

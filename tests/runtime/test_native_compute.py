@@ -373,7 +373,7 @@ def test_heldout_attention_cosine_is_one_for_identity_and_lower_for_a_poor_bridg
 def test_handoff_guided_refresh_of_every_token_answers_like_the_target():
     from tiny_models import byte_tokenizer
 
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model, tok = tiny_model("qwen2"), byte_tokenizer()
     context, prompt = "the hello world of the bridged cache", " said"

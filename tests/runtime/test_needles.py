@@ -25,7 +25,7 @@ from bridgecache.evaluation.decoding import reply_ids
 from bridgecache.evaluation.items import DataFormatError, read_jsonl
 from bridgecache.evaluation.needles import NEEDLE, PREAMBLE, SUBTASKS, needle_item, needle_plan
 from bridgecache.evaluation.scoring import native_prefix
-from bridgecache.runtime.handoff import tokenize_context
+from bridgecache.runtime.entry.handoff import tokenize_context
 from bridgecache.runtime.selection.rules import GivenScores, SourceAttention
 from bridgecache.runtime.selection.words import (
     ContextWords,

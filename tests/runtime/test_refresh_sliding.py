@@ -179,7 +179,7 @@ def test_source_attention_scores_follow_a_sliding_source_window():
 def test_handoff_refreshes_a_sliding_window_target_by_default():
     from tiny_models import byte_tokenizer
 
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model, tok = tiny_model("gemma3"), byte_tokenizer()
     bridge = _noisy_bridge(model)
@@ -226,7 +226,7 @@ def test_the_pass_reads_the_columns_a_sliding_layer_dropped():
 
 
 def test_handoff_across_tokenizers_with_full_refresh_is_the_targets_own_generate(byte_bpe, sp_bpe):
-    from bridgecache.runtime.handoff import handoff
+    from bridgecache.runtime.entry.handoff import handoff
 
     model = tiny_model("gemma3")
     context, prompt = "hello world the world, the hello of the world: hello there, world", " the"

@@ -9,7 +9,7 @@ from tiny_models import CHATML, ZEPHYR, chat_tokenizer, tiny_model
 
 from bridgecache.bridge.maps import Bridge
 from bridgecache.evaluation.prompts import Prompts
-from bridgecache.runtime.conversation import Conversation
+from bridgecache.runtime.entry.conversation import Conversation
 from bridgecache.runtime.request import HandoffRequest
 
 pytestmark = pytest.mark.usefixtures("one_thread")

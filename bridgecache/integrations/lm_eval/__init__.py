@@ -51,7 +51,7 @@ from bridgecache.evaluation.scoring import Prefix, bridged_prefix, native_prefix
 from bridgecache.kv.capture import capture_kv
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
-from bridgecache.runtime.likelihood import score, score_rows
+from bridgecache.runtime.entry.likelihood import score, score_rows
 
 __all__ = ["BridgecacheLM"]
 

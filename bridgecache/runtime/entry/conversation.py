@@ -33,6 +33,7 @@ from bridgecache.compat import cache_kwargs
 from bridgecache.runtime.cache import BridgedCache
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import engine_for
+from bridgecache.runtime.entry.likelihood import Prefix, score
 from bridgecache.runtime.inputs import (
     check_config,
     check_contexts,
@@ -42,7 +43,6 @@ from bridgecache.runtime.inputs import (
     check_setup,
     check_text,
 )
-from bridgecache.runtime.likelihood import Prefix, score
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, prompt_ids, rendered_ids
 
 __all__ = ["Conversation", "Turn"]
