@@ -439,3 +439,13 @@ def test_no_runtime_import_climbs_back_up():
 def test_runtime_keeps_at_most_12_modules_at_its_top():
     top = sorted(p.stem for p in (PACKAGES["bridgecache"] / "runtime").glob("*.py") if p.stem != "__init__")
     assert len(top) <= 12, top
+
+
+def test_tests_of_runtime_mirror_its_rooms():
+    """tests/runtime/ has a folder per runtime subpackage (and none for anything else)."""
+    runtime = PACKAGES["bridgecache"] / "runtime"
+    rooms = {p.name for p in runtime.iterdir() if (p / "__init__.py").exists()}
+    tests = Path(__file__).resolve().parent / "runtime"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == rooms, (sorted(folders), sorted(rooms))
+    assert all(any(tests.joinpath(room).glob("test_*.py")) for room in rooms)
