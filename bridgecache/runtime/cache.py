@@ -14,8 +14,10 @@ prompt + translation + one target forward. Layers are transformers' own `Dynamic
 `DynamicSlidingWindowLayer` with a lazy hook, so masks, beam search, crop and every other cache
 operation behave as usual.
 
-This module is the container: what is translated comes from the Translator, what is computed
-natively and why from bridgecache.runtime.native_work.plan, what it cost from `report()`.
+This module is the container: it only reads its frozen `HandoffPlan` (bridgecache.runtime.
+native_work.plan: the layout, what is computed natively and why, the pending work, the report).
+`BridgedCache.from_plan(plan)` (what `HandoffEngine.cache` does) runs no model; the constructor
+above builds a throwaway plan the same way first (`plan_handoff`), for generate() used directly.
 """
 
 from __future__ import annotations
@@ -240,6 +242,9 @@ class BridgedCache(DynamicCache):
             uses (and reuses across caches; the engine times the routes before its own requests,
             never here: bridgecache.runtime.route); None: a private set, made for this cache and
             freed with it. Its models are checked against the bridge when it is built, not here.
+
+    The arguments go to `plan_handoff`, which runs what the plan needs (the native layers'
+    forward, the selection rule's reading); the cache then only reads the plan (`plan`).
     """
 
     def __init__(
