@@ -4,6 +4,9 @@
         result = engine.handoff(context, prompt, max_new_tokens=32)
         batch = engine.handoff_batch(contexts, prompt)
         cache, ids = engine.translate_context(context)            # publishing: no prompt yet
+        plan = engine.plan(engine.request([context], prompt))     # the frozen HandoffPlan
+        cache = BridgedCache.from_plan(plan)                      # = engine.cache(request)
+        logits = engine.prefill(cache, ids[:, cache.get_seq_length():])  # scoring after a cache
 
 Who calls what, when:
 - `HandoffEngine(...)` checks the models and tokenizers against the bridge ONCE (their specs, the
