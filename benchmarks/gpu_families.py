@@ -30,7 +30,8 @@ numbers are written out below):
 - Phi-4-mini (microsoft/Phi-4-mini-instruct; copies read 2026-12-07 in onnx-community's
   Phi-4-mini-instruct-ONNX-MHA and unsloth's mirrors): Phi3Config, 3072 wide, 32 layers, 24 query /
   8 KV heads of 128, partial_rotary_factor 0.75 (96 rotary channels), vocab 200064, 131072
-  positions, longrope over an original 4096 (its 48 long factors as published; short factors 1),
+  positions, longrope over an original 4096 (48 long factors: the first 46 as read in those copies,
+  the last two, 44.16 and 47.77, as remembered: the excerpts read stopped at 46; short factors 1),
   sliding_window 262144 (longer than any context: full attention), tied embeddings;
 - Command R7B (CohereForAI/c4ai-command-r7b-12-2024; a copy of its config.json read 2026-12-07
   in huihui-ai's derivative, and transformers' Cohere2 page): Cohere2Config, 4096 wide, 32
