@@ -254,7 +254,10 @@ At the sizes users run: one model of each supported family at its published conf
 Mistral-7B, Qwen3-8B, Gemma-2-9B, Gemma-3-4B, Phi-3-mini-4k, OLMo-2-7B, Granite-3.1-8B, SmolLM3-3B,
 StarCoder2-7B; random weights, bf16, CUDA) is timed beside the target's own prefill at 4K and 16K
 tokens by `python benchmarks/gpu_families.py`, with a full refresh checked against native:
-benchmarks/reports/families-2026-12-06.md.
+benchmarks/reports/families-2026-12-06.md. The script also builds Phi-4-mini, Command R7B,
+GPT-OSS-20B, Llama-4-Scout's text layers (8 of 48), Pythia-6.9B and StableLM-2-1.6B at their
+published configs (`--families new`); exact at tiny widths on the CPU, not yet timed on a GPU
+(that report's last section).
 """
 
 
