@@ -28,7 +28,7 @@ from bridgecache.runtime.engine import HandoffEngine
 from bridgecache.runtime.entry.likelihood import Prefix, score
 from bridgecache.runtime.request import HandoffRequest
 
-# Prefix, score: runtime.likelihood's
+# Prefix, score: runtime.entry.likelihood's
 __all__ = ["Prefix", "native_prefix", "bridged_prefix", "chosen_prefix", "score"]
 
 
