@@ -2,7 +2,7 @@
 
     python benchmarks/evidence.py build --out DIR [--items 48]
     python benchmarks/evidence.py run --bridge BRIDGE [BRIDGE ...] --tasks DIR/two-hop.jsonl ... --out DIR
-        [--arms all] [--chat] [--limit N]
+        [--arms all] [--chat] [--limit N] [--refresh 0.2 [0.5 ...]]
 
 `build` writes three 4-choice tasks (JSONL, `bridgecache eval --task choice` format), made only from
 what Python ships and invented facts (never from editors' or GNU manuals):
@@ -14,6 +14,9 @@ what Python ships and invented facts (never from editors' or GNU manuals):
                  of one of its parameters (distractors: its other defaults, then other functions')
 `run` evaluates a bridge (source and target from its metadata) on each task with the extra arms
 (bridgecache.evaluation.arms) and writes one `summarise` JSON per task beside a table on stdout.
+`--refresh` evaluates the default handoff at each refresh fraction on the same items in one pass
+(the extra arms then run per fraction; `--arms none` keeps to the controls): one JSON per fraction,
+named `...--refresh-R.json` where R is not the default 0.2.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 from bridgecache.evaluation.facts import _FIRST, _LAST, _TOWNS
+from bridgecache.runtime.config import DEFAULT_REFRESH
 
 SEED = 58
 
@@ -163,29 +167,34 @@ def run(args) -> None:
 
 
 def _run_pair(args, bridge, source, source_tok, target, target_tok) -> None:
-    from bridgecache import HandoffConfig
+    from bridgecache import HandoffConfig, RefreshConfig
     from bridgecache.evaluation import Variant, evaluate, format_table, load_items, summarise
 
-    variant = Variant(bridge, HandoffConfig(route="handoff"))
+    variants = [
+        Variant(bridge, HandoffConfig(route="handoff", refresh=RefreshConfig(amount=r))) for r in args.refresh
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     arms = None if args.arms == ["none"] else ("all" if args.arms == ["all"] else args.arms)
     for path in args.tasks:
         items = load_items(str(path), "choice", limit=args.limit)[1]
         start = time.perf_counter()
         ev = evaluate(
-            source, source_tok, target, target_tok, items, "choice", [variant],
+            source, source_tok, target, target_tok, items, "choice", variants,
             chat=args.chat, progress=True, arms=arms,
         )  # fmt: skip
         seconds = time.perf_counter() - start
-        summary = summarise(
-            ev, variant, source=bridge.source.name, target=bridge.target.name, data=str(path), chat=args.chat
-        )
-        summary["wall_s"] = seconds
         pair = f"{Path(bridge.source.name).name}--{Path(bridge.target.name).name}"
-        name = f"{pair}--{path.stem}{'--chat' if args.chat else ''}.json"
-        (args.out / name).write_text(json.dumps(summary, indent=1, default=str))
-        print(format_table(summary))
-        print(f"{path.stem}: {len(items)} items in {seconds:.0f} s -> {args.out / name}\n", flush=True)
+        for refresh, variant in zip(args.refresh, variants):
+            names = {"source": bridge.source.name, "target": bridge.target.name}
+            summary = summarise(ev, variant, **names, data=str(path), chat=args.chat)
+            summary["wall_s"] = seconds  # of the whole pass, every fraction together
+            summary["refresh"] = refresh
+            dial = "" if refresh == DEFAULT_REFRESH else f"--refresh-{refresh:g}"
+            name = f"{pair}--{path.stem}{dial}{'--chat' if args.chat else ''}.json"
+            (args.out / name).write_text(json.dumps(summary, indent=1, default=str))
+            print(format_table(summary))
+            print(f"{path.stem}, refresh {refresh:g}: {len(items)} items -> {args.out / name}", flush=True)
+        print(f"{path.stem}: {len(items)} items in {seconds:.0f} s\n", flush=True)
 
 
 _ARMS = ("native", "source_alone", "bridged", "translation", "chosen_only", "wrong_document", "random_map")
@@ -197,6 +206,12 @@ _DIFFS = (
     ("translation", "random_map"),
     ("translation", "no_context"),
 )
+
+
+def _task_name(result: dict) -> str:
+    """The task's file name, with the refresh fraction where a dial set another than the default."""
+    refresh = result.get("refresh", DEFAULT_REFRESH)
+    return Path(result["data"]).stem + ("" if refresh == DEFAULT_REFRESH else f", refresh {refresh:g}")
 
 
 def table(folder: Path) -> None:
@@ -226,7 +241,7 @@ def table(folder: Path) -> None:
                 continue
             right = sum(1 for item in r["items"] if item[f"pick_{arm}"] == item["answer"])
             cells.append(f"{pct(r[f'acc_{arm}'])}{ci(wilson(right, r['n']))}")
-        task = Path(r["data"]).stem
+        task = _task_name(r)
         print(
             f"| {r['source']} -> {r['target']} | {task} | {'yes' if r.get('chat') else 'no'} | {r['n']} | "
             + " | ".join(cells)
@@ -250,7 +265,7 @@ def table(folder: Path) -> None:
             cells.append(f"{pct(r[key])}{ci(r[key + '_ci'])}" if key in r else "-")
         cells += [pct(r["native_cost_fraction"]), pct(r["guide_cost_fraction"]), pct(r.get("chosen_share"))]
         cells += [str(r.get("map_uses_input")), f"{r.get('wall_s', 0):.0f}"]
-        task = Path(r["data"]).stem
+        task = _task_name(r)
         print(
             f"| {r['source']} -> {r['target']} | {task} | {'yes' if r.get('chat') else 'no'} | "
             + " | ".join(cells)
@@ -272,6 +287,10 @@ def main(argv=None) -> int:
     r.add_argument("--chat", action="store_true")
     r.add_argument("--limit", type=int)
     r.add_argument("--threads", type=int, default=2)
+    r.add_argument(
+        "--refresh", type=float, nargs="+", default=[DEFAULT_REFRESH],
+        help="refresh fractions of the default handoff, evaluated on the same items in one pass",
+    )  # fmt: skip
     t = sub.add_parser("table")
     t.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
