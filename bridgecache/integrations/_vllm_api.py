@@ -30,7 +30,7 @@ class SupportsHMA(ABC):
         request: Any,
         block_ids: tuple[list[int], ...],
     ) -> tuple[bool, dict[str, Any] | None]:
-        raise NotImplementedError
+        """Abstract, as in vLLM: the connector (bridgecache.integrations.vllm) implements it."""
 
 
 class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
