@@ -3,6 +3,8 @@
     python benchmarks/evidence.py build --out DIR [--items 48]
     python benchmarks/evidence.py run --bridge BRIDGE [BRIDGE ...] --tasks DIR/two-hop.jsonl ... --out DIR
         [--arms all] [--chat] [--limit N] [--refresh 0.2 [0.5 ...]]
+    python benchmarks/evidence.py table DIR        # every result in DIR, every arm
+    python benchmarks/evidence.py scaffold DIR     # --chat results against plain ones, same items
 
 `build` writes three 4-choice tasks (JSONL, `bridgecache eval --task choice` format), made only from
 what Python ships and invented facts (never from editors' or GNU manuals):
@@ -176,7 +178,8 @@ def _run_pair(args, bridge, source, source_tok, target, target_tok) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     arms = None if args.arms == ["none"] else ("all" if args.arms == ["all"] else args.arms)
     for path in args.tasks:
-        items = load_items(str(path), "choice", limit=args.limit)[1]
+        # a built-in task (`builtin:facts-choice-512`) is sized in the target's tokens
+        items = load_items(str(path), "choice", tokenizer=target_tok, limit=args.limit)[1]
         start = time.perf_counter()
         ev = evaluate(
             source, source_tok, target, target_tok, items, "choice", variants,
@@ -190,11 +193,19 @@ def _run_pair(args, bridge, source, source_tok, target, target_tok) -> None:
             summary["wall_s"] = seconds  # of the whole pass, every fraction together
             summary["refresh"] = refresh
             dial = "" if refresh == DEFAULT_REFRESH else f"--refresh-{refresh:g}"
-            name = f"{pair}--{path.stem}{dial}{'--chat' if args.chat else ''}.json"
+            name = f"{pair}--{_file_task(path)}{dial}{'--chat' if args.chat else ''}.json"
             (args.out / name).write_text(json.dumps(summary, indent=1, default=str))
             print(format_table(summary))
-            print(f"{path.stem}, refresh {refresh:g}: {len(items)} items -> {args.out / name}", flush=True)
-        print(f"{path.stem}: {len(items)} items in {seconds:.0f} s\n", flush=True)
+            print(
+                f"{_file_task(path)}, refresh {refresh:g}: {len(items)} items -> {args.out / name}",
+                flush=True,
+            )
+        print(f"{_file_task(path)}: {len(items)} items in {seconds:.0f} s\n", flush=True)
+
+
+def _file_task(path: Path) -> str:
+    """A task's name in file names: a JSONL file's stem, or a built-in's name without `builtin:`."""
+    return path.stem.removeprefix("builtin:")
 
 
 _ARMS = ("native", "source_alone", "bridged", "translation", "chosen_only", "wrong_document", "random_map")
@@ -273,6 +284,51 @@ def table(folder: Path) -> None:
         )
 
 
+def scaffold(folder: Path) -> None:
+    """The chat template's fresh assistant turn against the plain `Answer:` delimiter (issue 58 item
+    4): every `--chat` result in `folder` beside the plain result of the same pair and task, the
+    same items; accuracy of the native reading and of the handoff under each, and the paired
+    difference chat - plain (bootstrap 95% over items)."""
+    from bridgecache.evaluation.metrics import bootstrap_ci
+
+    def pct(x):
+        return f"{100 * x:.1f}"
+
+    print("| pair | task | n | native: plain / chat | chat - plain | handoff: plain / chat | chat - plain |")
+    print("|---" * 7 + "|")
+    for chat_path in sorted(folder.glob("*--chat.json")):
+        chat = json.loads(chat_path.read_text())
+        plain_path = chat_path.with_name(chat_path.name.replace("--chat.json", ".json"))
+        if not plain_path.exists():
+            print(f"| {chat['source']} -> {chat['target']} | {_task_name(chat)} | no plain result |")
+            continue
+        plain = json.loads(plain_path.read_text())
+        by_index = {item["index"]: item for item in plain["items"]}
+        pairs = [(by_index[item["index"]], item) for item in chat["items"] if item["index"] in by_index]
+        cells = []
+        for arm in ("native", "bridged"):
+            right = [
+                (float(p[f"pick_{arm}"] == p["answer"]), float(c[f"pick_{arm}"] == c["answer"]))
+                for p, c in pairs
+            ]
+
+            def diff(indices, right=right):
+                return sum(right[i][1] - right[i][0] for i in indices) / len(indices)
+
+            low, high = bootstrap_ci(len(right), diff)
+            plain_acc = sum(r[0] for r in right) / len(right)
+            chat_acc = sum(r[1] for r in right) / len(right)
+            cells += [
+                f"{pct(plain_acc)} / {pct(chat_acc)}",
+                f"{pct(chat_acc - plain_acc)} [{pct(low)}, {pct(high)}]",
+            ]
+        print(
+            f"| {chat['source']} -> {chat['target']} | {_task_name(chat)} | {len(pairs)} | "
+            + " | ".join(cells)
+            + " |"
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -293,9 +349,14 @@ def main(argv=None) -> int:
     )  # fmt: skip
     t = sub.add_parser("table")
     t.add_argument("folder", type=Path)
+    c = sub.add_parser("scaffold", help="chat against plain results, paired on the same items")
+    c.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
     if args.command == "table":
         table(args.folder)
+        return 0
+    if args.command == "scaffold":
+        scaffold(args.folder)
         return 0
     if args.command == "build":
         build(args.out, args.items)
