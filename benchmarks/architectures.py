@@ -66,8 +66,16 @@ def _noisy_bridge(model):
 
 def measure(name: str) -> dict:
     """One row of the table (see the module docstring)."""
+    from tiny_models import tiny_architecture
+
+    return measure_model(tiny_architecture(name), {"architecture": name})
+
+
+def measure_model(model, row: dict) -> dict:
+    """`row` completed for any tiny model (benchmarks/architecture_probe.py's too): its refusal, or
+    its layout, un-rotation, identity, wrong bridge, full refresh and fits with a tiny Qwen2."""
     import torch
-    from tiny_models import byte_tokenizer, tiny_architecture, tiny_model
+    from tiny_models import byte_tokenizer, tiny_model
 
     from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
     from bridgecache.bridge.maps import Bridge
@@ -77,8 +85,7 @@ def measure(name: str) -> dict:
     from bridgecache.runtime.cache import BridgedCache
     from bridgecache.runtime.entry.handoff import handoff
 
-    model = tiny_architecture(name)
-    row = {"architecture": name, "config": type(model.config).__name__}
+    row = row | {"config": type(model.config).__name__}
     try:
         spec = model_spec(model)
     except UnsupportedArchitectureError as error:
