@@ -88,17 +88,30 @@ def tiny_config(model_type: str, derived: tuple[str, ...] = ()):
     if default.get_text_config() is not default:
         text = default.get_text_config().model_type
         raise NotBuilt(f"composite (multimodal) config: not probed; its text config is {text!r}")
-    kwargs = {k: v for k, v in SHRINK.items() if hasattr(default, k) and k not in derived}
+    fields = _declared(cls)
+    kwargs = {k: v for k, v in SHRINK.items() if k in fields and k not in derived}
     for key, value in FEATURES.items():
         current = getattr(default, key, None)
-        if isinstance(current, int) and not isinstance(current, bool):
+        if key in fields and isinstance(current, int) and not isinstance(current, bool):
             kwargs[key] = min(value, current) if key == "num_experts_per_tok" else value
-    kwargs |= {k: v for k, v in TOKENS.items() if hasattr(default, k)}
+    kwargs |= {k: v for k, v in TOKENS.items() if k in fields}
     layers = getattr(default, "num_hidden_layers", None)
     for key, value in default.to_dict().items():  # per-layer lists: the pattern's first LAYERS
         if isinstance(value, list) and layers and len(value) == layers and key not in kwargs:
             kwargs[key] = [value[i % len(value)] for i in range(LAYERS)]
     return cls(**kwargs, attn_implementation="eager")
+
+
+def _declared(cls) -> set[str]:
+    """The fields a config class takes (its dataclass fields or __init__ parameters, and the
+    aliases of its attribute map); not what it derives (Falcon's `num_key_value_heads` follows
+    `multi_query`: setting it would give a config its own model contradicts)."""
+    import dataclasses
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    names |= set(inspect.signature(cls.__init__).parameters)
+    return names | set(getattr(cls, "attribute_map", {}))
 
 
 def build(model_type: str):
@@ -317,6 +330,13 @@ of random-weight fits, which shows the path runs, not a quality). "refused at en
 named error before the model runs. Anything else is a finding.
 
 {table}
+
+A family with a key norm (FlexOLMo, HY-V3 above) whose identity is off while its full refresh is
+exact: the default key-norm projection (`HandoffConfig(key_norm=True)`) restores every translated
+key to unit RMS, and the norm's epsilon keeps random-weight keys (initializer range 0.02) below it,
+so it moves the target's own keys too; with `key_norm=False` the same identity is within 1e-6
+(docs/architectures.md builds OLMo 2, OLMo 3 and EXAONE 4 with `initializer_range=0.5` for this
+reason). Trained keys sit far above epsilon; the projection is left as it is here.
 """
 
 
