@@ -60,6 +60,7 @@ OUTCOMES = (
     "exact", "refused at entry", "SILENTLY WRONG", "CRASH inside torch/transformers", "crash in bridgecache",
 )  # fmt: skip
 UNROTATION_LIMIT = 1e-5  # relative to the largest key, as tests/models/test_architectures.py
+SHIFTED_LIMIT = 1e-4  # the same, every layer: float32 rounding grows with depth
 
 
 class NotBuilt(Exception):
@@ -183,10 +184,39 @@ def probe(model_type: str, class_name: str) -> dict:
     finally:
         hook.remove()
     try:
-        measured = measure_model(model, {})
+        measured = measure_model(model, {}) | {"shifted": shifted_unrotation(model)}
     except Exception as error:  # noqa: BLE001
         return row | _crash(error)
     return row | _judge(measured)
+
+
+def shifted_unrotation(model, shift: int = 15) -> float:
+    """max over layers of |un-rotated keys at positions p - at p + shift| / max |keys|, 12 tokens.
+    With every position moved by one shift, a RoPE model's hidden states stay the same (its
+    attention sees relative positions only), so every layer's un-rotated keys must too: checks
+    each layer's rotary tables, layout and RoPE / no-RoPE flag, with the tables a bridge rebuilds
+    from the model's spec (layer 0's check in architectures.py sees the first layer only)."""
+    import torch
+    from transformers import DynamicCache
+
+    from bridgecache.compat import cache_kwargs
+    from bridgecache.kv.capture import cache_to_layers
+    from bridgecache.kv.rope import RopeTables, unrotate
+    from bridgecache.models.spec import model_spec
+
+    tables = RopeTables.from_spec(model_spec(model))
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    unrotated = []
+    for start in (0, shift):
+        positions = torch.arange(start, start + 12)[None]
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache))
+        keys = cache_to_layers(cache)[0]
+        unrotated.append(
+            [unrotate(k.float(), *tables.cos_sin(i, positions), tables.layout) for i, k in enumerate(keys)]
+        )
+    return max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(*unrotated))
 
 
 def _judge(m: dict) -> dict:
@@ -195,7 +225,7 @@ def _judge(m: dict) -> dict:
     detail = (
         f"{m['layout']}; identity {identity:.1e}{'' if same else ' tokens DIFFER'}, full refresh "
         f"{refresh:.1e}{'' if same_refresh else ' tokens DIFFER'} (wrong bridge {m['wrong bridge'][0]:.1e}), "
-        f"un-rotation {m['un-rotation']:.1e}, fit to/from Qwen2 "
+        f"un-rotation {m['un-rotation']:.1e}, every layer shifted {m['shifted']:.1e}, fit to/from Qwen2 "
         + " / ".join(f"{c:.3f}{'' if ok else ' (no output)'}" for c, ok in fits)
     )
     wrong = (
@@ -204,6 +234,7 @@ def _judge(m: dict) -> dict:
         or not identity < 1e-4
         or not refresh < 1e-4
         or not m["un-rotation"] < UNROTATION_LIMIT
+        or not m["shifted"] < SHIFTED_LIMIT
     )
     if wrong:
         return {"outcome": "SILENTLY WRONG", "detail": detail}
@@ -216,12 +247,15 @@ def _frame(error: BaseException) -> tuple[str, str]:
     """(where, "file:line in function") of the innermost frame of an exception's traceback that is
     in torch, transformers or this repository (the standard library's, importlib's, are skipped):
     where is "torch/transformers", "bridgecache" or "other"."""
+    import bridgecache
+
+    library = Path(bridgecache.__file__).resolve().parent.parent  # bridgecache, kernels, tokenalign
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         path = Path(frame.filename)
         if "torch" in path.parts or "transformers" in path.parts:
             shown, where = "/".join(path.parts[-3:]), "torch/transformers"
-        elif path.is_relative_to(ROOT) and path.parent.name != "benchmarks":
-            shown, where = str(path.relative_to(ROOT)), "bridgecache"
+        elif path.is_relative_to(library) and path.parent.name not in ("benchmarks", "tests"):
+            shown, where = str(path.relative_to(library)), "bridgecache"
         else:
             continue
         return where, f"{shown}:{frame.lineno} in {frame.name}"

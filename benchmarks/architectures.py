@@ -123,8 +123,8 @@ def measure_model(model, row: dict) -> dict:
         bridge = fit_bridge(source, target, tok, tok, FitConfig(**fit), **names)
         result = handoff(
             bridge, source, target, CONTEXT, " Where?", source_tokenizer=tok, target_tokenizer=tok,
-            max_new_tokens=3, do_sample=False,
-        )  # fmt: skip
+            max_new_tokens=3, do_sample=False, config=HandoffConfig(route="handoff"),
+        )  # fmt: skip  # the bridged route: on a CPU, "auto" may time the target's own prefill faster
         ran = result.output_ids.shape[-1] > 0
         row[label] = (bridge.calibration["heldout_scores"]["mean"], ran)
     return row

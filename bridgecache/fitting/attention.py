@@ -31,8 +31,8 @@ import math
 import torch
 
 from bridgecache.kv.rope import RopeTables, cos_sin_of, rotate
+from bridgecache.models.code import QUERY_PROJECTIONS
 from bridgecache.models.layout import (
-    QUERY_PROJECTIONS,
     layer_chunk,
     layer_sinks,
     layer_window,

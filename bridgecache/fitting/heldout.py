@@ -21,7 +21,8 @@ from bridgecache.fitting.attention import QueryRecorder, attention_modules, soft
 from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kernels import use_backend
 from bridgecache.kv.capture import capture_kv
-from bridgecache.models.layout import decoder_of, layer_chunk, layer_sinks, layer_window
+from bridgecache.models.code import decoder_of
+from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
 from bridgecache.runtime.request import HandoffRequest

@@ -22,8 +22,8 @@ import bridgecache.checks as checks
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.source import SourceKV, position_ids_from_mask
+from bridgecache.models.code import decoder_of
 from bridgecache.models.fingerprint import weight_fingerprint
-from bridgecache.models.layout import decoder_of
 from bridgecache.models.spec import model_spec
 
 __all__ = ["capture_kv", "cache_to_layers", "position_ids_from_mask"]

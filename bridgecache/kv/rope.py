@@ -28,7 +28,8 @@ import inspect
 import torch
 
 from bridgecache.kernels.reference import rope_pairs, unrope_pairs
-from bridgecache.models.layout import RotaryLayout, modeling_module, rope_layers, rotary_layout, rotary_module
+from bridgecache.models.code import modeling_module
+from bridgecache.models.layout import RotaryLayout, rope_layers, rotary_layout, rotary_module
 from bridgecache.models.spec import config_from_spec
 
 __all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "cos_sin_of", "NO_ROPE"]

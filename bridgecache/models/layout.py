@@ -19,20 +19,29 @@ Supported: per-head K/V on every layer ("full_attention", "sliding_attention", o
 bridgecache's own attention masks to the chunk), RoPE in any `RotaryLayout` (half-split or
 interleaved pairs, over the whole head or its first `rotary_dim` channels; any rope type and
 scaling), or no RoPE on a layer; a learned sink logit per head (GPT-OSS: a softmax column with no
-value, not part of the cache, which bridgecache's own attention adds where the model's does).
-Everything else is refused by name before any model runs: a bridge would be silently wrong.
-Knows transformers configs; nothing about bridges, KV or caches.
+value, not part of the cache, which bridgecache's own attention adds where the model's does);
+attention modules that compute one call of transformers' attention function from a query
+projection bridgecache reads (`bridgecache.models.code`). Everything else is refused by name
+before any model runs: a bridge would be silently wrong. Knows transformers configs and, through
+`models.code`, what the model's own modeling code does; nothing about bridges, KV or caches.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple
 
 import torch
 
 from bridgecache.kernels.rotary import ROTARY_KINDS
+from bridgecache.models.code import (
+    QUERY_PROJECTIONS,
+    attention_code,
+    decoder_of,
+    modeling_module,
+    module_pairing,
+    rope_on_sliding_only,
+)
 
 __all__ = [
     "ROTARY_KINDS",
@@ -49,9 +58,6 @@ __all__ = [
     "rope_layers",
     "rotary_layout",
     "rotary_module",
-    "modeling_module",
-    "decoder_of",
-    "QUERY_PROJECTIONS",
 ]
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -193,7 +199,7 @@ def rope_layers(config) -> tuple[bool, ...]:
         # per layer type, and None for a type without RoPE (ERGO's full layers): its rotary
         # module keeps no tables for that type and its attention skips the rotation
         return tuple(rope.get(t, {}) is not None for t in types)
-    if getattr(config, "sliding_window", None) is not None and _rope_on_sliding_only(config.model_type):
+    if getattr(config, "sliding_window", None) is not None and rope_on_sliding_only(config.model_type):
         return tuple(w is not None for w in layer_windows(config))
     return (True,) * n
 
@@ -235,59 +241,6 @@ def check_supported(model_or_config) -> None:
         _check_attention_modules(model, kind)
 
 
-# Where a layer's queries come from, as bridgecache recomputes them (the fit's attention weights,
-# its held-out scores): q_proj; Phi-3's fused qkv_proj, queries first; query_key_value, per KV head
-# its query heads, key and value (GPT-NeoX, Falcon); q_gate_proj, per head [query | gate] (MiniCPM5).
-QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "q_gate_proj")
-
-
-@functools.cache
-def _attention_code(attention_class) -> tuple[int, bool]:
-    """What an attention class's own `forward` does, read from its source: how many times it calls
-    transformers' attention function (`attention_interface(...)`, `eager_attention_forward(...)`,
-    `ALL_ATTENTION_FUNCTIONS[...](...)`), and whether it rotates (a call naming "rotary") only
-    under a condition on its window ("sliding"). Without source: one call, no condition."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(attention_class.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return 1, False
-    calls, sliding_only = 0, False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = ast.unparse(node.func)
-            calls += name in ("attention_interface", "eager_attention_forward") or (
-                name.startswith("ALL_ATTENTION_FUNCTIONS[")
-            )
-        if isinstance(node, ast.If) and "sliding" in ast.unparse(node.test):
-            body = ast.Module(body=node.body, type_ignores=[])
-            sliding_only |= any(
-                isinstance(n, ast.Call) and "rotary" in ast.unparse(n.func) for n in ast.walk(body)
-            )
-    return calls, sliding_only
-
-
-@functools.cache
-def _rope_on_sliding_only(model_type: str) -> bool:
-    """Whether the attention of `model_type`'s modeling module rotates only under a condition on
-    its window (`_attention_code`; Cohere 2: "if self.sliding_window is not None")."""
-    import importlib
-    import inspect
-
-    try:
-        module = importlib.import_module(modeling_module(model_type))
-    except (ImportError, ValueError):
-        return False
-    return any(
-        _attention_code(cls)[1]
-        for name, cls in vars(module).items()
-        if inspect.isclass(cls) and name.endswith("Attention") and cls.__module__ == module.__name__
-    )
-
-
 def _check_attention_modules(model, kind: str) -> None:
     """Refuse a model whose attention modules (transformers' `...Attention` classes with a
     `layer_idx`) are not ones bridgecache reads: a query projection of QUERY_PROJECTIONS (JetMoE
@@ -300,7 +253,7 @@ def _check_attention_modules(model, kind: str) -> None:
         found = True
         missing = [] if any(hasattr(module, n) for n in QUERY_PROJECTIONS) else ["query projection"]
         missing += [name for name in ("config", "scaling") if not hasattr(module, name)]
-        calls = _attention_code(type(module))[0]
+        calls = attention_code(type(module))[0]
         if calls != 1:  # bridgecache's own attention stands in for that one call
             raise UnsupportedArchitectureError(
                 kind, module.layer_idx, "attention that is not one call of transformers' attention function",
@@ -327,26 +280,6 @@ def layer_sinks(module) -> torch.Tensor | None:
     return sinks.detach().float() if isinstance(sinks, torch.Tensor) else None
 
 
-def decoder_of(model) -> torch.nn.Module | None:
-    """A causal LM's decoder stack (what runs input_ids to hidden states without the vocabulary
-    head): its `get_decoder()` where that takes input_ids (ModernBERT-decoder's returns its output
-    projection, which it names `decoder`), else its base model; None where it has neither."""
-    get = getattr(model, "get_decoder", None)
-    for decoder in (get() if callable(get) else None, getattr(model, "base_model", None)):
-        if isinstance(decoder, torch.nn.Module) and decoder is not model and _takes_input_ids(decoder):
-            return decoder
-    return None
-
-
-def _takes_input_ids(module: torch.nn.Module) -> bool:
-    import inspect
-
-    try:
-        return "input_ids" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def rotary_module(model) -> torch.nn.Module | None:
     """The decoder's rotary embedding module (`rotary_emb`), or None."""
     for base in (decoder_of(model), getattr(model, "model", None), model):
@@ -363,50 +296,7 @@ def _rotation_pairing(model, model_type: str) -> str:
     name = type(model).__module__ if model is not None else ""
     if not name.startswith("transformers.models."):
         name = modeling_module(model_type)
-    return _module_pairing(name)
-
-
-@functools.cache
-def modeling_module(model_type: str) -> str:
-    """The name of the transformers module that holds the causal-LM class of `model_type` (the
-    registry's `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: EXAONE and InternLM3 run Llama's code, Aria's
-    text model lives in `aria`); "" where transformers has none."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    try:
-        return getattr(transformers, class_name).__module__ if class_name else ""
-    except (AttributeError, ImportError):  # a class that cannot be imported here
-        return ""
-
-
-@functools.cache
-def _module_pairing(name: str) -> str:
-    """ "half" or "interleaved": the pairing the modeling module `name`'s own rotation applies,
-    applied to [0, 1, 2, 3] (half: (-2, -3, 0, 1); interleaved: (-1, 0, -3, 2)); "half" where it
-    has no rotation of its own; else what it gave (a rotation bridgecache does not know)."""
-    import importlib
-
-    try:
-        module = importlib.import_module(name)
-    except (ImportError, ValueError):  # ValueError: no module ("")
-        return "half"
-    rotate_half = getattr(module, "rotate_half", None)
-    complex_rotation = getattr(module, "apply_rotary_emb", None)
-    if rotate_half is not None:
-        turned = rotate_half(torch.arange(4.0)).tolist()
-    elif complex_rotation is not None:
-        # Llama 4: x [batch, tokens, heads, dim] times freqs_cis [batch, tokens, dim / 2], a quarter turn
-        x, quarter = torch.arange(4.0).view(1, 1, 1, 4), torch.full((1, 1, 2), 1j)
-        try:
-            turned = complex_rotation(x, x, quarter)[0].flatten().tolist()
-        except (TypeError, RuntimeError, ValueError):  # some other function of that name
-            return "half"
-    else:
-        return "half"
-    known = {(-2.0, -3.0, 0.0, 1.0): "half", (-1.0, 0.0, -3.0, 2.0): "interleaved"}
-    return known.get(tuple(turned), str([round(v, 3) for v in turned]))
+    return module_pairing(name)
 
 
 def rotary_layout(model_or_config) -> RotaryLayout:

@@ -34,6 +34,7 @@ def _assert_exact(model):
     assert same_refresh and refresh < 1e-4, row
     assert row["wrong bridge"][0] > 1e-3  # the wrong bridge is really wrong
     assert row["un-rotation"] < 1e-5, row
+    assert probe.shifted_unrotation(model) < 1e-4  # every layer's tables, layout and RoPE flag
     assert all(ran and math.isfinite(score) for score, ran in (row["to qwen2"], row["from qwen2"])), row
 
 
@@ -44,9 +45,11 @@ def _assert_exact(model):
         "aria_text",  # its text model lives in `aria`, beside a vision rotary that is not the keys'
         "ergo",  # rope parameters of None for its full layers; no intermediate_size
         "flint",  # RoPE only on its sliding layers, a rule of its code (the full layer 0 has none)
+        "cohere2_moe",  # the same rule (Cohere 2's own family was known by name, its MoE was not)
+        "afmoe",  # the same, through an attribute (`if self.is_local_attention`); views the attention
+        # function's output, so ours must be contiguous, as transformers' own
         "falcon",  # multi-query queries in a fused query_key_value; a head_dim its config derives
         "minicpm5_moe",  # queries and an output gate in one q_gate_proj
-        "afmoe",  # views the attention function's output: ours must be contiguous, as transformers'
         "modernbert-decoder",  # get_decoder() returns its output projection, not the decoder stack
     ],
 )

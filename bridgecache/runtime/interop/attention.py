@@ -39,7 +39,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
-from bridgecache.models.layout import decoder_of, layer_chunk, layer_sinks, layer_window, query_temperature
+from bridgecache.models.code import decoder_of
+from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature
 from bridgecache.runtime.interop.views import FALLBACK
 
 __all__ = ["ColumnMask", "ReadingMask", "attending", "layers_read", "read_without_logits", "NAME"]

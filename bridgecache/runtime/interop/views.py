@@ -31,7 +31,7 @@ import types
 import torch
 from transformers import PretrainedConfig
 
-from bridgecache.models.layout import decoder_of
+from bridgecache.models.code import decoder_of
 
 __all__ = ["FALLBACK", "ModelView", "generate_view"]
 
