@@ -18,7 +18,8 @@ where the family has one), 5 greedy new tokens:
   stands: the largest difference between the un-rotated layer-0 keys of 15 tokens read at
   positions 0-14 and again at 15-29, relative to the largest key;
 - fit and handoff with a tiny Qwen2, both ways: the held-out attention cosine of each fit (random
-  weights: a number that shows the path runs, not a quality) and that `handoff()` generated.
+  weights: a number that shows the path runs, not a quality) and that `handoff()` generated on
+  the bridged route (`route="handoff"`: "auto" may time the target's own prefill faster on a CPU).
 Nothing is downloaded; about a minute on one core.
 """
 
@@ -207,6 +208,12 @@ torch {torch}, transformers {transformers}); the same tiny random-weight models 
 `tests/models/test_architectures.py` (4 layers, 4 query / 2 KV heads of 16 dims, a window of 8 where the
 family has one), a 30-token context, 5 greedy new tokens, float32. Method: see the script's
 docstring.
+
+These rows are configs the developers wrote. A held-out probe builds every other causal-LM
+config class in transformers' registry from the class's own defaults by one generic shrink (no
+tuning per family), pairs each with a tiny Qwen2 both ways and sorts it into exact, refused at
+entry, silently wrong or a crash: `python benchmarks/architecture_probe.py`, written to
+[architecture-probe.md](architecture-probe.md) (its date, counts and findings there).
 
 A supported architecture is exact: through the identity bridge, and with every translated token
 refreshed from a deliberately wrong bridge, the target generates its own tokens (max |logit
