@@ -178,7 +178,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
         rotary=rotary_layout(model_or_config),
     )
     try:  # a bridge re-derives each side's rotary tables from its spec: refuse what cannot be
-        config_from_spec(spec)
+        _config_from_spec(_unnamed(spec))
     except Exception as error:  # noqa: BLE001 - transformers' own validation, whatever it raises
         raise UnsupportedArchitectureError(
             config.model_type, None, "a config transformers cannot rebuild from the model's spec",
@@ -192,7 +192,12 @@ def config_from_spec(spec: ModelSpec):
     parameters: enough for that type's rotary module (a bridge re-derives a side's tables from the
     spec alone). A fresh copy per call; ValueError where the class builds another layer count
     from them (HRM counts each attention call of its recurrent stacks as a layer)."""
-    return copy.deepcopy(_config_from_spec(replace(spec, name="", tokenizer="", bos_token_id=None)))
+    return copy.deepcopy(_config_from_spec(_unnamed(spec)))
+
+
+def _unnamed(spec: ModelSpec) -> ModelSpec:
+    """The spec without what a config does not hold: one memo entry per architecture."""
+    return replace(spec, name="", tokenizer="", bos_token_id=None)
 
 
 @functools.lru_cache(maxsize=64)  # a handoff rebuilds its source's; configs cost ~1 ms
