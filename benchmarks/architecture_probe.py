@@ -52,7 +52,7 @@ FEATURES = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1,
     kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-    sliding_window=8, attention_chunk_size=8,
+    sliding_window=8, attention_chunk_size=8, rotary_dim=8,
 )  # fmt: skip
 TOKENS = dict(pad_token_id=0, bos_token_id=256, eos_token_id=257)  # the byte tokenizer's
 MAX_PARAMETERS = 20_000_000  # the shrink missed a size field: not a tiny model
@@ -374,10 +374,11 @@ config class in transformers' registry (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`) who
 tests/tiny_models.py ARCHITECTURES does not cover (docs/architectures.md holds those), built from
 the class's own defaults by one generic shrink ({layers} layers, hidden size 64, 4 heads, 2 KV heads
 and head_dim 16 where the class has the fields, intermediate size 128, vocabulary 320, 512
-positions, eager attention; experts, latent ranks, windows (8) and chunks (8) shrunk only where
-the defaults set them; per-layer lists cycled to {layers} layers), random weights, float32. No
-tuning per architecture. Each model is paired with the tiny Qwen2 of tests/tiny_models.py both
-ways. Method and outcomes: see the script's docstring; the checks are benchmarks/architectures.py's.
+positions, eager attention; experts, latent ranks, windows (8), chunks (8) and rotary widths (8)
+shrunk only where the defaults set them; per-layer lists cycled to {layers} layers), random
+weights, float32. No tuning per architecture. Each model is paired with the tiny Qwen2 of
+tests/tiny_models.py both ways. Method and outcomes: see the script's docstring; the checks are
+benchmarks/architectures.py's.
 
 "exact": identity bridge and full refresh of a deliberately wrong bridge within 1e-4 of the
 model's own generate() (tokens equal), un-rotated layer-0 keys position-free within 1e-5 of the

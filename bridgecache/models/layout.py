@@ -230,6 +230,16 @@ def check_supported(model_or_config) -> None:
         )
     rope = getattr(config, "rope_parameters", None)
     no_module = model is not None and rotary_module(model) is None
+    inline = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: RoPE, but no rotary module
+    if (
+        not getattr(config, "alibi", False)
+        and (rope is not None or isinstance(inline, int))
+        and (rope is None or no_module)
+    ):
+        raise UnsupportedArchitectureError(
+            kind, None, "rotary embeddings computed inside its attention",
+            "no rotary_emb module and rope parameters to read the tables from",
+        )  # fmt: skip
     if rope is None or no_module or getattr(config, "alibi", False):
         raise UnsupportedArchitectureError(
             kind, None, "no rotary position embeddings", "learned absolute or ALiBi positions"

@@ -119,6 +119,7 @@ def test_the_route_estimate_takes_a_config_without_intermediate_size():
         ("gpt_neox_japanese", "not one call of transformers"),  # computes attention itself
         ("jetmoe", "an attention module bridgecache cannot read"),  # queries routed through experts
         ("nanochat", "a rotation bridgecache does not know"),  # rotate_half turning the other way
+        ("gptj", "rotary embeddings computed inside its attention"),  # not "no rotary embeddings"
         ("hrm_text", "cannot rebuild from the model's spec"),  # a layer per call of recurrent stacks
         ("gemma4_unified_text", "head_dim that differs by layer"),
     ],
