@@ -44,14 +44,12 @@ def attention_code(attention_class) -> tuple[int, bool]:
     `ALL_ATTENTION_FUNCTIONS[...](...)`), and whether it rotates (a call naming "rotary") only
     under a condition on its window: one naming "sliding", or an attribute its `__init__` sets from
     one (AFMoE's `is_local_attention`). Without source: one call, no condition."""
-
     forward, own = _parsed(attention_class.forward), _parsed(attention_class)
     if forward is None:
         return 1, False
     # the class's own source, not its __init__'s: a decorator may wrap that (AFMoE's kernels)
-    inits = (
-        [n for n in ast.walk(own) if isinstance(n, ast.FunctionDef) and n.name == "__init__"] if own else []
-    )
+    nodes = ast.walk(own) if own is not None else ()
+    inits = [n for n in nodes if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
     windowed = {"sliding"} | {
         ast.unparse(target)
         for init in inits
@@ -76,7 +74,6 @@ def attention_code(attention_class) -> tuple[int, bool]:
 
 def _parsed(function_or_class):
     """The syntax tree of a function's or class's source, or None where it has none."""
-
     try:
         return ast.parse(textwrap.dedent(inspect.getsource(function_or_class)))
     except (OSError, TypeError, SyntaxError):
@@ -86,8 +83,7 @@ def _parsed(function_or_class):
 @functools.cache
 def rope_on_sliding_only(model_type: str) -> bool:
     """Whether the attention of `model_type`'s modeling module rotates only under a condition on
-    its window (`_attention_code`; Cohere 2: "if self.sliding_window is not None")."""
-
+    its window (`attention_code`; Cohere 2: "if self.sliding_window is not None")."""
     try:
         module = importlib.import_module(modeling_module(model_type))
     except (ImportError, ValueError):
@@ -111,7 +107,6 @@ def decoder_of(model) -> torch.nn.Module | None:
 
 
 def _takes_input_ids(module: torch.nn.Module) -> bool:
-
     try:
         return "input_ids" in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -135,10 +130,9 @@ def modeling_module(model_type: str) -> str:
 
 @functools.cache
 def module_pairing(name: str) -> str:
-    """ "half" or "interleaved": the pairing the modeling module `name`'s own rotation applies,
-    applied to [0, 1, 2, 3] (half: (-2, -3, 0, 1); interleaved: (-1, 0, -3, 2)); "half" where it
-    has no rotation of its own; else what it gave (a rotation bridgecache does not know)."""
-
+    """The pairing the modeling module `name`'s own rotation applies, read by applying it to
+    [0, 1, 2, 3]: "half" for (-2, -3, 0, 1), "interleaved" for (-1, 0, -3, 2), "half" where the
+    module has no rotation of its own; else what it gave (a rotation bridgecache does not know)."""
     try:
         module = importlib.import_module(name)
     except (ImportError, ValueError):  # ValueError: no module ("")
