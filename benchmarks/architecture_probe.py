@@ -8,9 +8,10 @@ into exactly one outcome.
 Per model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` not in ARCHITECTURES:
 - build: the config class's defaults with `SHRINK` applied to the fields the class has (aliases
   such as GPT-2's `n_embd` through the class's own attribute map), the fields of `FEATURES` set
-  only where the default sets them (experts, latent ranks, windows, chunks), the token ids the byte
-  tokenizer's, and every per-layer list of the defaults cycled to `LAYERS` layers; random weights
-  (seed 0), float32, eager attention. Encoder-decoder and composite (multimodal) configs are not
+  only where the default sets them (experts, latent ranks, windows, chunks, rotary widths), the
+  token ids the byte tokenizer's, every per-layer list of the defaults cycled to `LAYERS` layers
+  and every count of layers scaled to them; only fields the class takes, never ones it derives;
+  random weights (seed 0), float32, eager attention. Encoder-decoder and composite (multimodal) configs are not
   probed (their text part is, where it has its own entry); a config the rule cannot build, a model
   transformers cannot build or that cannot `generate()` on its own, is listed as "could not build"
   and is not a probe row: it says nothing about bridgecache.
@@ -97,10 +98,22 @@ def tiny_config(model_type: str, derived: tuple[str, ...] = ()):
             kwargs[key] = min(value, current) if key == "num_experts_per_tok" else value
     kwargs |= {k: v for k, v in TOKENS.items() if k in fields}
     layers = getattr(default, "num_hidden_layers", None)
-    for key, value in default.to_dict().items():  # per-layer lists: the pattern's first LAYERS
-        if isinstance(value, list) and layers and len(value) == layers and key not in kwargs:
+    for key, value in default.to_dict().items():
+        if key in kwargs or key not in fields or not layers:
+            continue
+        if isinstance(value, list) and len(value) == layers:  # per layer: the pattern's first LAYERS
             kwargs[key] = [value[i % len(value)] for i in range(LAYERS)]
+        elif _layer_count(key, value, layers):  # Gemma 3n's num_kv_shared_layers: scaled
+            kwargs[key] = max(1, round(value * LAYERS / layers))
+        elif key.startswith("vocab_size") and isinstance(value, int):  # per-layer inputs' vocabulary
+            kwargs[key] = SHRINK["vocab_size"]
     return cls(**kwargs, attn_implementation="eager")
+
+
+def _layer_count(key: str, value, layers: int) -> bool:
+    """Whether a config field counts some of the layers (num_..._layers, below the layer count)."""
+    counted = key.startswith("num_") and key.endswith("_layers") and isinstance(value, int)
+    return counted and not isinstance(value, bool) and 0 < value < layers
 
 
 def _declared(cls) -> set[str]:
@@ -375,8 +388,8 @@ tests/tiny_models.py ARCHITECTURES does not cover (docs/architectures.md holds t
 the class's own defaults by one generic shrink ({layers} layers, hidden size 64, 4 heads, 2 KV heads
 and head_dim 16 where the class has the fields, intermediate size 128, vocabulary 320, 512
 positions, eager attention; experts, latent ranks, windows (8), chunks (8) and rotary widths (8)
-shrunk only where the defaults set them; per-layer lists cycled to {layers} layers), random
-weights, float32. No tuning per architecture. Each model is paired with the tiny Qwen2 of
+shrunk only where the defaults set them; per-layer lists cycled to {layers} layers, counts of
+layers scaled to {layers}, per-layer vocabularies to 320), random weights, float32. No tuning per architecture. Each model is paired with the tiny Qwen2 of
 tests/tiny_models.py both ways. Method and outcomes: see the script's docstring; the checks are
 benchmarks/architectures.py's.
 
