@@ -11,10 +11,10 @@ Per model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` not in ARCHITECTURES:
   only where the default sets them (experts, latent ranks, windows, chunks, rotary widths), the
   token ids the byte tokenizer's, every per-layer list of the defaults cycled to `LAYERS` layers
   and every count of layers scaled to them; only fields the class takes, never ones it derives;
-  random weights (seed 0), float32, eager attention. Encoder-decoder and composite (multimodal) configs are not
-  probed (their text part is, where it has its own entry); a config the rule cannot build, a model
-  transformers cannot build or that cannot `generate()` on its own, is listed as "could not build"
-  and is not a probe row: it says nothing about bridgecache.
+  random weights (seed 0), float32, eager attention. Encoder-decoder and composite (multimodal)
+  configs are not probed (their text part is, where it has its own entry); a config the rule
+  cannot build, a model transformers cannot build or that cannot `generate()` on its own, is
+  listed as "could not build" and is not a probe row: it says nothing about bridgecache.
 - outcome, one of:
   "refused at entry": `model_spec` or `Bridge.identity` raises bridgecache's
   UnsupportedArchitectureError (or another ValueError/TypeError raised by bridgecache's own code)
@@ -389,9 +389,9 @@ the class's own defaults by one generic shrink ({layers} layers, hidden size 64,
 and head_dim 16 where the class has the fields, intermediate size 128, vocabulary 320, 512
 positions, eager attention; experts, latent ranks, windows (8), chunks (8) and rotary widths (8)
 shrunk only where the defaults set them; per-layer lists cycled to {layers} layers, counts of
-layers scaled to {layers}, per-layer vocabularies to 320), random weights, float32. No tuning per architecture. Each model is paired with the tiny Qwen2 of
-tests/tiny_models.py both ways. Method and outcomes: see the script's docstring; the checks are
-benchmarks/architectures.py's.
+layers scaled to {layers}, per-layer vocabularies to 320), random weights, float32. No tuning per
+architecture. Each model is paired with the tiny Qwen2 of tests/tiny_models.py both ways. Method
+and outcomes: see the script's docstring; the checks are benchmarks/architectures.py's.
 
 "exact": identity bridge and full refresh of a deliberately wrong bridge within 1e-4 of the
 model's own generate() (tokens equal), un-rotated layer-0 keys position-free within 1e-5 of the
