@@ -197,32 +197,10 @@ def probe(model_type: str, class_name: str) -> dict:
     finally:
         hook.remove()
     try:
-        measured = measure_model(model, {}) | {"shifted": shifted_unrotation(model)}
-        judged = _judge(measured)
-        if judged["outcome"] == "SILENTLY WRONG" and measured["full refresh"][0] < 1e-4:
-            judged["detail"] += f"; identity without the key-norm projection {plain_identity(model):.1e}"
+        judged = _judge(measure_model(model, {}) | {"shifted": shifted_unrotation(model)})
     except Exception as error:  # noqa: BLE001
         return row | _crash(error)
     return row | judged
-
-
-def plain_identity(model) -> float:
-    """max |logit diff| of the identity bridge with `HandoffConfig(key_norm=False)`: tells the
-    key-norm projection's share of an identity that is off (a diagnostic; the outcome stands)."""
-    import torch
-    from architectures import _generate
-
-    from bridgecache import HandoffConfig
-    from bridgecache.bridge.maps import Bridge
-    from bridgecache.kv.capture import capture_kv
-    from bridgecache.runtime.cache import BridgedCache
-
-    ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))  # measure_model's
-    _, native = _generate(model, ids)
-    cache = BridgedCache(
-        Bridge.identity(model), capture_kv(model, ids), model, ids, config=HandoffConfig(key_norm=False)
-    )
-    return (_generate(model, ids, cache)[1] - native).abs().max().item()
 
 
 def shifted_unrotation(model, shift: int = 15) -> float:
@@ -403,13 +381,13 @@ named error before the model runs. Anything else is a finding.
 
 {table}
 
-A row whose identity is off while its full refresh is exact (FlexOLMo, HY-V3 in the run above:
-families with a key norm) shows the identity without the key-norm projection beside it. The
-default projection (`HandoffConfig(key_norm=True)`) puts every translated key at unit RMS after
-the target's key norm; a random-weight model's pre-norm keys are small enough that the norm's
-epsilon keeps its own keys below unit RMS, so the projection moves them too (docs/architectures.md
-builds OLMo 2, OLMo 3 and EXAONE 4 with `initializer_range=0.5` for this reason). Trained keys sit
-far above epsilon; the projection is left as it is, and these rows stay listed as found.
+An identity bridge does not go through the key-norm projection (`HandoffConfig(key_norm=True)`,
+the default, which puts every translated key at unit RMS after the target's key norm): the
+projection restores what a fitted map loses, and an identity map loses nothing. At commit
+db66f91, before that rule, FlexOLMo's and HY-V3's identity rows were silently wrong (off by 1.2e-2
+and 1.2e-4; 4.1e-7 and 2.2e-8 with `key_norm=False`; full refresh exact): a random-weight model's
+pre-norm keys are small enough that the norm's epsilon keeps its own keys below unit RMS, so the
+projection moved them.
 """
 
 
