@@ -221,11 +221,10 @@ difference| < 1e-4; the wrong bridge alone is off by the figure shown). The un-r
 how far a token's un-rotated layer-0 keys move when it is read 15 positions later (0 up to
 rounding: the keys a bridge maps are position-free). The fit + handoff column gives the held-out
 attention cosine (mean over layers) of a Full-Head fit each way; the weights are random, so it
-shows that the path runs, not a quality. The identity figures of OLMo 2, OLMo 3 and EXAONE 4 are
-the key-norm projection's (`HandoffConfig(key_norm=True)`, the default): their norms' epsilon
-keeps the target's own keys slightly off the unit RMS the projection restores (these families
-normalise after attention, and random weights give small keys; the tiny models are built with
-`initializer_range=0.5` to keep the keys well above epsilon).
+shows that the path runs, not a quality. An identity bridge never goes through the key-norm
+projection (`HandoffConfig(key_norm=True)`, the default, which restores the norm a fitted map
+loses), so the identity figures of the key-normed families (Qwen3, Gemma 3, OLMo 2, OLMo 3,
+EXAONE 4, ...) are the target's own keys; the wrong bridge, marked as fitted, is projected.
 
 An unsupported architecture is refused where it enters (`model_spec`, which `capture_kv`,
 `Bridge.identity`, `fit_bridge` and `BridgedCache` call before any model runs) with an
