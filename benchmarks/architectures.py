@@ -18,7 +18,8 @@ where the family has one), 5 greedy new tokens:
   stands: the largest difference between the un-rotated layer-0 keys of 15 tokens read at
   positions 0-14 and again at 15-29, relative to the largest key;
 - fit and handoff with a tiny Qwen2, both ways: the held-out attention cosine of each fit (random
-  weights: a number that shows the path runs, not a quality) and that `handoff()` generated.
+  weights: a number that shows the path runs, not a quality) and that `handoff()` generated on
+  the bridged route (`route="handoff"`: "auto" may time the target's own prefill faster on a CPU).
 Nothing is downloaded; about a minute on one core.
 """
 
@@ -66,8 +67,16 @@ def _noisy_bridge(model):
 
 def measure(name: str) -> dict:
     """One row of the table (see the module docstring)."""
+    from tiny_models import tiny_architecture
+
+    return measure_model(tiny_architecture(name), {"architecture": name})
+
+
+def measure_model(model, row: dict) -> dict:
+    """`row` completed for any tiny model (benchmarks/architecture_probe.py's too): its refusal, or
+    its layout, un-rotation, identity, wrong bridge, full refresh and fits with a tiny Qwen2."""
     import torch
-    from tiny_models import byte_tokenizer, tiny_architecture, tiny_model
+    from tiny_models import byte_tokenizer, tiny_model
 
     from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
     from bridgecache.bridge.maps import Bridge
@@ -77,8 +86,7 @@ def measure(name: str) -> dict:
     from bridgecache.runtime.cache import BridgedCache
     from bridgecache.runtime.entry.handoff import handoff
 
-    model = tiny_architecture(name)
-    row = {"architecture": name, "config": type(model.config).__name__}
+    row = row | {"config": type(model.config).__name__}
     try:
         spec = model_spec(model)
     except UnsupportedArchitectureError as error:
@@ -116,8 +124,8 @@ def measure(name: str) -> dict:
         bridge = fit_bridge(source, target, tok, tok, FitConfig(**fit), **names)
         result = handoff(
             bridge, source, target, CONTEXT, " Where?", source_tokenizer=tok, target_tokenizer=tok,
-            max_new_tokens=3, do_sample=False,
-        )  # fmt: skip
+            max_new_tokens=3, do_sample=False, config=HandoffConfig(route="handoff"),
+        )  # fmt: skip  # the bridged route: on a CPU, "auto" may time the target's own prefill faster
         ran = result.output_ids.shape[-1] > 0
         row[label] = (bridge.calibration["heldout_scores"]["mean"], ran)
     return row
@@ -201,17 +209,22 @@ torch {torch}, transformers {transformers}); the same tiny random-weight models 
 family has one), a 30-token context, 5 greedy new tokens, float32. Method: see the script's
 docstring.
 
+These rows are configs the developers wrote. A held-out probe builds every other causal-LM
+config class in transformers' registry from the class's own defaults by one generic shrink (no
+tuning per family), pairs each with a tiny Qwen2 both ways and sorts it into exact, refused at
+entry, silently wrong or a crash: `python benchmarks/architecture_probe.py`, written to
+[architecture-probe.md](architecture-probe.md) (its date, counts and findings there).
+
 A supported architecture is exact: through the identity bridge, and with every translated token
 refreshed from a deliberately wrong bridge, the target generates its own tokens (max |logit
 difference| < 1e-4; the wrong bridge alone is off by the figure shown). The un-rotation error is
 how far a token's un-rotated layer-0 keys move when it is read 15 positions later (0 up to
 rounding: the keys a bridge maps are position-free). The fit + handoff column gives the held-out
 attention cosine (mean over layers) of a Full-Head fit each way; the weights are random, so it
-shows that the path runs, not a quality. The identity figures of OLMo 2, OLMo 3 and EXAONE 4 are
-the key-norm projection's (`HandoffConfig(key_norm=True)`, the default): their norms' epsilon
-keeps the target's own keys slightly off the unit RMS the projection restores (these families
-normalise after attention, and random weights give small keys; the tiny models are built with
-`initializer_range=0.5` to keep the keys well above epsilon).
+shows that the path runs, not a quality. An identity bridge never goes through the key-norm
+projection (`HandoffConfig(key_norm=True)`, the default, which restores the norm a fitted map
+loses), so the identity figures of the key-normed families (Qwen3, Gemma 3, OLMo 2, OLMo 3,
+EXAONE 4, ...) are the target's own keys; the wrong bridge, marked as fitted, is projected.
 
 An unsupported architecture is refused where it enters (`model_spec`, which `capture_kv`,
 `Bridge.identity`, `fit_bridge` and `BridgedCache` call before any model runs) with an

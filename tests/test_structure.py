@@ -172,7 +172,11 @@ MODULE_STATE = {
     "bridgecache.models.layout._WINDOWS": "per live config (weak reference + signature): its layers' windows",
     "tokenalign.vocab._cache": "weak per tokenizer: its byte vocabulary",
     "bridgecache.compat._keyword_for": "functools.cache of a forward signature: its cache keyword",
-    "bridgecache.models.layout._module_interleaves": "functools.cache of a module name's rotary layout",
+    "bridgecache.models.code.module_pairing": "functools.cache of a module name's rotary pairing",
+    "bridgecache.models.code.attention_code": "functools.cache of an attention class's source facts",
+    "bridgecache.models.code.rope_on_sliding_only": "functools.cache of a model type's source facts",
+    "bridgecache.models.code.modeling_module": "functools.cache of a model type's modeling module name",
+    "bridgecache.models.spec._config_from_spec": "lru_cache (64) of a spec's config; copies handed out",
     "bridgecache.text._all_documents": "functools.cache of the text Python ships, per domain",
     # kernels: launch configurations and index tensors resolved once per shape and device
     "bridgecache.kernels._dispatch._JITTED": "one triton.jit per helper function",
@@ -207,7 +211,6 @@ MODULE_STATE = {
     "bridgecache.evaluation.needles.MAX_NEW_TOKENS": _TABLE,
     "bridgecache.models.gguf_weights._TORCH_BLOCKS": _TABLE,
     "bridgecache.models.layout._KIND_WHY": _TABLE,
-    "bridgecache.models.layout._ROPE_ON_SLIDING_ONLY": _TABLE,
     "bridgecache.models.spec.SPEC_LIMITS": _TABLE,
     "bridgecache.models.zoo.BUILTIN_MODELS": _TABLE,
 }

@@ -31,6 +31,7 @@ import math
 import torch
 
 from bridgecache.kv.rope import RopeTables, cos_sin_of, rotate
+from bridgecache.models.code import QUERY_PROJECTIONS
 from bridgecache.models.layout import (
     layer_chunk,
     layer_sinks,
@@ -71,7 +72,7 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def _projects_queries(module) -> bool:
-    return any(hasattr(module, name) for name in ("q_proj", "qkv_proj", "query_key_value"))
+    return any(hasattr(module, name) for name in QUERY_PROJECTIONS)
 
 
 def head_dim(module) -> int:
@@ -79,15 +80,22 @@ def head_dim(module) -> int:
     return getattr(module, "head_dim", None) or module.head_size
 
 
-def _project_queries(module, hidden: torch.Tensor) -> torch.Tensor:
-    """[batch, rows, q_heads * head_dim]: the queries of `hidden` (Phi-3 fuses q, k, v in `qkv_proj`,
-    queries first; GPT-NeoX in `query_key_value`, per head [q | k | v])."""
+def _project_queries(module, hidden: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, rows, q_heads * head_dim]: the queries of `hidden` (`heads` query heads). Phi-3 fuses
+    q, k, v in `qkv_proj`, queries first; `query_key_value` holds per KV head its g = heads / kv
+    query heads, then its key and its value ([q_1 .. q_g | k | v]: GPT-NeoX g = 1, Falcon's
+    multi-query kv = 1, Falcon's grouped layout), kv read from the projection's width."""
     if hasattr(module, "q_proj"):
         return module.q_proj(hidden)
-    d, heads = head_dim(module), module.config.num_attention_heads
+    d = head_dim(module)
     if hasattr(module, "query_key_value"):
-        qkv = module.query_key_value(hidden).view(*hidden.shape[:-1], heads, 3 * d)
-        return qkv[..., :d].reshape(*hidden.shape[:-1], heads * d)
+        qkv = module.query_key_value(hidden)
+        kv = (qkv.shape[-1] // d - heads) // 2  # width = kv * (g + 2) * d = (heads + 2 kv) * d
+        grouped = qkv.view(*hidden.shape[:-1], kv, heads // kv + 2, d)
+        return grouped[..., : heads // kv, :].reshape(*hidden.shape[:-1], heads * d)
+    if hasattr(module, "q_gate_proj"):
+        gated = module.q_gate_proj(hidden).view(*hidden.shape[:-1], heads, 2 * d)
+        return gated[..., :d].reshape(*hidden.shape[:-1], heads * d)
     return module.qkv_proj(hidden)[..., : heads * d]
 
 
@@ -100,6 +108,8 @@ class QueryRecorder:
     def __init__(self, model, rows: torch.Tensor):
         self.modules = attention_modules(model)
         self.tables = RopeTables.from_model(model) if rotary_module(model) is not None else None
+        config = model.config.get_text_config()
+        self.heads, self.rope = config.num_attention_heads, rope_layers(config)
         self.rows = rows
         self.queries: dict[int, torch.Tensor] = {}
         self._handles = []
@@ -127,7 +137,7 @@ class QueryRecorder:
         rows = self._rows_on(hidden.device)
         h = hidden[:, rows]  # q_proj is per token: project only the boundary rows
         d = head_dim(module)
-        q = _project_queries(module, h)
+        q = _project_queries(module, h, self.heads)
         norm = getattr(module, "q_norm", None) or getattr(module, "q_layernorm", None)  # StableLM's name
         weight = None if norm is None else getattr(norm, "weight", None)
         whole = weight is not None and weight.shape[-1] != d  # OLMo 2: all heads at once
@@ -139,7 +149,7 @@ class QueryRecorder:
         q = q.transpose(1, 2)
         if norm is not None and not whole and (weight is None or weight.dim() == 1):
             q = norm(q)
-        if rope_layers(module.config)[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
+        if self.rope[module.layer_idx]:  # SmolLM3's no-RoPE layers: queries as they are
             cos, sin = cos_sin_of(tables)
             cos, sin = self.tables.canonical(cos[:, rows].float(), sin[:, rows].float())
             q = rotate(q.float(), cos, sin, self.tables.layout)

@@ -21,6 +21,7 @@ from bridgecache.fitting.attention import QueryRecorder, attention_modules, soft
 from bridgecache.fitting.calibration import calibration_sequences
 from bridgecache.kernels import use_backend
 from bridgecache.kv.capture import capture_kv
+from bridgecache.models.code import decoder_of
 from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window
 from bridgecache.runtime.config import HandoffConfig
 from bridgecache.runtime.engine import HandoffEngine
@@ -99,7 +100,7 @@ def _score_context(bridge, source, target, engine, modules, source_ids, target_i
     rows = host_rows.to(device)
     native = DynamicCache()
     with QueryRecorder(target, rows) as recorder:
-        decoder = target.get_decoder()
+        decoder = decoder_of(target) or target
         decoder(input_ids=target_ids[:, :prefix], use_cache=True, **cache_kwargs(decoder, native))
     for i, module in enumerate(modules):
         bridged_k, bridged_v = cache.layers[i].keys, cache.layers[i].values

@@ -22,6 +22,7 @@ import bridgecache.checks as checks
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.rope import RopeTables
 from bridgecache.kv.source import SourceKV, position_ids_from_mask
+from bridgecache.models.code import decoder_of
 from bridgecache.models.fingerprint import weight_fingerprint
 from bridgecache.models.spec import model_spec
 
@@ -82,9 +83,7 @@ def capture_kv(
 
 def _decoder(model):
     """The model's decoder (a causal LM's base model), or the model itself."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    return decoder if isinstance(decoder, torch.nn.Module) else model
+    return decoder_of(model) or model
 
 
 def _empty_layers(model, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

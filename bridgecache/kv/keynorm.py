@@ -1,11 +1,14 @@
 """Mapped keys for targets that normalise their keys (q/k-norm: Gemma 3, Qwen3, ...).
 
 Such a target's attention applies an RMSNorm per head to every key before RoPE, so each key it
-ever holds is k = s * n with rms(n) = 1 (s: the norm's per-channel scale). A mapped key is a
-regression estimate, shrunken towards the mean: its norm is too small and the target's attention
-over translated rows is flatter than over its own. `project_to_key_norm` rescales each mapped key
-(per head and token, direction kept) back onto that set; keys the target computed itself are
-left as they are, up to rounding. BridgedCache applies it when the target has a `k_norm`.
+ever holds is k = s * n with rms(n) ~ 1 (s: the norm's per-channel scale; exactly
+rms(n) = sqrt(ms / (ms + eps)) for a pre-norm mean square ms). A mapped key is a regression
+estimate, shrunken towards the mean: its norm is too small and the target's attention over
+translated rows is flatter than over its own. `project_to_key_norm` rescales each mapped key (per
+head and token, direction kept) back onto rms(n) = 1; keys the target computed itself stay put
+where ms >> eps, but small pre-norm keys (random weights) move. So BridgedCache applies it when
+the target has a `k_norm` and the bridge is fitted, never through an identity bridge, whose keys
+are the target's own.
 
 Knows nothing about bridges or caches.
 """

@@ -24,12 +24,13 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-import json
 
 import torch
 
 from bridgecache.kernels.reference import rope_pairs, unrope_pairs
+from bridgecache.models.code import modeling_module
 from bridgecache.models.layout import RotaryLayout, rope_layers, rotary_layout, rotary_module
+from bridgecache.models.spec import config_from_spec
 
 __all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "cos_sin_of", "NO_ROPE"]
 
@@ -119,14 +120,17 @@ class RopeTables:
 
     @classmethod
     def from_config(cls, config) -> RopeTables:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-        if class_name is None:
+        """Tables of a config alone: the text rotary class of the module that holds its causal-LM
+        class (`modeling_module`; a multimodal module's vision or audio rotary is not the keys')."""
+        name = modeling_module(config.model_type)
+        if not name:
             raise ValueError(f"no causal-LM class for model type {config.model_type!r}")
-        module = importlib.import_module(f"transformers.models.{_module_name(config.model_type)}")
-        modeling = importlib.import_module(f"{module.__name__}.modeling_{_module_name(config.model_type)}")
-        rotary_classes = [getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding")]
+        modeling = importlib.import_module(name)
+        rotary_classes = [
+            getattr(modeling, n)
+            for n in dir(modeling)
+            if n.endswith("RotaryEmbedding") and "Vision" not in n and "Audio" not in n
+        ]
         if not rotary_classes:
             raise ValueError(f"transformers has no rotary embedding for model type {config.model_type!r}")
         return cls(config, rotary_classes[0](config=config))
@@ -134,20 +138,7 @@ class RopeTables:
     @classmethod
     def from_spec(cls, spec) -> RopeTables:
         """Tables of a `ModelSpec` (what a bridge records of each side), in its rotary layout."""
-        from transformers import AutoConfig
-
-        config = AutoConfig.for_model(
-            spec.model_type,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_q_heads,
-            num_key_value_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            hidden_size=spec.hidden_size,
-            layer_types=list(spec.layer_types),
-            max_position_embeddings=spec.max_position_embeddings,
-            rope_parameters=json.loads(spec.rope),
-            **_no_rope_flags(spec),
-        )
+        config = config_from_spec(spec)
         tables = cls.from_config(config)
         tables.layout = spec.rotary
         return tables
@@ -167,6 +158,9 @@ class RopeTables:
         indexed by pair (the module docstring)."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        if self.layer_types[layer] == NO_ROPE:  # the identity rotation; the module may keep no tables
+            ones = torch.ones(*positions.shape, self.head_dim, device=positions.device)
+            return ones, torch.zeros_like(ones)
         layer_type = self._rotary_types[layer]
         rotary = self.rotary
         if layer_type == "sliding_attention" and self.rotary_local is not None:
@@ -180,10 +174,7 @@ class RopeTables:
             else:
                 tables = rotary(probe, positions)
         cos, sin = cos_sin_of(tables)
-        cos, sin = self.canonical(cos.float(), sin.float())
-        if self.layer_types[layer] == NO_ROPE:  # the identity rotation, in the tables' shape
-            return torch.ones_like(cos), torch.zeros_like(sin)
-        return cos, sin
+        return self.canonical(cos.float(), sin.float())
 
     def canonical(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own tables (as its rotary module returns them, or as it hands them to its
@@ -229,20 +220,6 @@ def _repeats_pairs(tables: RopeTables, rotary_dim: int) -> bool:
         else:
             cos, _ = cos_sin_of(rotary(probe, positions))
     return bool(torch.equal(cos[..., 0::2], cos[..., 1::2]))
-
-
-def _no_rope_flags(spec) -> dict:
-    """The config field that marks layers without RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE)."""
-    no_rope = getattr(spec, "no_rope_layers", ())
-    if not no_rope:
-        return {}
-    return {"no_rope_layers": [0 if i in no_rope else 1 for i in range(spec.num_layers)]}
-
-
-def _module_name(model_type: str) -> str:
-    # gemma3_text lives in transformers.models.gemma3; others are named after their type
-    known = {"gemma3_text": "gemma3", "gemma2_text": "gemma2", "llama4_text": "llama4"}
-    return known.get(model_type, model_type.replace("-", "_"))
 
 
 def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:

@@ -19,20 +19,29 @@ Supported: per-head K/V on every layer ("full_attention", "sliding_attention", o
 bridgecache's own attention masks to the chunk), RoPE in any `RotaryLayout` (half-split or
 interleaved pairs, over the whole head or its first `rotary_dim` channels; any rope type and
 scaling), or no RoPE on a layer; a learned sink logit per head (GPT-OSS: a softmax column with no
-value, not part of the cache, which bridgecache's own attention adds where the model's does).
-Everything else is refused by name before any model runs: a bridge would be silently wrong.
-Knows transformers configs; nothing about bridges, KV or caches.
+value, not part of the cache, which bridgecache's own attention adds where the model's does);
+attention modules that compute one call of transformers' attention function from a query
+projection bridgecache reads (`bridgecache.models.code`). Everything else is refused by name
+before any model runs: a bridge would be silently wrong. Knows transformers configs and, through
+`models.code`, what the model's own modeling code does; nothing about bridges, KV or caches.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple
 
 import torch
 
 from bridgecache.kernels.rotary import ROTARY_KINDS
+from bridgecache.models.code import (
+    QUERY_PROJECTIONS,
+    attention_code,
+    decoder_of,
+    modeling_module,
+    module_pairing,
+    rope_on_sliding_only,
+)
 
 __all__ = [
     "ROTARY_KINDS",
@@ -57,9 +66,6 @@ _SUPPORTED = (
     "half-split or interleaved pairs over the whole head or a part of it (any rope type and "
     "scaling) or none"
 )
-# Families whose layers without a window carry no RoPE, a rule of their modeling code and no config
-# field (Cohere 2, EXAONE 4: "if self.sliding_window is None or self.is_sliding: apply RoPE").
-_ROPE_ON_SLIDING_ONLY = {"cohere2", "exaone4"}
 
 
 class RotaryLayout(NamedTuple):
@@ -178,14 +184,22 @@ def query_temperature(module, positions: torch.Tensor) -> torch.Tensor | None:
 
 
 def rope_layers(config) -> tuple[bool, ...]:
-    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE;
-    EXAONE 4 and Cohere 2 with a window: only their sliding layers)."""
+    """Per decoder layer, whether its keys carry RoPE (SmolLM3's `no_rope_layers`: 1 = RoPE; rope
+    parameters of None for a layer type; with a window, only the sliding layers of a family whose
+    attention rotates under a condition on its window, a rule of its code and no config field:
+    Cohere 2, EXAONE 4, Flint)."""
     config = config.get_text_config()
     n = config.num_hidden_layers
     flags = getattr(config, "no_rope_layers", None)  # despite the name, 1 marks a RoPE layer
     if flags is not None:
         return tuple(bool(f) for f in flags)
-    if config.model_type in _ROPE_ON_SLIDING_ONLY and getattr(config, "sliding_window", None) is not None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    types = getattr(config, "layer_types", None)
+    if types and "rope_type" not in rope and any(rope.get(t, {}) is None for t in types):
+        # per layer type, and None for a type without RoPE (ERGO's full layers): its rotary
+        # module keeps no tables for that type and its attention skips the rotation
+        return tuple(rope.get(t, {}) is not None for t in types)
+    if getattr(config, "sliding_window", None) is not None and rope_on_sliding_only(config.model_type):
         return tuple(w is not None for w in layer_windows(config))
     return (True,) * n
 
@@ -196,6 +210,13 @@ def check_supported(model_or_config) -> None:
     model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
     config = getattr(model_or_config, "config", model_or_config).get_text_config()
     kind = config.model_type
+    for name in ("head_dim", "num_key_value_heads", "num_attention_heads"):  # one value for every layer
+        try:
+            getattr(config, name, None)
+        except Exception as error:  # noqa: BLE001 - transformers' per-layer configs raise their own
+            raise UnsupportedArchitectureError(
+                kind, None, f"a {name} that differs by layer", f"{type(error).__name__}: {error}"
+            ) from None
     if getattr(config, "kv_lora_rank", None) is not None:  # docs/latent-and-hybrid.md: why, measured
         raise UnsupportedArchitectureError(
             kind, None, "multi-head latent attention (MLA)",
@@ -209,6 +230,16 @@ def check_supported(model_or_config) -> None:
         )
     rope = getattr(config, "rope_parameters", None)
     no_module = model is not None and rotary_module(model) is None
+    inline = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: RoPE, but no rotary module
+    if (
+        not getattr(config, "alibi", False)
+        and (rope is not None or isinstance(inline, int))
+        and (rope is None or no_module)
+    ):
+        raise UnsupportedArchitectureError(
+            kind, None, "rotary embeddings computed inside its attention",
+            "no rotary_emb module and rope parameters to read the tables from",
+        )  # fmt: skip
     if rope is None or no_module or getattr(config, "alibi", False):
         raise UnsupportedArchitectureError(
             kind, None, "no rotary position embeddings", "learned absolute or ALiBi positions"
@@ -216,6 +247,40 @@ def check_supported(model_or_config) -> None:
     if getattr(config, "rope_interleave", False):  # DeepSeek's: pairs permuted before rotate_half
         raise UnsupportedArchitectureError(kind, None, "rope_interleave", "channels permuted before RoPE")
     rotary_layout(model_or_config)  # a rotary width the head cannot hold is refused by name
+    if model is not None:
+        _check_attention_modules(model, kind)
+
+
+def _check_attention_modules(model, kind: str) -> None:
+    """Refuse a model whose attention modules (transformers' `...Attention` classes with a
+    `layer_idx`) are not ones bridgecache reads: a query projection of QUERY_PROJECTIONS (JetMoE
+    routes its queries through experts), the module's `config` and `scaling` (what transformers'
+    attention functions take; GPT-NeoX-Japanese's older module keeps neither)."""
+    found = False
+    for module in model.modules():
+        if not (hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention")):
+            continue
+        found = True
+        missing = [] if any(hasattr(module, n) for n in QUERY_PROJECTIONS) else ["query projection"]
+        missing += [name for name in ("config", "scaling") if not hasattr(module, name)]
+        calls = attention_code(type(module))[0]
+        if calls != 1:  # bridgecache's own attention stands in for that one call
+            raise UnsupportedArchitectureError(
+                kind, module.layer_idx, "attention that is not one call of transformers' attention function",
+                f"{type(module).__name__}.forward calls it {calls} times (DiffLlama's differential "
+                "attention: two softmaxes, one subtracted; older modules compute attention themselves)",
+            )  # fmt: skip
+        if missing:
+            raise UnsupportedArchitectureError(
+                kind, module.layer_idx, "an attention module bridgecache cannot read",
+                f"{type(module).__name__} has no {', '.join(missing)}; bridgecache recomputes a layer's "
+                f"queries from one of {', '.join(QUERY_PROJECTIONS)} and reads its config and scaling",
+            )  # fmt: skip
+    if not found:
+        raise UnsupportedArchitectureError(
+            kind, None, "no attention modules bridgecache can find",
+            "no module of an `...Attention` class with a `layer_idx`",
+        )  # fmt: skip
 
 
 def layer_sinks(module) -> torch.Tensor | None:
@@ -227,53 +292,21 @@ def layer_sinks(module) -> torch.Tensor | None:
 
 def rotary_module(model) -> torch.nn.Module | None:
     """The decoder's rotary embedding module (`rotary_emb`), or None."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    for base in (decoder, getattr(model, "model", None), model):
+    for base in (decoder_of(model), getattr(model, "model", None), model):
         rotary = getattr(base, "rotary_emb", None)
         if isinstance(rotary, torch.nn.Module):
             return rotary
     return None
 
 
-def _rotate_half_interleaves(model, model_type: str) -> bool:
-    """Whether the model's own rotation pairs channels (2j, 2j + 1) (Cohere, Helium, GLM; Llama 4's
-    complex `apply_rotary_emb`) rather than (j, j + D/2): read from its modeling module, applied
-    to [0, 1, 2, 3] (memoised per module: model_spec runs on every handoff)."""
-    return _module_interleaves(_modeling_module(model, model_type))
-
-
-def _modeling_module(model, model_type: str) -> str:
-    """The name of the transformers modeling module of a model (or of its model type)."""
-    name = type(model).__module__ if model is not None else None
-    if name is None or not name.startswith("transformers.models."):
-        known = {"gemma3_text": "gemma3", "gemma2_text": "gemma2", "llama4_text": "llama4"}
-        package = known.get(model_type, model_type)
-        name = f"transformers.models.{package}.modeling_{package}"
-    return name
-
-
-@functools.cache
-def _module_interleaves(name: str) -> bool:
-    import importlib
-
-    try:
-        module = importlib.import_module(name)
-    except ImportError:
-        return False
-    rotate_half = getattr(module, "rotate_half", None)
-    complex_rotation = getattr(module, "apply_rotary_emb", None)
-    if rotate_half is not None:
-        return rotate_half(torch.arange(4.0)).tolist() == [-1.0, 0.0, -3.0, 2.0]
-    if complex_rotation is None:
-        return False
-    # Llama 4: x [batch, tokens, heads, dim] times freqs_cis [batch, tokens, dim / 2], a quarter turn
-    x, quarter = torch.arange(4.0).view(1, 1, 1, 4), torch.full((1, 1, 2), 1j)
-    try:
-        turned, _ = complex_rotation(x, x, quarter)
-    except (TypeError, RuntimeError, ValueError):  # some other function of that name
-        return False
-    return turned.flatten().tolist() == [-1.0, 0.0, -3.0, 2.0]
+def _rotation_pairing(model, model_type: str) -> str:
+    """The pairing of the model's own rotation, read from its modeling module (`_module_pairing`:
+    memoised per module, model_spec runs on every handoff): "half" (j, j + D/2), "interleaved"
+    (2j, 2j + 1: Cohere, Helium, GLM; Llama 4's complex `apply_rotary_emb`), or another result."""
+    name = type(model).__module__ if model is not None else ""
+    if not name.startswith("transformers.models."):
+        name = modeling_module(model_type)
+    return module_pairing(name)
 
 
 def rotary_layout(model_or_config) -> RotaryLayout:
@@ -291,7 +324,13 @@ def rotary_layout(model_or_config) -> RotaryLayout:
             config.model_type, None, "a rotary width the head cannot hold",
             f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} channels",
         )  # fmt: skip
-    kind = "interleaved" if _rotate_half_interleaves(model, config.model_type) else "half"
+    kind = _rotation_pairing(model, config.model_type)
+    if kind not in ROTARY_KINDS:  # NanoChat's rotate_half turns the other way: (x2, -x1)
+        raise UnsupportedArchitectureError(
+            config.model_type, None, "a rotation bridgecache does not know",
+            f"its rotate_half maps [0, 1, 2, 3] to {kind}; known: [-2, -3, 0, 1] (half-split pairs) "
+            "and [-1, 0, -3, 2] (interleaved pairs)",
+        )  # fmt: skip
     return RotaryLayout(kind, rotary_dim)
 
 

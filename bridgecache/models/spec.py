@@ -7,15 +7,19 @@ with the name of the field that differs. Built from a transformers config (+ tok
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import hashlib
+import inspect
 import json
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import bridgecache.checks as checks
 from bridgecache.models.layout import (
     ROTARY_KINDS,
     RotaryLayout,
+    UnsupportedArchitectureError,
     check_supported,
     layer_windows,
     rope_layers,
@@ -33,6 +37,7 @@ __all__ = [
     "SPEC_LIMITS",
     "check_spec_dict",
     "spec_from_untrusted",
+    "config_from_spec",
 ]
 
 # Upper bounds of a spec's counts. Real models are far inside them (the largest open models have
@@ -155,7 +160,7 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
     bos = getattr(config, "bos_token_id", None)
     if isinstance(bos, list):
         bos = bos[0]
-    return ModelSpec(
+    spec = ModelSpec(
         name=name or _recorded_name(config),
         model_type=config.model_type,
         num_layers=n,
@@ -172,6 +177,60 @@ def model_spec(model_or_config, tokenizer=None, name: str | None = None) -> Mode
         no_rope_layers=tuple(i for i, rotary in enumerate(rope_layers(config)) if not rotary),
         rotary=rotary_layout(model_or_config),
     )
+    try:  # a bridge re-derives each side's rotary tables from its spec: refuse what cannot be
+        _config_from_spec(_unnamed(spec))
+    except Exception as error:  # noqa: BLE001 - transformers' own validation, whatever it raises
+        raise UnsupportedArchitectureError(
+            config.model_type, None, "a config transformers cannot rebuild from the model's spec",
+            f"{type(error).__name__}: {error}",
+        ) from None  # fmt: skip
+    return spec
+
+
+def config_from_spec(spec: ModelSpec):
+    """A transformers config of the spec's model type with its shapes, layer layout and rope
+    parameters: enough for that type's rotary module (a bridge re-derives a side's tables from the
+    spec alone). A fresh copy per call; ValueError where the class builds another layer count
+    from them (HRM counts each attention call of its recurrent stacks as a layer)."""
+    return copy.deepcopy(_config_from_spec(_unnamed(spec)))
+
+
+def _unnamed(spec: ModelSpec) -> ModelSpec:
+    """The spec without what a config does not hold: one memo entry per architecture."""
+    return replace(spec, name="", tokenizer="", bos_token_id=None)
+
+
+@functools.lru_cache(maxsize=64)  # a handoff rebuilds its source's; configs cost ~1 ms
+def _config_from_spec(spec: ModelSpec):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[spec.model_type]
+    fields = dict(
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_q_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        hidden_size=spec.hidden_size,
+        layer_types=list(spec.layer_types),
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters=json.loads(spec.rope),
+    )
+    if spec.no_rope_layers:  # SmolLM3's field: 1 marks a RoPE layer
+        fields["no_rope_layers"] = [0 if i in spec.no_rope_layers else 1 for i in range(spec.num_layers)]
+    # what the class derives and cannot take (Falcon's head_dim: a property of hidden size and heads)
+    derived = {k for k in fields if _read_only(cls, k)}
+    config = cls(**{k: v for k, v in fields.items() if k not in derived})
+    if config.num_hidden_layers != spec.num_layers:
+        raise ValueError(
+            f"{spec.model_type}: its config turns num_hidden_layers={spec.num_layers} into "
+            f"{config.num_hidden_layers}"
+        )
+    return config
+
+
+def _read_only(cls, name: str) -> bool:
+    attribute = inspect.getattr_static(cls, name, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 # tokenizer -> (len(tokenizer), fingerprint). Hashing a 150k vocabulary costs ~0.6 s of CPU and

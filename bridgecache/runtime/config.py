@@ -147,7 +147,8 @@ class HandoffConfig:
     native_layers: target layers computed natively over the whole context (exact; a forward
         stopped after the deepest): an int n (the first n), a tuple of indices, or "all".
     key_norm: for targets that normalise keys (Gemma 3, Qwen3: `k_norm`), put each mapped key on
-        the norm the target produces (no effect on other targets).
+        the norm the target produces (no effect on other targets, nor through an identity bridge,
+        whose keys are the target's own).
     refresh: a `RefreshConfig` (default: 20% chosen by the source's attention, whole words where
         the context's words are known), or None.
     quality: the quality gate (`QualityPolicy`; default: no gate).

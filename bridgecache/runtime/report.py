@@ -76,8 +76,19 @@ def _dims(config) -> dict:
         "hidden": hidden,
         "q": heads * head_dim,
         "kv": kv_heads * head_dim,
-        "ffn": config.intermediate_size,
+        "ffn": _ffn_width(config, hidden),
     }
+
+
+def _ffn_width(config, hidden: int) -> int:
+    """The MLP's inner width, for an estimate: named otherwise by some families (Falcon's
+    `ffn_hidden_size`, GPT-2's `n_inner`) or absent (GPT-NeoX-Japanese, ERGO: a multiple, or
+    per layer kind); then the usual 4 x hidden."""
+    for name in ("intermediate_size", "ffn_hidden_size", "n_inner"):
+        width = getattr(config, name, None)
+        if isinstance(width, int) and width > 0:
+            return width
+    return 4 * hidden
 
 
 def _token_layer_flops(d: dict) -> float:

@@ -8,6 +8,7 @@ likelihood and no context / another context a lower one; the gain ratios are the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -96,7 +97,7 @@ def test_a_damaged_bridge_loses_gain_and_the_metrics_say_so(llama, tok):
 
 
 def test_key_norm_variants_are_scored_apart_and_the_projection_repairs_short_keys(gemma, tok):
-    bridge = Bridge.identity(gemma)
+    bridge = dataclasses.replace(Bridge.identity(gemma), method="fullhead")  # fitted: projected
     for layer in bridge.layers:
         layer.key_weight.mul_(0.1)  # keys 10x too short: flatter attention over the context
     config = HandoffConfig(native_head=1, refresh=None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import tiny_architecture, tiny_architecture_config, tiny_model
 
 from bridgecache import Bridge, BridgedCache, HandoffConfig, capture_kv
+from bridgecache.compat import cache_kwargs
 from bridgecache.kv.keynorm import key_norm_scales, project_to_key_norm
 from bridgecache.kv.rope import RopeTables, unrotate
 from bridgecache.runtime.identity import ModelIdentity
@@ -68,7 +71,7 @@ def test_bridged_cache_restores_shrunken_keys_of_a_gemma_target():
         layer.self_attn.k_norm.weight.data.uniform_(-0.5, 1.0)
     ids = torch.randint(3, 300, (1, 12))
     native = capture_kv(model, ids)
-    shrunken = Bridge.identity(model)
+    shrunken = dataclasses.replace(Bridge.identity(model), method="fullhead")  # fitted: projected
     for layer_map in shrunken.layers:
         layer_map.key_weight.mul_(0.7)  # a map whose keys are 30% too short, as ridge maps are
     projected = BridgedCache(shrunken, native, model, ids, config=HandoffConfig(refresh=None)).materialize()
@@ -87,3 +90,38 @@ def test_bridged_cache_restores_shrunken_keys_of_a_gemma_target():
         mapped = slice(1 if kept == cached else 0, None)  # position 0 is the native head: not mapped
         plain_keys = unrotate(plain.layers[idx].keys, cos, sin)[:, :, mapped]
         assert torch.allclose(plain_keys, 0.7 * unrotate(want, cos, sin)[:, :, mapped], atol=1e-5)
+
+
+def _small_key_olmo2():
+    """OLMo 2 at transformers' initializer_range (0.02): pre-norm keys small enough that k_norm's
+    epsilon keeps the model's own keys below unit RMS (its norm is over the whole projection)."""
+    config = tiny_architecture_config("olmo2")
+    config.initializer_range = 0.02
+    return tiny_architecture("olmo2", config=config)
+
+
+def test_an_identity_bridge_skips_the_projection_and_a_fitted_one_keeps_it():
+    model = _small_key_olmo2()
+    ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
+
+    def generated(cache=None):
+        kwargs = options if cache is None else options | cache_kwargs(model, cache)
+        out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        return out.sequences, torch.stack(out.logits)
+
+    def bridged(bridge, config):
+        cache = BridgedCache(bridge, capture_kv(model, ids), model, ids, config=config)
+        sequences, logits = generated(cache)
+        return cache, (logits - native).abs().max().item(), torch.equal(sequences, native_ids)
+
+    native_ids, native = generated()
+    identity = Bridge.identity(model)
+    cache, error, same = bridged(identity, HandoffConfig())  # the defaults: key_norm=True
+    assert error < 1e-4 and same and cache.translator.key_norm_scales is None
+    assert "no key-norm projection: an identity bridge's keys are the target's own" in cache.report().notes
+    # The same maps marked fitted are projected: the model's own small keys move to unit RMS.
+    fitted = dataclasses.replace(identity, method="fullhead")
+    cache, error, _ = bridged(fitted, HandoffConfig(refresh=None))
+    assert cache.translator.key_norm_scales is not None and error > 1e-3
+    assert bridged(fitted, HandoffConfig(refresh=None, key_norm=False))[1] < 1e-4  # the projection's share

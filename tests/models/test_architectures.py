@@ -16,7 +16,14 @@ import math
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, byte_tokenizer, tiny_architecture, tiny_architecture_config, tiny_model
+from tiny_models import (
+    ARCHITECTURES,
+    byte_tokenizer,
+    script,
+    tiny_architecture,
+    tiny_architecture_config,
+    tiny_model,
+)
 from transformers import AttentionInterface, DynamicCache
 
 from bridgecache import FitConfig, HandoffConfig, RefreshConfig, fit_bridge
@@ -95,6 +102,14 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     assert cache.report().tokens_refreshed == 28  # all but the native sink and the held-back token
     assert torch.equal(seq, native_seq)
     assert (logits - native_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_every_layers_unrotated_keys_stay_put_when_every_position_shifts(name):
+    # attention sees relative positions only, so shifting them all leaves every hidden state, and
+    # so every layer's un-rotated keys, as they were: each layer's tables, pairing and RoPE flag
+    # as a bridge rebuilds them from the spec (benchmarks/architecture_probe.py's check)
+    assert script("benchmarks/architecture_probe.py").shifted_unrotation(tiny_architecture(name)) < 1e-4
 
 
 @pytest.mark.parametrize(

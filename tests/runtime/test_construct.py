@@ -4,16 +4,18 @@ native head follow the target's weights when they are edited in place or replace
 from __future__ import annotations
 
 import torch
-from tiny_models import tiny_model
+from tiny_models import random_bridge, tiny_model
 
-from bridgecache.bridge.maps import Bridge
+from bridgecache import HandoffConfig
 from bridgecache.kv.capture import capture_kv
 from bridgecache.kv.keynorm import key_norm_scales
 from bridgecache.runtime.cache import BridgedCache
 
 
 def _cache(model, ids):
-    return BridgedCache(Bridge.identity(model), capture_kv(model, ids), model, ids)
+    # a fitted bridge: an identity bridge is never key-norm projected (no scales to read)
+    config = HandoffConfig(refresh=None)
+    return BridgedCache(random_bridge(model), capture_kv(model, ids), model, ids, config=config)
 
 
 def test_key_norm_scales_follow_an_edited_and_a_replaced_norm_weight():

@@ -39,6 +39,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bridgecache.kernels import column_attention
+from bridgecache.models.code import decoder_of
 from bridgecache.models.layout import layer_chunk, layer_sinks, layer_window, query_temperature
 from bridgecache.runtime.interop.views import FALLBACK
 
@@ -257,7 +258,8 @@ def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.
     ours = _MASK.get()
     if ours is not None:
         scaling = module.scaling if scaling is None else scaling
-        return ours.attend(module, query, key, value, scaling), None
+        # contiguous, as transformers' own functions return it: some modules view() it (AFMoE)
+        return ours.attend(module, query, key, value, scaling).contiguous(), None
     original = module.config.__dict__.get(FALLBACK, "sdpa")
     function = ALL_ATTENTION_FUNCTIONS.get(original) or ALL_ATTENTION_FUNCTIONS["sdpa"]
     return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -272,8 +274,7 @@ AttentionInterface.register(NAME, dispatch)
 def layers_read(model, layers: int | None) -> int:
     """How many decoder layers `read_without_logits(view, layers)` runs: `layers` where the
     decoder keeps its layers in a `layers` list it loops over, else all of them."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    stack = getattr(decoder, "layers", None) if decoder is not model else None
+    stack = getattr(decoder_of(model), "layers", None)
     total = model.config.get_text_config().num_hidden_layers
     if layers is None or not isinstance(stack, torch.nn.ModuleList):
         return total

@@ -31,6 +31,8 @@ import types
 import torch
 from transformers import PretrainedConfig
 
+from bridgecache.models.code import decoder_of
+
 __all__ = ["FALLBACK", "ModelView", "generate_view"]
 
 FALLBACK = "_bridgecache_fallback"  # on our config copies: the implementation the user's config names
@@ -59,8 +61,8 @@ class ModelView:
                 if isinstance(value, PretrainedConfig) and id(value) in configs:
                     config.__dict__[name] = configs[id(value)]
         self.configs = list(configs.values())
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.decoder = None if decoder is None or decoder is model else twins[id(decoder)]
+        decoder = decoder_of(model)
+        self.decoder = None if decoder is None else twins[id(decoder)]
         self._through: dict[int, torch.nn.Module] = {}
 
     def layer_stack(self) -> torch.nn.ModuleList | None:

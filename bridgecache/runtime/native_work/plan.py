@@ -328,6 +328,8 @@ def plan_native_work(tr, target, target_ids, config, source_model, prompt_ids, w
     report.route, report.route_reason = route.route, route.reason
     if config.refresh is not None and tr.bridge.method == "identity":
         report.notes.append("no refresh: an identity bridge translates exactly")
+    if config.key_norm and tr.bridge.method == "identity" and tr.state.key_norm_scales() is not None:
+        report.notes.append("no key-norm projection: an identity bridge's keys are the target's own")
     return HandoffPlan(
         **parts, native_layers=frozenset(native), native_kv=MappingProxyType(native_kv), pending=pending,
         always=always, budgets=tuple(budgets), groups=groups, report=report,

@@ -103,8 +103,12 @@ class Translator:
             (self.begin, self.home_device): self.rows[:, self.begin :].to(self.home_device)
         }
         self.target_rope = RopeTables.from_model(target)
-        scales = state.key_norm_scales() if config.key_norm else None
-        self.key_norm_scales = scales
+        # The key-norm projection restores the norm a fitted map loses; an identity bridge loses
+        # nothing, and its keys are the target's own, which sit sqrt(ms / (ms + eps)) off unit RMS
+        # where the pre-norm keys are small: projecting them would move exact keys. Decided here,
+        # once per cache, for every path (BridgedCache, the engine, evaluation, publishing).
+        project = config.key_norm and bridge.method != "identity"
+        self.key_norm_scales = state.key_norm_scales() if project else None
         self.source_rope = (
             None
             if pooled

@@ -98,15 +98,17 @@ def test_the_group_translates_into_the_pass_buffers_when_the_first_layer_reads()
 
 
 def test_one_launch_is_off_where_it_cannot_apply():
-    model = tiny_model("gemma3")  # a k_norm target: keys are rescaled per layer
+    model = tiny_model("gemma3")  # a k_norm target: a fitted bridge's keys are rescaled per layer
     ids = torch.randint(3, 300, (1, 12))
     source = capture_kv(model, ids)
-    assert (
-        BridgedCache(
-            Bridge.identity(model), source, model, ids, config=HandoffConfig(one_launch=True)
-        ).plan.groups
-        is None
-    )
+    fitted = random_bridge(model)
+    one_launch = HandoffConfig(one_launch=True, refresh=None)
+    assert BridgedCache(fitted, source, model, ids, config=one_launch).plan.groups is None
+    # without the rescale it applies: key_norm off, or an identity bridge (never projected)
+    plain = one_launch.replace(key_norm=False)
+    assert BridgedCache(fitted, source, model, ids, config=plain).plan.groups is not None
+    identity = Bridge.identity(model)
+    assert BridgedCache(identity, source, model, ids, config=one_launch).plan.groups is not None
     # on CPU the default is per layer
     assert (
         BridgedCache(
