@@ -122,6 +122,16 @@ def engine_of(bridge, source, target) -> HandoffEngine:
     return _ENGINES[key]
 
 
+def routed_engine(bridge, source, target, config, tokens: int, words=None) -> HandoffEngine:
+    """The pair's engine with the routes timed where `config` (route="auto") needs them at
+    `tokens` context tokens, as `HandoffEngine.plan` does for every request (a BridgedCache built
+    directly times nothing since issue 61: its cost gate would fall back to the FLOP estimate).
+    Measured once per length, in a row's warm-up; a later call only finds the lengths timed."""
+    engine = engine_of(bridge, source, target)
+    engine.time_routes(config.with_words(words is not None), tokens)
+    return engine
+
+
 SHAPES = {  # config.json of the published models
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
@@ -337,7 +347,7 @@ def handoff_rows(
             source_model=source,
             prompt_ids=question,
             words=words,
-            engine=engine_of(bridge, source, target),
+            engine=routed_engine(bridge, source, target, config, n, words),
         )
         return FirstToken(generate(target, cache, full, **FIRST_TOKEN).logits[0], cache)
 
@@ -350,7 +360,7 @@ def handoff_rows(
             config=config,
             source_model=source,
             prompt_ids=question,
-            engine=engine_of(bridge, source, target),
+            engine=routed_engine(bridge, source, target, config, n),
         )
         first = cache.get_seq_length()
         kwargs = cache_kwargs(target, cache)
@@ -434,7 +444,7 @@ def batch_rows(source, target, bridge, batch: int, tokens: int, new: int, device
             config=config,
             source_model=source,
             prompt_ids=question,
-            engine=engine_of(bridge, source, target),
+            engine=routed_engine(bridge, source, target, config, tokens),
         )
         return FirstToken(generate(target, cache, full, **gen).logits[0], cache)
 
