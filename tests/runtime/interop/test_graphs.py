@@ -151,9 +151,8 @@ def test_a_bucketed_pass_computes_what_the_exact_pass_computes(family):
 def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
     """The engine's generate() launches the captured pass before transformers' generate()
     (native_work.forward.launch) and its first forward takes it."""
-    from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
+    from bridgecache import HandoffEngine
     from bridgecache.bridge.maps import Bridge
-    from bridgecache.runtime.engine import generate
     from bridgecache.runtime.interop.graphs import PassGraph
 
     model = tiny_model("llama", head_dim=32).cuda()
@@ -166,19 +165,7 @@ def test_a_captured_pass_generates_what_the_eager_pass_generates_on_cuda():
         patch.setattr(PassGraph, "launch", lambda *a, **k: calls.append("launch") or launch(*a, **k))
         patch.setattr(PassGraph, "run", lambda *a, **k: calls.append("run") or run(*a, **k))
         for _ in range(3):  # new contexts through the same captured graph
-            ids = torch.randint(3, 300, (1, 40), device="cuda")
-            prompt = torch.cat([ids, torch.randint(3, 300, (1, 5), device="cuda")], 1)
-            kv = capture_kv(model, ids)
-            # route="handoff": the cost gate's timing would capture a graph of its own (at its length)
-            config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
-            outputs = []
-            for graphs in (False, True):
-                cache = BridgedCache(
-                    bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
-                )
-                outputs.append(
-                    generate(model, cache, prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-                )
+            outputs = _eager_and_captured(model, bridge, engine)
             assert torch.equal(outputs[0], outputs[1])
     assert calls == ["launch", "launch"]  # the captured pass ran once per request, before generate()
     assert len(engine.state.graphs) == 1  # one pass graph (captured on its second request), replayed
@@ -234,38 +221,39 @@ def test_a_captured_pass_of_each_attention_kind_gives_the_eager_logits_on_cuda(n
     replayed from its graph gives the eager pass's first-token logits and tokens (float32)."""
     from tiny_models import tiny_architecture
 
-    from bridgecache import BridgedCache, GivenScores, HandoffConfig, HandoffEngine, RefreshConfig
+    from bridgecache import HandoffEngine
     from bridgecache.bridge.maps import Bridge
-    from bridgecache.runtime.engine import generate
 
     model = tiny_architecture(name).cuda()
     bridge = Bridge.identity(model)
     bridge.method = "fullhead"  # refreshed like a fitted bridge
     engine = HandoffEngine(bridge, model, model)
     for _ in range(3):  # the graph is captured on a shape's second request, then replayed
-        ids = torch.randint(3, 300, (1, 40), device="cuda")
-        prompt = torch.cat([ids, torch.randint(3, 300, (1, 5), device="cuda")], 1)
-        kv = capture_kv(model, ids)
-        config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
-        runs = []
-        for graphs in (False, True):
-            cache = BridgedCache(
-                bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine
-            )
-            runs.append(
-                generate(
-                    model,
-                    cache,
-                    prompt,
-                    max_new_tokens=4,
-                    do_sample=False,
-                    pad_token_id=0,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )  # fmt: skip
-            )
+        runs = _eager_and_captured(model, bridge, engine, output_logits=True, return_dict_in_generate=True)
         eager, replayed = (run.logits[0].double() for run in runs)
         assert (replayed - eager).norm() <= 1e-4 * eager.norm(), name
         assert torch.equal(runs[0].sequences, runs[1].sequences), name
     assert len(engine.state.graphs) >= 1, name  # a pass graph was captured and replayed
     engine.close()
+
+
+def _eager_and_captured(model, bridge, engine, **generate_kwargs):
+    """A new 40-token context and 5-token prompt on CUDA, 8 refreshed tokens given: generate()'s
+    output through the eager pass, then through the captured one (`cuda_graphs`), same engine.
+    route="handoff": the cost gate's timing would capture a graph of its own (at its length)."""
+    from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig
+    from bridgecache.runtime.engine import generate
+
+    ids = torch.randint(3, 300, (1, 40), device="cuda")
+    prompt = torch.cat([ids, torch.randint(3, 300, (1, 5), device="cuda")], 1)
+    kv = capture_kv(model, ids)
+    config = HandoffConfig(refresh=RefreshConfig(8, GivenScores(torch.rand(1, 40))), route="handoff")
+    outputs = []
+    for graphs in (False, True):
+        cache = BridgedCache(bridge, kv, model, ids, config=config.replace(cuda_graphs=graphs), engine=engine)
+        outputs.append(
+            generate(
+                model, cache, prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, **generate_kwargs
+            )
+        )
+    return outputs
