@@ -170,6 +170,7 @@ MODULE_STATE = {
     "bridgecache.models.fingerprint._MEMO": "weak per model: its fingerprint until weights_version moves",
     "bridgecache.models.spec._FINGERPRINTS": "weak per tokenizer: its vocabulary fingerprint, size checked",
     "bridgecache.models.layout._WINDOWS": "per live config (weak reference + signature): its layers' windows",
+    "bridgecache.models.layout._MODULES_CHECKED": "per live model (weak key): its attention modules passed",
     "tokenalign.vocab._cache": "weak per tokenizer: its byte vocabulary",
     "bridgecache.compat._keyword_for": "functools.cache of a forward signature: its cache keyword",
     "bridgecache.models.code.module_pairing": "functools.cache of a module name's rotary pairing",
