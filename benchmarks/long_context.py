@@ -44,6 +44,10 @@ Variants (`variant_config` maps each onto its `HandoffConfig`):
     refresh=F,words,ends  the same with `RefreshConfig(whole_words=True, word_ends=True)`: each
                      chosen word also brings the token after it, so a refreshed number ends where
                      the context ends it
+    default          the library's default `HandoffConfig()`, whatever it is at the commit run
+    mass=M           the default but for the refresh's size: the fewest tokens holding a share M
+                     of the selection scores' mass, between the floor and the default amount
+                     (`RefreshConfig(mass=M)`: issue 60's refresh sized per request)
 """
 
 from __future__ import annotations
@@ -85,6 +89,13 @@ def variant_config(spec: str):
 
     if spec == "plain":
         return HandoffConfig(refresh=None)
+    if spec == "default":
+        return HandoffConfig()
+    if spec.startswith("mass="):
+        try:
+            return HandoffConfig(refresh=RefreshConfig(mass=float(spec.removeprefix("mass="))))
+        except ValueError as error:
+            raise SystemExit(f"bad variant {spec!r}: {error}") from None
     amount, words, ends = None, False, False
     for part in spec.split(","):
         key, _, value = part.partition("=")
@@ -97,7 +108,8 @@ def variant_config(spec: str):
             ends = True
         else:
             raise SystemExit(
-                f"bad variant {spec!r}: {part!r} (plain, refresh=F, refresh=F,words, refresh=F,words,ends)"
+                f"bad variant {spec!r}: {part!r} "
+                "(plain, default, mass=M, refresh=F, refresh=F,words, refresh=F,words,ends)"
             )
     if amount is None:
         raise SystemExit(f"bad variant {spec!r}: say refresh=F")

@@ -4,6 +4,8 @@ the share of the context refreshed, on the same items.
     python benchmarks/refresh_sizing.py run --pair qwen1.5b-to-0.5b --task facts-choice-512 --items 0:48 \\
         --variants fixed=0.2 fixed=0.1 mass=0.5 mass=0.7
     python benchmarks/refresh_sizing.py report --pair qwen1.5b-to-0.5b --task facts-choice-512
+    python benchmarks/refresh_sizing.py recall --pair smollm2-to-qwen0.5b --task needle-4096 --items 0:48 \\
+        --variants fixed=0.2 mass=0.3 mass=0.5
 
 `run` evaluates item by item (`bridgecache.evaluation.evaluate`, every variant it still lacks on
 that item, with the native, no-context and unrelated-context controls) and appends one JSON line
@@ -14,6 +16,12 @@ Variants (each the default `RefreshConfig` but for what it names):
     fixed=F     refresh a share F of the translated tokens (fixed=0.2: the library's default)
     mass=M      the fewest tokens holding a share M of the selection scores' mass, at most 20% and
                 at least 2% of the translated tokens (`RefreshConfig(mass=M)`)
+`recall` is the cheap proxy on long items (needles), where a target's prefill per item and arm
+costs minutes on a CPU: per item and variant it builds the `BridgedCache` as a handoff does (the
+source reads the question over its cache, the refresh picks its columns; the target's forward
+never runs) and records the share of the answers' target tokens refreshed, the answers refreshed
+whole and the refreshed share of the context, to .../refresh-sizing/recall/<pair>/<task>.jsonl;
+it prints the table when done.
 `report` prints accuracy per arm with Wilson 95% intervals, the paired difference to fixed=0.2
 (bootstrap 95% interval over items) and the refreshed share of the context tokens (mean, p10, p90).
 """
@@ -28,6 +36,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -179,24 +189,97 @@ def report(args) -> None:
         print(f"| {spec} | {k / n:.1%} [{lo:.0%}, {hi:.0%}] | {diff} | {share} |")
 
 
+def recall(args) -> None:
+    import torch
+    from long_context import answer_columns
+
+    from bridgecache import BridgedCache, capture_kv
+    from bridgecache.bridge import Bridge
+    from bridgecache.evaluation.builtin import builtin_items
+    from bridgecache.evaluation.prompts import Prompts
+    from bridgecache.models.zoo import load_model
+
+    torch.set_num_threads(args.threads)
+    source_name, target_name = PAIRS[args.pair]
+    bridge = Bridge.from_pretrained(f"builtin:{source_name}->{target_name}")
+    source, source_tok = load_model(source_name)
+    target, target_tok = load_model(target_name)  # the cache plans on it; its forward never runs
+    first, _, stop = args.items.partition(":")
+    first, stop = int(first), int(stop)
+    items = builtin_items(args.task, target_tok, limit=stop)
+    prompts = Prompts(source_tok, target_tok)
+    out = args.raw / "recall" / args.pair / f"{args.task}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["index"], r["spec"]) for r in _read(out)}
+    configs = {spec: variant_config(spec) for spec in args.variants}
+    for i in tqdm(range(first, stop), desc=f"{args.pair} {args.task} recall"):
+        todo = [spec for spec in args.variants if (i, spec) not in done]
+        if not todo:
+            continue
+        item = items[i]
+        words = any(configs[spec].refresh.whole_words is not False for spec in todo)
+        context = prompts.context(item.context, bridge, words=words)
+        kv = capture_kv(source, context.source_ids)
+        query = torch.tensor([prompts.source_prompt(item)], dtype=torch.long)
+        columns = answer_columns(target_tok, context.target_ids[0].tolist(), item.context, item.answers)
+        wanted = [c for cols in columns for c in cols]
+        with out.open("a") as f:
+            for spec in todo:
+                cache = BridgedCache(
+                    bridge, kv, target, context.target_ids, config=configs[spec], alignment=context.alignment,
+                    source_model=source, prompt_ids=query, words=context.words,
+                )  # fmt: skip
+                picked = set(cache.refreshed_columns[0].tolist())
+                record = {
+                    "index": i, "spec": spec, "pair": args.pair, "task": args.task,
+                    "context_tokens": context.target_ids.shape[1],
+                    "refreshed_share": len(picked) / context.target_ids.shape[1],
+                    "answer_tokens": sum(c in picked for c in wanted) / len(wanted),
+                    "answers_whole": sum(all(c in picked for c in cols) for cols in columns) / len(columns),
+                    "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
+                }  # fmt: skip
+                f.write(json.dumps(record) + "\n")
+    recall_report(_read(out), args)
+
+
+def recall_report(records: list[dict], args) -> None:
+    by_spec: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_spec.setdefault(r["spec"], {})[r["index"]] = r
+    common = sorted(set.intersection(*(set(v) for v in by_spec.values())))
+    print(f"\n{args.pair}, {args.task}: {len(common)} items common to every variant\n")
+    print("| variant | answer tokens | whole answers refreshed | refreshed share: mean (p10, p90) |")
+    print("|---|---|---|---|")
+    for spec in sorted(by_spec, key=lambda s: (s.split("=")[0] != "fixed", s)):
+        arm = [by_spec[spec][i] for i in common]
+        shares = [r["refreshed_share"] for r in arm]
+        tokens = statistics.mean(r["answer_tokens"] for r in arm)
+        whole = sum(r["answers_whole"] == 1.0 for r in arm)
+        lo, hi = _wilson(whole, len(arm))
+        print(
+            f"| {spec} | {tokens:.1%} | {whole}/{len(arm)} [{lo:.0%}, {hi:.0%}] | "
+            f"{statistics.mean(shares):.3f} ({_quantile(shares, 0.1):.3f}, {_quantile(shares, 0.9):.3f}) |"
+        )
+
+
 def main() -> None:
     from bridgecache.models.zoo import cache_root
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "report"):
+    for name in ("run", "report", "recall"):
         p = sub.add_parser(name)
         p.add_argument("--pair", choices=list(PAIRS), default="qwen1.5b-to-0.5b")
         p.add_argument("--task", default="facts-choice-512")
         p.add_argument("--raw", type=Path, default=cache_root() / "refresh-sizing")
-        if name == "run":
+        if name in ("run", "recall"):
             p.add_argument("--items", default="0:48")
             p.add_argument(
                 "--variants", nargs="+", default=["fixed=0.2", "fixed=0.1", "mass=0.5", "mass=0.7"]
             )
             p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    run(args) if args.command == "run" else report(args)
+    {"run": run, "report": report, "recall": recall}[args.command](args)
 
 
 if __name__ == "__main__":
