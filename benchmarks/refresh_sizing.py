@@ -151,7 +151,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def report(args) -> None:
-    records = _read(_raw(args))
+    records = [r for r in _read(_raw(args)) if not args.variants or r["spec"] in args.variants]
     by_spec: dict[str, dict[int, dict]] = {}
     for r in records:
         by_spec.setdefault(r["spec"], {})[r["index"]] = r
@@ -272,6 +272,8 @@ def main() -> None:
         p.add_argument("--pair", choices=list(PAIRS), default="qwen1.5b-to-0.5b")
         p.add_argument("--task", default="facts-choice-512")
         p.add_argument("--raw", type=Path, default=cache_root() / "refresh-sizing")
+        if name == "report":
+            p.add_argument("--variants", nargs="*", help="only these arms (default: every one recorded)")
         if name in ("run", "recall"):
             p.add_argument("--items", default="0:48")
             p.add_argument(
