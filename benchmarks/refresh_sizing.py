@@ -6,6 +6,7 @@ the share of the context refreshed, on the same items.
     python benchmarks/refresh_sizing.py report --pair qwen1.5b-to-0.5b --task facts-choice-512
     python benchmarks/refresh_sizing.py recall --pair smollm2-to-qwen0.5b --task needle-4096 --items 0:48 \\
         --variants fixed=0.2 mass=0.3 mass=0.5
+    python benchmarks/refresh_sizing.py needles --pair smollm2-to-qwen0.5b --task needle-4096 --tag sizing
 
 `run` evaluates item by item (`bridgecache.evaluation.evaluate`, every variant it still lacks on
 that item, with the native, no-context and unrelated-context controls) and appends one JSON line
@@ -22,6 +23,10 @@ source reads the question over its cache, the refresh picks its columns; the tar
 never runs) and records the share of the answers' target tokens refreshed, the answers refreshed
 whole and the refreshed share of the context, to .../refresh-sizing/recall/<pair>/<task>.jsonl;
 it prints the table when done.
+`needles` reads the records `long_context.py run --tag TAG --variants default mass=M ...` wrote
+(benchmarks/reports/needle-records/TAG/<pair>/<task>.jsonl: greedy replies scored by exact match,
+with the native, no-context and unrelated-context controls) and prints the same table as `report`,
+paired against the library's default config (`default`), with each arm's FLOPs share.
 `report` prints accuracy per arm with Wilson 95% intervals, the paired difference to fixed=0.2
 (bootstrap 95% interval over items) and the refreshed share of the context tokens (mean, p10, p90).
 """
@@ -262,16 +267,52 @@ def recall_report(records: list[dict], args) -> None:
         )
 
 
+def needles(args) -> None:
+    path = Path(__file__).parent / "reports" / "needle-records" / args.tag / args.pair / f"{args.task}.jsonl"
+    by_spec: dict[str, dict[int, dict]] = {}
+    for r in _read(path):
+        if "skipped" not in r:
+            by_spec.setdefault(r["spec"], {})[r["index"]] = r
+    if "default" not in by_spec:
+        raise SystemExit(f"no records of the variant 'default' in {path}")
+    common = sorted(set.intersection(*(set(v) for v in by_spec.values())))
+    n, rows = len(common), [by_spec["default"][i] for i in common]
+    print(f"{args.pair}, {args.task}: {n} items common to every arm (same items per arm)\n")
+    header = "| arm | exact match [95% CI] | vs default (paired, 95% CI) | refreshed share: mean (p10, p90) |"
+    print(header + " FLOPs share |")
+    print("|---|---|---|---|---|")
+    for name in ("native", "no_context", "other_native"):
+        k = sum(r[f"correct_{name}"] for r in rows)
+        lo, hi = _wilson(k, n)
+        print(f"| {name} | {k / n:.1%} [{lo:.0%}, {hi:.0%}] | | | |")
+    base = [r["correct_bridged"] for r in rows]
+    for spec in sorted(by_spec, key=lambda s: (s != "default", s)):
+        arm = [by_spec[spec][i] for i in common]
+        right = [r["correct_bridged"] for r in arm]
+        k = sum(right)
+        lo, hi = _wilson(k, n)
+        shares = [len(set(r["refreshed"])) / r["context_tokens"] for r in arm]
+        flops = statistics.mean(r["native_cost_fraction"] for r in arm)
+        diff = ""
+        if spec != "default":
+            dlo, dhi = _paired(right, base)
+            diff = f"{(k - sum(base)) / n:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
+        share = f"{statistics.mean(shares):.3f} ({_quantile(shares, 0.1):.3f}, {_quantile(shares, 0.9):.3f})"
+        print(f"| {spec} | {k / n:.1%} [{lo:.0%}, {hi:.0%}] | {diff} | {share} | {flops:.3f} |")
+
+
 def main() -> None:
     from bridgecache.models.zoo import cache_root
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "report", "recall"):
+    for name in ("run", "report", "recall", "needles"):
         p = sub.add_parser(name)
         p.add_argument("--pair", choices=list(PAIRS), default="qwen1.5b-to-0.5b")
         p.add_argument("--task", default="facts-choice-512")
         p.add_argument("--raw", type=Path, default=cache_root() / "refresh-sizing")
+        if name == "needles":
+            p.add_argument("--tag", default="sizing", help="long_context.py run's --tag")
         if name == "report":
             p.add_argument("--variants", nargs="*", help="only these arms (default: every one recorded)")
         if name in ("run", "recall"):
@@ -281,7 +322,7 @@ def main() -> None:
             )
             p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    {"run": run, "report": report, "recall": recall}[args.command](args)
+    {"run": run, "report": report, "recall": recall, "needles": needles}[args.command](args)
 
 
 if __name__ == "__main__":
