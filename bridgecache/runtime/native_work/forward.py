@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.compat import cache_keyword, cache_kwargs
+from bridgecache.kv.rope import kept_rotary, rotate, unrotate
 from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
 from bridgecache.runtime.interop.views import generate_view
@@ -91,7 +92,7 @@ class NativePass:
         )
 
     def load(
-        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False
+        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False, length=None
     ) -> None:
         """Copy this forward's slots and the cache's rows into the buffers; a group of layers
         translated in one launch is written there directly (`LayerGroups.translate_into`): the pass
@@ -100,6 +101,11 @@ class NativePass:
         work: the cache's PendingWork for this batch; new_ids, new_positions: [batch, m].
         lazy: load a layer's rows when its attention runs (translation of layer i then follows the
             compute of layer i-1), else all of them now.
+        length: the positions of the forward that reads these keys, where it is not this one (a
+            pass run alone before the model's own forward); None: this forward's.
+        The cached keys were rotated for a forward over the prefix alone; where the target's
+        tables depend on the forward's length (longrope, dynamic NTK) they are moved to this
+        forward's, as the target's own prefill of context + prompt rotates every key.
         """
         plan = cache.plan
         prefix, m, n = plan.translator.prefix_length, new_ids.shape[1], work.count
@@ -118,9 +124,13 @@ class NativePass:
             rows = torch.where(valid, columns, self.capacity - 1)
         mask = self.mask
         self.ids.copy_(torch.cat([front(work.ids), work.ids, new_ids.to(device)], dim=1))
-        self.positions.copy_(
-            torch.cat([front(work.positions), work.positions, new_positions.to(device)], dim=1)
-        )
+        positions = torch.cat([front(work.positions), work.positions, new_positions.to(device)], dim=1)
+        if length is not None and pad and plan.translator.by_length():
+            # run alone before a longer forward: a placeholder at that forward's last position, so
+            # this forward's tables (and the fresh rows) are that one's; it writes nowhere
+            positions[:, 0], rows = length - 1, rows.clone()
+            rows[:, 0] = self.capacity - 1
+        self.positions.copy_(positions)
         mask.query_columns.copy_(columns)
         mask.write_rows.copy_(rows)
         mask.first_column.copy_(work.first_column)
@@ -147,12 +157,24 @@ class NativePass:
             written.update(groups.translate_into(idx, self.store[0], self.store[1]))
             return idx in written
 
+        length = _rope_length(plan.translator, work, new_positions) if length is None else length
+
+        def moved(idx: int) -> None:  # the cached keys to this forward's rotary tables
+            tables = None if length is None else plan.translator.retable(idx, length, device)
+            if tables is not None:
+                index = cache.layers[idx].batch_index_for(batch)
+                if index is not None:
+                    tables = tuple(t.index_select(0, index.to(device)) for t in tables)
+                keys = mask.keys[idx][:, :, :prefix]
+                layout = plan.translator.target_rope.layout
+                keys.copy_(rotate(unrotate(keys, *tables[:2], layout), *tables[2:], layout))
+
         def fill(idx: int) -> None:
-            if translated_here(idx):
-                return
-            keys, values = rows(idx)
-            mask.keys[idx][:, :, :prefix].copy_(keys)
-            mask.values[idx][:, :, :prefix].copy_(values)
+            if not translated_here(idx):
+                keys, values = rows(idx)
+                mask.keys[idx][:, :, :prefix].copy_(keys)
+                mask.values[idx][:, :, :prefix].copy_(values)
+            moved(idx)
 
         mask.fill = fill if lazy else None
         if not lazy:  # every layer now: groups into the buffers, the rest in one batched copy
@@ -161,11 +183,14 @@ class NativePass:
             targets = [t[:, :, :prefix] for idx in copied for t in (mask.keys[idx], mask.values[idx])]
             if copied:
                 torch._foreach_copy_(targets, sources)
+            for idx in range(len(cache.layers)):
+                moved(idx)
 
     @torch.no_grad()
     def forward(self, keep, extra: dict):
-        """The model's own forward over the slots, through its view (our attention)."""
-        with attending(self.mask):
+        """The model's own forward over the slots, through its view (our attention); the view
+        shares the model's rotary buffers, which longrope rewrites in place: left as they were."""
+        with attending(self.mask), kept_rotary(self.view.original):
             return self.view.model.forward(
                 input_ids=self.ids, position_ids=self.positions, use_cache=False, logits_to_keep=keep, **extra
             )
@@ -197,6 +222,16 @@ class NativePass:
                 layer.settle(keys, values)
             else:
                 layer.settle(keys, values, (store[0, idx], store[1, idx]) if room else None)
+
+
+def _rope_length(translator, work, new_positions: torch.Tensor) -> int | None:
+    """The length the pass's forward computes its rotary tables for (its largest position + 1),
+    where the target's tables depend on it (`Translator.by_length`); else None (nothing to move,
+    and no device sync)."""
+    if not translator.prefix_length or not translator.by_length():
+        return None
+    positions = new_positions if new_positions.numel() else work.positions
+    return int(positions.max()) + 1 if positions.numel() else None
 
 
 def _slots(work, new_tokens: int) -> int:
@@ -272,28 +307,30 @@ def _taken(launched, cache, new_ids, new_positions) -> bool:
     return bool((new_positions == _own_positions(cache, new_ids)).all())
 
 
-def run(cache, new_ids, new_positions, keep, extra: dict, launched=None, room: int = 0):
+def run(cache, new_ids, new_positions, keep, extra: dict, launched=None, room: int = 0, length=None):
     """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
     forward's output (logits of the new tokens only, the cache in its cache field). launched: what
     `launch` returned for this forward (taken where it read these ids); room: columns to keep
-    after the new tokens for the ones generate() appends (0: none known)."""
+    after the new tokens for the ones generate() appends (0: none known); length: the positions
+    of the forward that reads the cache next, where it is not this one (`run_alone`)."""
     batch, m = new_ids.shape
     graphs = _graphs(cache, keep, extra)  # launches are made only for such forwards
     taken = graphs and _taken(launched, cache, new_ids, new_positions)
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
     graph = None
+    slots = _slots(work, m) + (length is not None)  # room for `load`'s placeholder at `length`
     if graphs and not taken:  # a launched request was counted already
-        graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
+        graph = _pass_graph(cache, batch, slots, prefix + m)
     if taken and launched.result is not None:
         output, store = launched.result
         NativePass.settle(cache, store, prefix + m, room)
     elif graph is not None:
         with cache.state.replay_lock:
-            output = graph.run(cache, work, new_ids, new_positions, room)
+            output = graph.run(cache, work, new_ids, new_positions, room, length)
     else:
-        native = NativePass(cache.state.view("target"), batch, _slots(work, m), prefix + m + 1 + room)
-        native.load(cache, work, new_ids, new_positions, lazy=True)
+        native = NativePass(cache.state.view("target"), batch, slots, prefix + m + 1 + room)
+        native.load(cache, work, new_ids, new_positions, lazy=True, length=length)
         try:
             output = native.forward(keep, extra)
         finally:  # the lazy fill's closure holds the pass and the cache: a cycle, broken here
@@ -365,15 +402,17 @@ def forward_with_pass(target, *args, first: FirstForward | None = None, **kwargs
     return run(cache, input_ids, positions, keep, kwargs, launched, room)
 
 
-def run_alone(cache, batch: int | None = None, room: int = 0) -> None:
+def run_alone(cache, batch: int | None = None, room: int = 0, new_tokens: int = 0) -> None:
     """Run the pending work now, in a forward of its own (no new tokens), for `batch` rows (what
     generate() expanded the context's rows to; None: the context's rows), with `room` columns
-    for decoding."""
+    for decoding, before a forward of the model's own over `new_tokens` after the prefix (0: none
+    known), whose length the cached keys' rotary tables are moved to (`NativePass.load`)."""
     ids = cache.pending_work.ids[:, :0]
     if batch is not None and batch != ids.shape[0]:
         ids = ids.new_zeros(batch, 0)
+    length = cache.translator.prefix_length + new_tokens if new_tokens else None
     with torch.no_grad():
-        run(cache, ids, ids, 1, {}, room=room)
+        run(cache, ids, ids, 1, {}, room=room, length=length)
 
 
 def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
