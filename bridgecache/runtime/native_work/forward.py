@@ -384,7 +384,8 @@ def forward_with_pass(target, *args, first: FirstForward | None = None, **kwargs
     if input_ids is None and args:
         input_ids, args = args[0], args[1:]
     if input_ids is None or args:  # inputs_embeds, or positional extras: the pending work runs first
-        run_alone(cache, room=room)
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        run_alone(cache, room=room, new_tokens=0 if tokens is None else tokens.shape[1])
         return (
             target(*args, input_ids=input_ids, **kwargs) if input_ids is not None else target(*args, **kwargs)
         )
