@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from bridgecache.compat import cache_keyword, cache_kwargs
-from bridgecache.kv.rope import kept_rotary, rotate, unrotate
+from bridgecache.kv.rope import kept_rotary
 from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
 from bridgecache.runtime.interop.views import generate_view
@@ -160,14 +160,9 @@ class NativePass:
         length = _rope_length(plan.translator, work, new_positions) if length is None else length
 
         def moved(idx: int) -> None:  # the cached keys to this forward's rotary tables
-            tables = None if length is None else plan.translator.retable(idx, length, device)
-            if tables is not None:
+            if length is not None:
                 index = cache.layers[idx].batch_index_for(batch)
-                if index is not None:
-                    tables = tuple(t.index_select(0, index.to(device)) for t in tables)
-                keys = mask.keys[idx][:, :, :prefix]
-                layout = plan.translator.target_rope.layout
-                keys.copy_(rotate(unrotate(keys, *tables[:2], layout), *tables[2:], layout))
+                plan.translator.move_keys(mask.keys[idx][:, :, :prefix], idx, length, index)
 
         def fill(idx: int) -> None:
             if not translated_here(idx):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.kv.rope import RopeTables
+from bridgecache.kv.rope import RopeTables, rotate, unrotate
 from bridgecache.kv.rows import leading_native, plan_rows, pool_source
 from bridgecache.kv.source import SourceKV, check_mask, position_ids_from_mask
 from bridgecache.runtime.translation.layers import SourceRope, source_rows_kept, translate_layer
@@ -225,6 +225,17 @@ class Translator:
             same = all(torch.equal(a, b) for a, b in zip(own, wanted))
             self._retables[key] = None if same else tuple(t.to(device) for t in (*own, *wanted))
         return self._retables[key]
+
+    def move_keys(self, keys: torch.Tensor, idx: int, length: int, index: torch.Tensor | None = None) -> None:
+        """Move layer `idx`'s cached keys [batch, heads, prefix, head_dim] (in place) to the tables of
+        a forward over `length` positions (`retable`); index: the context row of each of their rows
+        (None: the context's rows)."""
+        tables = self.retable(idx, length, keys.device)
+        if tables is not None:
+            if index is not None:
+                tables = tuple(t.index_select(0, index.to(keys.device)) for t in tables)
+            layout = self.target_rope.layout
+            keys.copy_(rotate(unrotate(keys, *tables[:2], layout), *tables[2:], layout))
 
 
 def prefix_layout(
