@@ -29,7 +29,7 @@ A read of the cache before any such forward (the first layer's update in a user'
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
 with no new tokens.
 
-Launched before generate() (`launch`): the engine's generate() (`generate` here) replays the pass
+Launched before generate() (`launch`): the engine's generate() (native_work.generation) replays the pass
 of its first forward (the prompt's ids after the cached prefix, at their own positions) before
 transformers' generate() runs its own host work, which then overlaps the GPU's; the output and a
 copy of the buffers travel as a value (`FirstForward`, bound into that generate()'s forward, never
@@ -42,25 +42,20 @@ tokenizers.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from bridgecache.compat import cache_keyword, cache_kwargs
+from bridgecache.compat import cache_keyword
 from bridgecache.kv.rope import kept_rotary
 from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
-from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work import prefill
 
 __all__ = [
-    "MAX_DECODE_ROOM",
     "FirstForward",
     "NativePass",
-    "decode_room",
     "forward_with_pass",
-    "generate",
     "launch",
     "pass_bytes",
     "run_alone",
@@ -409,42 +404,3 @@ def run_alone(cache, batch: int | None = None, room: int = 0, new_tokens: int = 
     length = cache.translator.prefix_length + new_tokens if new_tokens else None
     with torch.no_grad():
         run(cache, ids, ids, 1, {}, room=room, length=length)
-
-
-def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
-    """`target.generate(input_ids, cache=cache, ...)` whose first forward also does `cache`'s native
-    work (one forward instead of two), run on a view of the target (`generate_view`): the user's
-    model is not changed, and its later forwards run as they always do. A plain `target.generate`
-    over a BridgedCache works too; its native work then runs as a forward of its own."""
-    room = decode_room(target, cache, generate_kwargs)
-    # The first forward's work starts now, replayed from a graph where one is captured (the
-    # native route's prefill or the handoff's pass): generate()'s own host work runs beside it.
-    launched = prefill.launch(cache, target, input_ids, attention_mask, generate_kwargs)
-    if launched is None:
-        launched = launch(cache, target, input_ids, attention_mask, generate_kwargs, room)
-    first = FirstForward(room, launched)
-    forward = functools.update_wrapper(
-        functools.partial(forward_with_pass, target, first=first), target.forward
-    )
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    return generate_view(target, forward).generate(
-        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
-    )
-
-
-# Decoded tokens the native-work pass leaves room for in its buffers (past them, decoding
-# concatenates as transformers' layers do): enough for an answer, bounded so that a large
-# max_new_tokens does not reserve memory that an early end of sequence never uses.
-MAX_DECODE_ROOM = 512
-
-
-def decode_room(target, cache, generate_kwargs: dict) -> int:
-    """How many tokens generate() will append after its first forward over a BridgedCache with
-    pending work (max_new_tokens - 1, at most MAX_DECODE_ROOM; 0 without pending work): the
-    pass keeps room for them."""
-    if getattr(cache, "pending_work", None) is None:
-        return 0
-    config = generate_kwargs.get("generation_config") or target.generation_config
-    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    return min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0
