@@ -14,6 +14,7 @@ Knows transformers' generate() conventions and the cache's pending work; nothing
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from transformers.generation.utils import GenerationMixin
@@ -49,7 +50,9 @@ def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     view = generate_view(target, forward)
-    view.__dict__["prepare_inputs_for_generation"] = functools.partial(_prepared_keeping, view, cache)
+    # the view by a weak reference: a cycle through it would outlive generate() until a gc pass
+    keeping = functools.partial(_prepared_keeping, weakref.ref(view), cache)
+    view.__dict__["prepare_inputs_for_generation"] = keeping
     return view.generate(
         input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
     )
@@ -66,7 +69,7 @@ def decode_room(target, cache, generate_kwargs: dict) -> int:
     return min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0
 
 
-def _prepared_keeping(view, bridged, /, *args, **kwargs) -> dict:
+def _prepared_keeping(view_ref, bridged, /, *args, **kwargs) -> dict:
     """The model's own `prepare_inputs_for_generation`, keeping the BridgedCache `bridged` where
     the model drops it while it has pending work.
 
@@ -77,6 +80,7 @@ def _prepared_keeping(view, bridged, /, *args, **kwargs) -> dict:
     would only throw the handoff away: transformers >= 5.24 then prefills the whole input
     natively, 5.17 reads the prompt alone, without the context. Such a step is prepared by
     transformers' generic method instead, which keeps the cache and slices the input after it."""
+    view = view_ref()
     inputs = type(view).prepare_inputs_for_generation(view, *args, **kwargs)
     given = kwargs.get("cache", kwargs.get("past_key_values"))
     kept = inputs.get("cache", inputs.get("past_key_values"))
