@@ -77,7 +77,7 @@ def _prepared_keeping(view_ref, bridged, /, *args, **kwargs) -> dict:
     generate()'s input crosses that length: its keys were rotated with the short factors, and the
     model recomputes the whole input instead. The pass moves a bridged cache's keys to the tables
     of the forward that reads them (`NativePass.load`, `Translator.move_keys`), so dropping it
-    would only throw the handoff away: transformers >= 5.24 then prefills the whole input
+    would only throw the handoff away: transformers 5.25 then prefills the whole input
     natively, 5.17 reads the prompt alone, without the context. Such a step is prepared by
     transformers' generic method instead, which keeps the cache and slices the input after it."""
     view = view_ref()
