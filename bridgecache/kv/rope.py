@@ -21,6 +21,7 @@ rope types scale cos and sin by an attention factor f; un-rotation divides by co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -32,7 +33,7 @@ from bridgecache.models.code import modeling_module
 from bridgecache.models.layout import RotaryLayout, rope_layers, rotary_layout, rotary_module
 from bridgecache.models.spec import config_from_spec
 
-__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "cos_sin_of", "NO_ROPE"]
+__all__ = ["RopeTables", "rotate", "unrotate", "rotate_half", "cos_sin_of", "kept_rotary", "NO_ROPE"]
 
 NO_ROPE = "no_rope"  # RopeTables.layer_types entry of a layer without rotary embeddings
 
@@ -153,9 +154,20 @@ class RopeTables:
             self.layout,
         )
 
-    def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, layer: int, positions: torch.Tensor, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [batch, tokens] (or [tokens]) -> cos, sin: [batch, tokens, head_dim] float32,
-        indexed by pair (the module docstring)."""
+        indexed by pair (the module docstring).
+
+        length: the number of positions of the forward these tables are for (None: positions.max()
+            + 1). Some rope types pick their frequencies from the forward's largest position (longrope:
+            long or short factors past original_max_position_embeddings; dynamic NTK: rescaled to the
+            length), so a forward over context + prompt rotates the context's keys differently from
+            a forward over the context alone: the tables here are the former's when `length` says so.
+        The module is called on a copy: those rope types rewrite its frequencies in place, and the
+        model's own module is left as it was.
+        """
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         if self.layer_types[layer] == NO_ROPE:  # the identity rotation; the module may keep no tables
@@ -166,15 +178,13 @@ class RopeTables:
         if layer_type == "sliding_attention" and self.rotary_local is not None:
             rotary = self.rotary_local
         device = _module_device(rotary, positions.device)
-        probe = torch.zeros(1, dtype=torch.float32, device=device)
         positions = positions.to(device)
-        with torch.no_grad():
-            if self._takes_layer_type:
-                tables = rotary(probe, positions, layer_type=layer_type)
-            else:
-                tables = rotary(probe, positions)
-        cos, sin = cos_sin_of(tables)
-        return self.canonical(cos.float(), sin.float())
+        tokens = positions.shape[1]
+        if length is not None and tokens:  # one column more, at the forward's last position
+            last = torch.full_like(positions[:, :1], length - 1)
+            positions = torch.cat([positions, torch.maximum(last, positions.amax(1, keepdim=True))], 1)
+        cos, sin = _call(rotary, positions, layer_type if self._takes_layer_type else None)
+        return self.canonical(cos[:, :tokens].float(), sin[:, :tokens].float())
 
     def canonical(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own tables (as its rotary module returns them, or as it hands them to its
@@ -212,17 +222,50 @@ def _repeats_pairs(tables: RopeTables, rotary_dim: int) -> bool:
     if rotary_dim <= 2:
         return False
     rotary = tables.rotary
-    probe = torch.zeros(1, dtype=torch.float32, device=_module_device(rotary, torch.device("cpu")))
-    positions = torch.ones(1, 1, dtype=torch.long, device=probe.device)
-    with torch.no_grad():
-        if tables._takes_layer_type:
-            cos, _ = cos_sin_of(rotary(probe, positions, layer_type=tables._rotary_types[0]))
-        else:
-            cos, _ = cos_sin_of(rotary(probe, positions))
+    positions = torch.ones(1, 1, dtype=torch.long, device=_module_device(rotary, torch.device("cpu")))
+    cos, _ = _call(rotary, positions, tables._rotary_types[0] if tables._takes_layer_type else None)
     return bool(torch.equal(cos[..., 0::2], cos[..., 1::2]))
+
+
+def _call(rotary: torch.nn.Module, positions: torch.Tensor, layer_type: str | None):
+    """cos, sin of `rotary` at positions [batch, tokens]; longrope and dynamic NTK rewrite the
+    module's frequencies (and dynamic its cached length) as they run: computed by a copy of it."""
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    if any("dynamic" in str(kind) or kind == "longrope" for kind in kinds):  # transformers' test
+        rotary = copy.deepcopy(rotary)
+    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+    with torch.no_grad():
+        if layer_type is not None:
+            return cos_sin_of(rotary(probe, positions, layer_type=layer_type))
+        return cos_sin_of(rotary(probe, positions))
 
 
 def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
     for buffer in module.buffers():
         return buffer.device
     return fallback
+
+
+@contextlib.contextmanager
+def kept_rotary(model):
+    """Run a forward of the user's `model` and leave its rotary module(s) as they were: longrope
+    and dynamic NTK rewrite their frequencies (in place, or as new buffers and attributes) at every
+    forward, after the length of that forward; bridgecache's own forwards must not leave them so."""
+    base = getattr(model, "model", model)
+    modules = [m for m in (rotary_module(model), getattr(base, "rotary_emb_local", None)) if m is not None]
+    saved = [
+        (m, dict(vars(m)), dict(m._buffers), {k: b.clone() for k, b in m._buffers.items() if b is not None})
+        for m in modules
+    ]
+    try:
+        yield
+    finally:
+        for module, attributes, buffers, values in saved:
+            # attributes it added are kept: longrope's long frequencies, a function of the config
+            # alone, which a captured graph may read
+            vars(module).update(attributes)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name, value in values.items():  # the same tensors (CUDA graphs read their address)
+                buffers[name].copy_(value)

@@ -215,6 +215,10 @@ def _config_from_spec(spec: ModelSpec):
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters=json.loads(spec.rope),
     )
+    original = fields["rope_parameters"] or {}
+    if "original_max_position_embeddings" in original and _takes(cls, "original_max_position_embeddings"):
+        # Phi-3's class overwrites the rope parameters' value with its own field (default 4096)
+        fields["original_max_position_embeddings"] = original["original_max_position_embeddings"]
     if spec.no_rope_layers:  # SmolLM3's field: 1 marks a RoPE layer
         fields["no_rope_layers"] = [0 if i in spec.no_rope_layers else 1 for i in range(spec.num_layers)]
     # what the class derives and cannot take (Falcon's head_dim: a property of hidden size and heads)
@@ -226,6 +230,10 @@ def _config_from_spec(spec: ModelSpec):
             f"{config.num_hidden_layers}"
         )
     return config
+
+
+def _takes(cls, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
 
 
 def _read_only(cls, name: str) -> bool:

@@ -82,12 +82,14 @@ class _LazyLayerMixin:
     def values(self, value):
         self._values = value
 
-    def _materialize(self, device=None, dtype=None, batch_size=None) -> None:
+    def _materialize(self, device=None, dtype=None, batch_size=None, new_tokens: int = 0) -> None:
         cache = self._cache()
         if cache is None:
             raise RuntimeError("this layer's BridgedCache is gone: a lazy layer translates through it")
         if cache.pending_work is not None:
-            cache.run_pending(batch_size)  # read before the first forward: the native work comes first
+            # read before the first forward (or in it: `new_tokens` after the prefix, whose length
+            # picks some rope types' tables): the native work comes first
+            cache.run_pending(batch_size, new_tokens)
             if self.is_materialized:
                 return
         index = self.batch_index_for(batch_size)
@@ -126,7 +128,7 @@ class _LazyLayerMixin:
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_materialized:
-            self._materialize(key_states.device, key_states.dtype, key_states.shape[0])
+            self._materialize(key_states.device, key_states.dtype, key_states.shape[0], key_states.shape[-2])
         if getattr(self, "_room", None) is not None and self._append_in_room(key_states, value_states):
             return self._keys, self._values
         return super().update(key_states, value_states, *args, **kwargs)
@@ -339,11 +341,12 @@ class BridgedCache(DynamicCache):
         return new
 
     # ------------------------------------------------------------------ the native work
-    def run_pending(self, batch: int | None = None) -> None:
+    def run_pending(self, batch: int | None = None, new_tokens: int = 0) -> None:
         """Run the pending native work now, in a forward of its own (no-op when there is none), for
-        `batch` rows (None: the context's; generate() may have expanded them for beams)."""
+        `batch` rows (None: the context's; generate() may have expanded them for beams), before a
+        forward of `new_tokens` after the cached prefix (0: none known)."""
         if self._pending is not None:
-            native_forward.run_alone(self, batch)
+            native_forward.run_alone(self, batch, new_tokens=new_tokens)
 
     def pending_for_batch(self, batch: int):
         """The pending work for a forward of `batch` rows: generate() may have expanded the

@@ -70,7 +70,8 @@ from bridgecache.runtime.inputs import (
     check_text,
     selector_layers,
 )
-from bridgecache.runtime.native_work.forward import forward_with_pass, generate
+from bridgecache.runtime.native_work.forward import forward_with_pass
+from bridgecache.runtime.native_work.generation import generate
 from bridgecache.runtime.native_work.plan import HandoffPlan, plan_handoff
 from bridgecache.runtime.request import HandoffRequest, pad_token_id, same_tokenization
 from bridgecache.runtime.route import RouteCosts, save_costs

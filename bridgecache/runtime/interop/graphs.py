@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from bridgecache.kv.rope import kept_rotary
 from bridgecache.runtime.interop.attention import (
     NAME,
     ReadingMask,
@@ -188,18 +189,23 @@ class PassGraph:
         self.logits = output.logits  # [batch, 1, vocab], rewritten by every replay
         self.output_type = type(output)
 
-    def run(self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0):
+    def run(
+        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0, length=None
+    ):
         """The pass over `cache` for new_ids / new_positions [batch, m]; returns the forward's
         output (logits of the last token; the cache's layers hold the buffers' copy, with `room`
         columns more for generate()'s tokens)."""
-        output, store = self.launch(cache, work, new_ids, new_positions, room)
+        output, store = self.launch(cache, work, new_ids, new_positions, room, length)
         self.native.settle(cache, store, cache.translator.prefix_length + new_ids.shape[1], room)
         return output
 
-    def launch(self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0):
+    def launch(
+        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, room: int = 0, length=None
+    ):
         """`run` up to the cache: (the forward's output, the buffers' columns [0, prefix + m) with
         `room` more, copied), the cache's layers untouched."""
-        self.native.load(cache, work, new_ids, new_positions)
-        self.graph.replay()
+        self.native.load(cache, work, new_ids, new_positions, length=length)
+        with kept_rotary(self.native.view.original):  # the replay rewrites longrope's shared buffer
+            self.graph.replay()
         store = self.native.held(cache.translator.prefix_length + new_ids.shape[1], room)
         return self.output_type(logits=self.logits.clone()), store

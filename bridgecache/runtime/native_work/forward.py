@@ -29,7 +29,7 @@ A read of the cache before any such forward (the first layer's update in a user'
 `target.generate(past_key_values=cache)`, materialize(), to_static, crop) runs the pass alone,
 with no new tokens.
 
-Launched before generate() (`launch`): the engine's generate() (`generate` here) replays the pass
+Launched before generate() (`launch`): the engine's generate() (native_work.generation) replays the pass
 of its first forward (the prompt's ids after the cached prefix, at their own positions) before
 transformers' generate() runs its own host work, which then overlaps the GPU's; the output and a
 copy of the buffers travel as a value (`FirstForward`, bound into that generate()'s forward, never
@@ -42,24 +42,20 @@ tokenizers.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from bridgecache.compat import cache_keyword, cache_kwargs
+from bridgecache.compat import cache_keyword
+from bridgecache.kv.rope import kept_rotary
 from bridgecache.runtime.interop.attention import ColumnMask, attending
 from bridgecache.runtime.interop.graphs import PassGraph, bucket, kv_bytes
-from bridgecache.runtime.interop.views import generate_view
 from bridgecache.runtime.native_work import prefill
 
 __all__ = [
-    "MAX_DECODE_ROOM",
     "FirstForward",
     "NativePass",
-    "decode_room",
     "forward_with_pass",
-    "generate",
     "launch",
     "pass_bytes",
     "run_alone",
@@ -91,7 +87,7 @@ class NativePass:
         )
 
     def load(
-        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False
+        self, cache, work, new_ids: torch.Tensor, new_positions: torch.Tensor, lazy: bool = False, length=None
     ) -> None:
         """Copy this forward's slots and the cache's rows into the buffers; a group of layers
         translated in one launch is written there directly (`LayerGroups.translate_into`): the pass
@@ -100,6 +96,11 @@ class NativePass:
         work: the cache's PendingWork for this batch; new_ids, new_positions: [batch, m].
         lazy: load a layer's rows when its attention runs (translation of layer i then follows the
             compute of layer i-1), else all of them now.
+        length: the positions of the forward that reads these keys, where it is not this one (a
+            pass run alone before the model's own forward); None: this forward's.
+        The cached keys were rotated for a forward over the prefix alone; where the target's
+        tables depend on the forward's length (longrope, dynamic NTK) they are moved to this
+        forward's, as the target's own prefill of context + prompt rotates every key.
         """
         plan = cache.plan
         prefix, m, n = plan.translator.prefix_length, new_ids.shape[1], work.count
@@ -118,9 +119,13 @@ class NativePass:
             rows = torch.where(valid, columns, self.capacity - 1)
         mask = self.mask
         self.ids.copy_(torch.cat([front(work.ids), work.ids, new_ids.to(device)], dim=1))
-        self.positions.copy_(
-            torch.cat([front(work.positions), work.positions, new_positions.to(device)], dim=1)
-        )
+        positions = torch.cat([front(work.positions), work.positions, new_positions.to(device)], dim=1)
+        if length is not None and pad and plan.translator.by_length():
+            # run alone before a longer forward: a placeholder at that forward's last position, so
+            # this forward's tables (and the fresh rows) are that one's; it writes nowhere
+            positions[:, 0], rows = length - 1, rows.clone()
+            rows[:, 0] = self.capacity - 1
+        self.positions.copy_(positions)
         mask.query_columns.copy_(columns)
         mask.write_rows.copy_(rows)
         mask.first_column.copy_(work.first_column)
@@ -147,12 +152,19 @@ class NativePass:
             written.update(groups.translate_into(idx, self.store[0], self.store[1]))
             return idx in written
 
+        length = _rope_length(plan.translator, work, new_positions) if length is None else length
+
+        def moved(idx: int) -> None:  # the cached keys to this forward's rotary tables
+            if length is not None:
+                index = cache.layers[idx].batch_index_for(batch)
+                plan.translator.move_keys(mask.keys[idx][:, :, :prefix], idx, length, index)
+
         def fill(idx: int) -> None:
-            if translated_here(idx):
-                return
-            keys, values = rows(idx)
-            mask.keys[idx][:, :, :prefix].copy_(keys)
-            mask.values[idx][:, :, :prefix].copy_(values)
+            if not translated_here(idx):
+                keys, values = rows(idx)
+                mask.keys[idx][:, :, :prefix].copy_(keys)
+                mask.values[idx][:, :, :prefix].copy_(values)
+            moved(idx)
 
         mask.fill = fill if lazy else None
         if not lazy:  # every layer now: groups into the buffers, the rest in one batched copy
@@ -161,11 +173,14 @@ class NativePass:
             targets = [t[:, :, :prefix] for idx in copied for t in (mask.keys[idx], mask.values[idx])]
             if copied:
                 torch._foreach_copy_(targets, sources)
+            for idx in range(len(cache.layers)):
+                moved(idx)
 
     @torch.no_grad()
     def forward(self, keep, extra: dict):
-        """The model's own forward over the slots, through its view (our attention)."""
-        with attending(self.mask):
+        """The model's own forward over the slots, through its view (our attention); the view
+        shares the model's rotary buffers, which longrope rewrites in place: left as they were."""
+        with attending(self.mask), kept_rotary(self.view.original):
             return self.view.model.forward(
                 input_ids=self.ids, position_ids=self.positions, use_cache=False, logits_to_keep=keep, **extra
             )
@@ -197,6 +212,16 @@ class NativePass:
                 layer.settle(keys, values)
             else:
                 layer.settle(keys, values, (store[0, idx], store[1, idx]) if room else None)
+
+
+def _rope_length(translator, work, new_positions: torch.Tensor) -> int | None:
+    """The length the pass's forward computes its rotary tables for (its largest position + 1),
+    where the target's tables depend on it (`Translator.by_length`); else None (nothing to move,
+    and no device sync)."""
+    if not translator.prefix_length or not translator.by_length():
+        return None
+    positions = new_positions if new_positions.numel() else work.positions
+    return int(positions.max()) + 1 if positions.numel() else None
 
 
 def _slots(work, new_tokens: int) -> int:
@@ -272,28 +297,30 @@ def _taken(launched, cache, new_ids, new_positions) -> bool:
     return bool((new_positions == _own_positions(cache, new_ids)).all())
 
 
-def run(cache, new_ids, new_positions, keep, extra: dict, launched=None, room: int = 0):
+def run(cache, new_ids, new_positions, keep, extra: dict, launched=None, room: int = 0, length=None):
     """The pass for a forward of `new_ids` [batch, m] at `new_positions` over `cache`; returns the
     forward's output (logits of the new tokens only, the cache in its cache field). launched: what
     `launch` returned for this forward (taken where it read these ids); room: columns to keep
-    after the new tokens for the ones generate() appends (0: none known)."""
+    after the new tokens for the ones generate() appends (0: none known); length: the positions
+    of the forward that reads the cache next, where it is not this one (`run_alone`)."""
     batch, m = new_ids.shape
     graphs = _graphs(cache, keep, extra)  # launches are made only for such forwards
     taken = graphs and _taken(launched, cache, new_ids, new_positions)
     work = cache.pending_for_batch(batch)
     prefix = cache.translator.prefix_length
     graph = None
+    slots = _slots(work, m) + (length is not None)  # room for `load`'s placeholder at `length`
     if graphs and not taken:  # a launched request was counted already
-        graph = _pass_graph(cache, batch, _slots(work, m), prefix + m)
+        graph = _pass_graph(cache, batch, slots, prefix + m)
     if taken and launched.result is not None:
         output, store = launched.result
         NativePass.settle(cache, store, prefix + m, room)
     elif graph is not None:
         with cache.state.replay_lock:
-            output = graph.run(cache, work, new_ids, new_positions, room)
+            output = graph.run(cache, work, new_ids, new_positions, room, length)
     else:
-        native = NativePass(cache.state.view("target"), batch, _slots(work, m), prefix + m + 1 + room)
-        native.load(cache, work, new_ids, new_positions, lazy=True)
+        native = NativePass(cache.state.view("target"), batch, slots, prefix + m + 1 + room)
+        native.load(cache, work, new_ids, new_positions, lazy=True, length=length)
         try:
             output = native.forward(keep, extra)
         finally:  # the lazy fill's closure holds the pass and the cache: a cycle, broken here
@@ -347,7 +374,8 @@ def forward_with_pass(target, *args, first: FirstForward | None = None, **kwargs
     if input_ids is None and args:
         input_ids, args = args[0], args[1:]
     if input_ids is None or args:  # inputs_embeds, or positional extras: the pending work runs first
-        run_alone(cache, room=room)
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        run_alone(cache, room=room, new_tokens=0 if tokens is None else tokens.shape[1])
         return (
             target(*args, input_ids=input_ids, **kwargs) if input_ids is not None else target(*args, **kwargs)
         )
@@ -365,51 +393,14 @@ def forward_with_pass(target, *args, first: FirstForward | None = None, **kwargs
     return run(cache, input_ids, positions, keep, kwargs, launched, room)
 
 
-def run_alone(cache, batch: int | None = None, room: int = 0) -> None:
+def run_alone(cache, batch: int | None = None, room: int = 0, new_tokens: int = 0) -> None:
     """Run the pending work now, in a forward of its own (no new tokens), for `batch` rows (what
     generate() expanded the context's rows to; None: the context's rows), with `room` columns
-    for decoding."""
+    for decoding, before a forward of the model's own over `new_tokens` after the prefix (0: none
+    known), whose length the cached keys' rotary tables are moved to (`NativePass.load`)."""
     ids = cache.pending_work.ids[:, :0]
     if batch is not None and batch != ids.shape[0]:
         ids = ids.new_zeros(batch, 0)
+    length = cache.translator.prefix_length + new_tokens if new_tokens else None
     with torch.no_grad():
-        run(cache, ids, ids, 1, {}, room=room)
-
-
-def generate(target, cache, input_ids, attention_mask=None, **generate_kwargs):
-    """`target.generate(input_ids, cache=cache, ...)` whose first forward also does `cache`'s native
-    work (one forward instead of two), run on a view of the target (`generate_view`): the user's
-    model is not changed, and its later forwards run as they always do. A plain `target.generate`
-    over a BridgedCache works too; its native work then runs as a forward of its own."""
-    room = decode_room(target, cache, generate_kwargs)
-    # The first forward's work starts now, replayed from a graph where one is captured (the
-    # native route's prefill or the handoff's pass): generate()'s own host work runs beside it.
-    launched = prefill.launch(cache, target, input_ids, attention_mask, generate_kwargs)
-    if launched is None:
-        launched = launch(cache, target, input_ids, attention_mask, generate_kwargs, room)
-    first = FirstForward(room, launched)
-    forward = functools.update_wrapper(
-        functools.partial(forward_with_pass, target, first=first), target.forward
-    )
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    return generate_view(target, forward).generate(
-        input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(target, cache), **generate_kwargs
-    )
-
-
-# Decoded tokens the native-work pass leaves room for in its buffers (past them, decoding
-# concatenates as transformers' layers do): enough for an answer, bounded so that a large
-# max_new_tokens does not reserve memory that an early end of sequence never uses.
-MAX_DECODE_ROOM = 512
-
-
-def decode_room(target, cache, generate_kwargs: dict) -> int:
-    """How many tokens generate() will append after its first forward over a BridgedCache with
-    pending work (max_new_tokens - 1, at most MAX_DECODE_ROOM; 0 without pending work): the
-    pass keeps room for them."""
-    if getattr(cache, "pending_work", None) is None:
-        return 0
-    config = generate_kwargs.get("generation_config") or target.generation_config
-    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    return min(max(int(new) - 1, 0), MAX_DECODE_ROOM) if new else 0
+        run(cache, ids, ids, 1, {}, room=room, length=length)

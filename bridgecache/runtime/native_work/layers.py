@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from bridgecache.compat import cache_kwargs
 from bridgecache.kv.capture import position_ids_from_mask
+from bridgecache.kv.rope import kept_rotary
 from bridgecache.runtime.config import resolve_native_layers  # re-exported: its home is the config's
 
 __all__ = ["native_layer_kv", "resolve_native_layers"]
@@ -55,7 +56,8 @@ def native_layer_kv(
         layers: target layer indices (any order; empty: nothing is computed).
     Returns:
         {layer: (keys, values)} each [batch, kv_heads, tokens, head_dim], keys post-RoPE, exactly
-        as the target's own prefill caches them.
+        as the target's own prefill of these tokens caches them (a rope type whose tables depend
+        on the forward's length is moved to the pass's length there: `Translator.retable`).
     """
     layers = sorted(set(layers))
     if not layers or input_ids.shape[1] == 0:
@@ -63,7 +65,8 @@ def native_layer_kv(
     device = target.get_input_embeddings().weight.device
     mask = attention_mask.to(device)
     cache = _StoppingCache(stop_after=layers[-1])
-    with contextlib.suppress(_StopForward):  # the forward ends at the deepest wanted layer
+    # the forward ends at the deepest wanted layer; the model's rotary module is left as it was
+    with kept_rotary(target), contextlib.suppress(_StopForward):
         target(
             input_ids=input_ids.to(device),
             attention_mask=mask,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from bridgecache.kv.rope import RopeTables
+from bridgecache.kv.rope import RopeTables, rotate, unrotate
 from bridgecache.kv.rows import leading_native, plan_rows, pool_source
 from bridgecache.kv.source import SourceKV, check_mask, position_ids_from_mask
 from bridgecache.runtime.translation.layers import SourceRope, source_rows_kept, translate_layer
@@ -99,6 +99,8 @@ class Translator:
         self.reading_rows = reading[:, : self.prefix_length].to(self.home_device, non_blocking=True)
         self._min_source_rows = None  # built on first need (a sliding-window source only)
         self._target_tables: dict = {}
+        self._retables: dict = {}
+        self._by_length: bool | None = None  # whether the target's tables depend on the forward's length
         self._device_rows: dict = {
             (self.begin, self.home_device): self.rows[:, self.begin :].to(self.home_device)
         }
@@ -187,6 +189,53 @@ class Translator:
             cos, sin = self.target_rope.cos_sin(idx, self.target_positions[:, begin : self.prefix_length])
             self._target_tables[key] = (cos.to(device), sin.to(device))
         return self._target_tables[key]
+
+    def by_length(self) -> bool:
+        """Whether the target's rotary tables depend on the length of the forward that computes
+        them (longrope, dynamic NTK): its tables at positions 0, 1 for a forward over the context
+        against those for one over twice the target's window (dynamic NTK rescales past it)."""
+        if self._by_length is None:
+            positions = self.target_positions[:1, :2]
+            limit = 2 * self.bridge.target.max_position_embeddings
+            layers = {t: idx for idx, t in enumerate(self.target_rope.layer_types)}.values()  # one per type
+            self._by_length = self.prefix_length > 0 and any(
+                not torch.equal(a, b)
+                for idx in layers
+                for a, b in zip(
+                    self.target_rope.cos_sin(idx, positions, self.prefix_length),
+                    self.target_rope.cos_sin(idx, positions, limit),
+                )
+            )
+        return self._by_length
+
+    def retable(self, idx: int, length: int, device: torch.device):
+        """Moving the cached keys of layer `idx` to a forward over `length` positions: (cos, sin)
+        of the tables they were rotated with (translated keys, and the target's own from
+        `native_layer_kv`: a forward over the cached prefix alone) and (cos, sin) of that forward's,
+        each [batch, prefix, head_dim]; None where they are the same.
+
+        The pass computes its fresh rows in one forward with the prompt, whose length picks the
+        tables of such rope types: the target's own prefill of context + prompt rotates every key
+        with those, so the cached ones are moved to them (`NativePass.load`)."""
+        key = (self.target_rope.layer_types[idx], length, device)
+        if key not in self._retables:
+            positions = self.target_positions[:, : self.prefix_length]
+            own = self.target_rope.cos_sin(idx, positions)
+            wanted = self.target_rope.cos_sin(idx, positions, length)
+            same = all(torch.equal(a, b) for a, b in zip(own, wanted))
+            self._retables[key] = None if same else tuple(t.to(device) for t in (*own, *wanted))
+        return self._retables[key]
+
+    def move_keys(self, keys: torch.Tensor, idx: int, length: int, index: torch.Tensor | None = None) -> None:
+        """Move layer `idx`'s cached keys [batch, heads, prefix, head_dim] (in place) to the tables of
+        a forward over `length` positions (`retable`); index: the context row of each of their rows
+        (None: the context's rows)."""
+        tables = self.retable(idx, length, keys.device)
+        if tables is not None:
+            if index is not None:
+                tables = tuple(t.index_select(0, index.to(keys.device)) for t in tables)
+            layout = self.target_rope.layout
+            keys.copy_(rotate(unrotate(keys, *tables[:2], layout), *tables[2:], layout))
 
 
 def prefix_layout(

@@ -12,7 +12,7 @@ from tiny_models import random_bridge, tiny_model
 
 from bridgecache import BridgedCache, GivenScores, HandoffConfig, RefreshConfig, capture_kv
 from bridgecache.runtime.engine import generate
-from bridgecache.runtime.native_work import forward as forward_module
+from bridgecache.runtime.native_work import generation as forward_module
 
 
 def _cache(model, bridge, ids, scores) -> BridgedCache:
