@@ -65,6 +65,21 @@ def byte_tokenizer(extra: str | None = None) -> PreTrainedTokenizerFast:
     return out
 
 
+def noisy_bridge(model):
+    """The identity bridge of `model` with noise on every map: deliberately wrong, like a poor fit,
+    marked as fitted (refreshed like one)."""
+    from bridgecache.bridge import Bridge
+
+    bridge = Bridge.identity(model)
+    generator = torch.Generator().manual_seed(0)
+    for layer in bridge.layers:
+        for name in ("key_weight", "value_weight"):
+            weight = getattr(layer, name)
+            weight += 0.5 * torch.randn(weight.shape, generator=generator)
+    bridge.method = "fullhead"
+    return bridge
+
+
 def random_bridge(model, inputs_per_head: int = 2, seed: int = 0):
     """A random (not identity) bridge of `model` onto itself: each target head reads
     `inputs_per_head` random source heads of random layers (a refresh has work to do)."""

@@ -19,6 +19,7 @@ import torch
 from tiny_models import (
     ARCHITECTURES,
     byte_tokenizer,
+    noisy_bridge,
     script,
     tiny_architecture,
     tiny_architecture_config,
@@ -62,18 +63,6 @@ def _generate(model, ids, cache=None, mask=None):
     return out.sequences, torch.stack(out.logits)
 
 
-def _noisy_bridge(model) -> Bridge:
-    """The identity with noise on every map: deliberately wrong, like a poor fit."""
-    bridge = Bridge.identity(model)
-    generator = torch.Generator().manual_seed(0)
-    for layer in bridge.layers:
-        for name in ("key_weight", "value_weight"):
-            weight = getattr(layer, name)
-            weight += 0.5 * torch.randn(weight.shape, generator=generator)
-    bridge.method = "fullhead"
-    return bridge
-
-
 @pytest.mark.parametrize("name", EXACT)
 def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     model = tiny_architecture(name)
@@ -92,7 +81,7 @@ def test_identity_and_full_refresh_reproduce_the_targets_own_generate(name):
     )
     assert torch.equal(seq, native_seq)
     assert (logits - native_logits).abs().max() < 1e-4
-    bridge = _noisy_bridge(model)
+    bridge = noisy_bridge(model)
     plain = HandoffConfig(refresh=None)
     _, poor = _generate(model, ids, BridgedCache(bridge, capture_kv(model, ids), model, ids, config=plain))
     assert (poor - native_logits).abs().max() > 1e-2  # the noisy bridge is really wrong
@@ -176,7 +165,7 @@ def test_a_left_padded_batch_keeps_windows_chunks_and_sinks(name, attention):
     masks = dict(target_attention_mask=mask, source_attention_mask=mask)
     native_seq, native_logits = _generate(model, ids, mask=mask)
     refresh = HandoffConfig(refresh=RefreshConfig(1.0, "deviation"), route="handoff")
-    for bridge, config in ((Bridge.identity(model), HandoffConfig()), (_noisy_bridge(model), refresh)):
+    for bridge, config in ((Bridge.identity(model), HandoffConfig()), (noisy_bridge(model), refresh)):
         source = capture_kv(model, ids, attention_mask=mask)
         seq, logits = _generate(
             model, ids, BridgedCache(bridge, source, model, ids, **masks, config=config), mask

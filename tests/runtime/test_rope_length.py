@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import noisy_bridge
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Phi3Config
 
 from bridgecache import BridgedCache, HandoffConfig, RefreshConfig, capture_kv
@@ -41,16 +42,18 @@ def dynamic(seed: int = 0):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def noisy(model) -> Bridge:
-    """The identity with noise on every map: deliberately wrong, marked as fitted."""
-    bridge = Bridge.identity(model)
-    generator = torch.Generator().manual_seed(0)
-    for layer in bridge.layers:
-        for name in ("key_weight", "value_weight"):
-            weight = getattr(layer, name)
-            weight += 0.5 * torch.randn(weight.shape, generator=generator)
-    bridge.method = "fullhead"
-    return bridge
+def refreshed_cache(model, context, prompt, source=None) -> BridgedCache:
+    """A full refresh of `source`'s (default: `model`'s) KV of `context` through a wrong bridge."""
+    kv = capture_kv(model if source is None else source, context)
+    return BridgedCache(noisy_bridge(model), kv, model, context, prompt_ids=prompt, config=FULL_REFRESH)
+
+
+def identity_cache(model, context, prompt) -> BridgedCache:
+    """The default handoff of `model`'s own KV of `context` through an identity bridge."""
+    config = HandoffConfig(route="handoff")
+    return BridgedCache(
+        Bridge.identity(model), capture_kv(model, context), model, context, prompt_ids=prompt, config=config
+    )
 
 
 def inputs(n: int):
@@ -76,9 +79,7 @@ def test_a_full_refresh_is_the_targets_own_prefill_of_context_and_prompt(case):
     full = torch.cat([context, prompt], 1)
     reference = native(full).logits[0, -1]
     # a forward of the user's own over the cache: the pass runs alone first, then the prompt
-    cache = BridgedCache(
-        noisy(model), capture_kv(model, context), model, context, prompt_ids=prompt, config=FULL_REFRESH
-    )
+    cache = refreshed_cache(model, context, prompt)
     new = full[:, cache.translator.prefix_length :]
     logits = model(new, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
     assert (logits - reference).abs().max() < 1e-4
@@ -87,9 +88,7 @@ def test_a_full_refresh_is_the_targets_own_prefill_of_context_and_prompt(case):
         max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
     )
     expected = build().generate(full, **kwargs)
-    cache = BridgedCache(
-        noisy(model), capture_kv(model, context), model, context, prompt_ids=prompt, config=FULL_REFRESH
-    )
+    cache = refreshed_cache(model, context, prompt)
     out = generate(model, cache, full, **kwargs)
     # Phi-3 drops a cache of at most 64 tokens once generate()'s input crosses 64: the handoff's
     # is kept (its keys were moved to the reading forward's tables), not silently recomputed
@@ -105,14 +104,7 @@ def test_an_identity_bridge_is_exact_where_context_and_prompt_stay_on_one_side(c
     model = build()
     context, prompt = inputs(n)
     full = torch.cat([context, prompt], 1)
-    cache = BridgedCache(
-        Bridge.identity(model),
-        capture_kv(model, context),
-        model,
-        context,
-        prompt_ids=prompt,
-        config=HandoffConfig(route="handoff"),
-    )
+    cache = identity_cache(model, context, prompt)
     logits = model(
         full[:, cache.translator.prefix_length :], use_cache=True, **cache_kwargs(model, cache)
     ).logits
@@ -128,14 +120,7 @@ def test_across_the_switch_the_cached_keys_take_the_tables_of_context_and_prompt
     model = build()
     context, prompt = inputs(n)
     full = torch.cat([context, prompt], 1)
-    cache = BridgedCache(
-        Bridge.identity(model),
-        capture_kv(model, context),
-        model,
-        context,
-        prompt_ids=prompt,
-        config=HandoffConfig(route="handoff"),
-    )
+    cache = identity_cache(model, context, prompt)
     model(full[:, cache.translator.prefix_length :], use_cache=True, **cache_kwargs(model, cache))
     native = DynamicCache()
     build()(full, use_cache=True, **cache_kwargs(model, native))
@@ -154,9 +139,7 @@ def test_a_handoff_leaves_the_users_rotary_module_as_it_found_it():
     model = longrope()
     context, prompt = inputs(80)
     before = rotary_state(model)
-    cache = BridgedCache(
-        noisy(model), capture_kv(longrope(), context), model, context, prompt_ids=prompt, config=FULL_REFRESH
-    )
+    cache = refreshed_cache(model, context, prompt, source=longrope())
     assert_same(before, rotary_state(model))
     cache.run_pending()  # the pass alone, through the model's view
     assert_same(before, rotary_state(model))
