@@ -230,15 +230,21 @@ def _repeats_pairs(tables: RopeTables, rotary_dim: int) -> bool:
 def _call(rotary: torch.nn.Module, positions: torch.Tensor, layer_type: str | None):
     """cos, sin of `rotary` at positions [batch, tokens]; longrope and dynamic NTK rewrite the
     module's frequencies (and dynamic its cached length) as they run: computed by a copy of it."""
-    kinds = getattr(rotary, "rope_type", None)
-    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
-    if any("dynamic" in str(kind) or kind == "longrope" for kind in kinds):  # transformers' test
+    if _rewrites(rotary):
         rotary = copy.deepcopy(rotary)
     probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
     with torch.no_grad():
         if layer_type is not None:
             return cos_sin_of(rotary(probe, positions, layer_type=layer_type))
         return cos_sin_of(rotary(probe, positions))
+
+
+def _rewrites(rotary: torch.nn.Module) -> bool:
+    """Whether a forward rewrites `rotary`'s frequencies after its length (longrope, dynamic NTK:
+    the rope types transformers' `dynamic_rope_update` acts on)."""
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return any("dynamic" in str(kind) or kind == "longrope" for kind in kinds)
 
 
 def _module_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
@@ -253,7 +259,9 @@ def kept_rotary(model):
     and dynamic NTK rewrite their frequencies (in place, or as new buffers and attributes) at every
     forward, after the length of that forward; bridgecache's own forwards must not leave them so."""
     base = getattr(model, "model", model)
+    # only those a forward rewrites: the others cost no copy on generate()'s first forward
     modules = [m for m in (rotary_module(model), getattr(base, "rotary_emb_local", None)) if m is not None]
+    modules = [m for m in modules if _rewrites(m)]
     saved = [
         (m, dict(vars(m)), dict(m._buffers), {k: b.clone() for k, b in m._buffers.items() if b is not None})
         for m in modules
